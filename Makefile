@@ -1,0 +1,33 @@
+# One venv, built from scratch by `make venv`; every other target depends on it.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PIP     := $(BIN)/pip --disable-pip-version-check
+# torch 2.13.0 has a CPU wheel on this machine's disk; plain `torch` would pull a CUDA build.
+EXTRAS  ?= test,torch,mooncake,dev
+
+.PHONY: venv demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q -U pip
+	$(PIP) install -q "torch==2.13.0" -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gpuhit replay
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: $(STAMP)
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/perf
+
+lint: $(STAMP)
+	$(BIN)/ruff check gpuhit gateway replayer policies engines analysis tests
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

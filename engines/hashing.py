@@ -1,0 +1,93 @@
+"""vLLM's chained prefix-cache block hash, bit-exact.
+
+vLLM (v1, 0.33 defaults) hashes each *full* block of ``block_size`` tokens as
+``hash_fn((parent_hash or NONE_HASH, tuple(token_ids), extra_keys))`` where ``hash_fn`` is
+``sha256`` over ``pickle.dumps(obj, protocol=HIGHEST_PROTOCOL)`` (default) or ``sha256_cbor``
+(canonical CBOR), and ``NONE_HASH = hash_fn("vllm-none-hash")`` unless PYTHONHASHSEED is set, in
+which case it is ``hash_fn(PYTHONHASHSEED)``. KV events carry the last 8 bytes of the digest as a
+big-endian unsigned int; that 64-bit int is the form gpuhit uses everywhere outside this module.
+
+Reference (checked in tests against values computed with vLLM's own code): tokens 1000..1015 ->
+``9d9c4137...547aeb68`` -> event int 7322446309363477352.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpuhit.errors import ConfigError
+
+HashFn = Callable[[Any], bytes]
+
+
+def sha256_pickle(obj: Any) -> bytes:
+    """vLLM's ``sha256``: SHA-256 of the highest-protocol pickle of ``obj``."""
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def sha256_cbor(obj: Any) -> bytes:
+    """vLLM's ``sha256_cbor``: SHA-256 of the canonical CBOR encoding (language-independent)."""
+    import cbor2
+
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {"sha256": sha256_pickle, "sha256_cbor": sha256_cbor}
+
+
+def get_hash_fn(name: str) -> HashFn:
+    try:
+        return HASH_FUNCTIONS[name]
+    except KeyError:
+        raise ConfigError(f"unknown prefix-caching hash {name!r}; choose one of {sorted(HASH_FUNCTIONS)}") from None
+
+
+def none_hash(hash_fn: HashFn, seed: str | None = None) -> bytes:
+    """The root parent hash, as vLLM's ``init_none_hash`` computes it."""
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED")
+    return hash_fn("vllm-none-hash" if seed is None else seed)
+
+
+def to_event_int(digest: bytes) -> int:
+    """The int form of a block hash in vLLM's KV events: last 8 bytes, big-endian."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+class BlockHasher:
+    """Hashes token sequences into vLLM block hashes.
+
+    ``hash_blocks`` returns full digests (needed to chain further blocks); ``event_ints`` the int
+    form. Only full blocks are hashed: a trailing partial block is never cached by vLLM.
+    """
+
+    __slots__ = ("block_size", "hash_fn", "root", "extra_keys")
+
+    def __init__(self, block_size: int = 16, hash_name: str = "sha256", seed: str | None = None):
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.hash_fn = get_hash_fn(hash_name)
+        self.root = none_hash(self.hash_fn, seed)
+        self.extra_keys = None
+
+    def hash_block(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
+        return self.hash_fn((parent or self.root, tuple(tokens), self.extra_keys))
+
+    def hash_blocks(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[bytes]:
+        """Digests of every full block of ``token_ids``, chained from ``parent`` (None = root)."""
+        bs = self.block_size
+        out: list[bytes] = []
+        h = parent
+        tokens = list(token_ids)
+        for start in range(0, len(tokens) - bs + 1, bs):
+            h = self.hash_block(h, tokens[start : start + bs])
+            out.append(h)
+        return out
+
+    def event_ints(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[int]:
+        return [to_event_int(d) for d in self.hash_blocks(token_ids, parent)]

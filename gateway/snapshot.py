@@ -1,0 +1,77 @@
+"""Frozen messages between the gateway's mechanism and the pure policies.
+
+The router builds one :class:`Snapshot` per request (no I/O, no awaiting), hands it to
+``policy.decide(snapshot)``, and carries out the returned :class:`Decision`. Policies never see
+mutable gateway state: everything they may use is copied in here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FORWARD = "forward"  # run the request on ``target``
+MIGRATE = "migrate"  # move the session's KV from ``source`` to ``target``, rebind, then run on target
+FETCH = "fetch"  # pull this request's prefix KV from ``source`` to ``target`` for this request only
+PD = "pd"  # prefill on ``source`` (producer), decode on ``target`` (consumer), KV moved between
+ACTIONS = (FORWARD, MIGRATE, FETCH, PD)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceState:
+    """One instance as the policy sees it at decision time."""
+
+    index: int
+    name: str
+    role: str = "both"  # "both" | "prefill" | "decode"
+    healthy: bool = True
+    # Counted by the gateway from its own routing (exact, instant):
+    in_flight: int = 0  # routed, not finished
+    pending_prefill_tokens: int = 0  # sum over routed, not-yet-first-token requests of (input - predicted hit)
+    decode_seqs: int = 0  # past first token, not finished
+    # Reported by the engine (scraped /metrics or in-process stats); None = unknown:
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None
+    capacity_blocks: int | None = None
+    # This request's prefix hit on this instance, in engine blocks, from the KV index:
+    gpu_hit_blocks: int = 0
+    cpu_hit_blocks: int = 0  # further blocks beyond the GPU hit found in the CPU tier
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    request_id: str
+    input_tokens: int
+    num_blocks: int  # full engine blocks of the prompt
+    block_size: int
+    output_tokens: int = 0  # requested max_tokens (exact in replay)
+    session_id: str | None = None
+    parent_session: str | None = None
+    turn: int = 0  # 0-based turn index within the session, when known
+    seq: int = 0  # gateway-wide request counter (round robin uses it)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    now: float
+    request: RequestView
+    instances: tuple[InstanceState, ...]
+    binding: int | None = None  # instance the session is bound to, if any
+    last_migrated_at: float | None = None  # when this session was last migrated
+
+    def hit_tokens(self, i: int) -> int:
+        """GPU prefix-hit tokens of this request on instance ``i`` (capped at input - 1, as vLLM
+        always recomputes at least the last token)."""
+        inst = self.instances[i]
+        return min(inst.gpu_hit_blocks * self.request.block_size, max(self.request.input_tokens - 1, 0))
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: str
+    target: int
+    reason: str
+    source: int | None = None
+    # Counterfactual: the score every candidate got (lower is better unless the policy says otherwise).
+    scores: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    predicted_hit_blocks: int = 0

@@ -1,0 +1,113 @@
+"""A virtual-time asyncio event loop: the same coroutines, with the clock jumping to the next timer.
+
+Engines and the gateway read time only through ``loop.time()`` (or an injected clock), so they run
+unchanged on this loop, where ``asyncio.sleep(10)`` completes instantly and ``loop.time()`` advances
+by exactly 10. The loop is a plain :class:`asyncio.SelectorEventLoop` whose selector never blocks:
+when the loop would wait for its next timer, the virtual clock is set to that timer's deadline.
+Real file descriptors (sockets, the loop's self-pipe) are still polled without blocking, so
+``call_soon_threadsafe`` keeps working, but simulated code should not depend on real I/O.
+
+If nothing is runnable and no timer is scheduled the simulation can never progress; instead of
+hanging forever the loop raises :class:`gpuhit.errors.DeadlockError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from gpuhit.errors import DeadlockError
+
+T = TypeVar("T")
+
+
+class _NonBlockingSelector(selectors.BaseSelector):
+    """Delegates to a real selector but polls with timeout 0 and advances the virtual clock."""
+
+    def __init__(self, loop: "VirtualTimeLoop"):
+        self._real = selectors.DefaultSelector()
+        self._loop = loop
+
+    def register(self, fileobj, events, data=None):
+        return self._real.register(fileobj, events, data)
+
+    def unregister(self, fileobj):
+        return self._real.unregister(fileobj)
+
+    def modify(self, fileobj, events, data=None):
+        return self._real.modify(fileobj, events, data)
+
+    def get_map(self):
+        return self._real.get_map()
+
+    def close(self):
+        self._real.close()
+
+    def select(self, timeout=None):
+        ready = self._real.select(0)
+        if ready:
+            return ready
+        if timeout is None:
+            # A thread may still wake us through the self-pipe: give it a short real wait first.
+            ready = self._real.select(self._loop.idle_grace)
+            if ready:
+                return ready
+            raise DeadlockError(
+                "virtual-time loop is idle with no timer scheduled: every task is waiting on "
+                "something that can never happen"
+            )
+        if timeout > 0:
+            self._loop._advance_to_next_timer(timeout)
+        return []
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """Event loop whose ``time()`` is virtual and jumps forward instead of sleeping.
+
+    ``start`` sets the initial clock value (seconds). ``idle_grace`` is the real time, in seconds,
+    the loop waits for a thread to wake it before declaring a deadlock.
+    """
+
+    def __init__(self, start: float = 0.0, idle_grace: float = 0.5):
+        self._now = float(start)
+        self.idle_grace = idle_grace
+        super().__init__(selector=_NonBlockingSelector(self))
+        # Timers due within this resolution run together; keep it tiny but non-zero.
+        self._clock_resolution = 1e-9
+
+    def time(self) -> float:  # noqa: D401 - asyncio API
+        return self._now
+
+    def _advance_to_next_timer(self, timeout: float) -> None:
+        scheduled = self._scheduled  # heap of TimerHandle, owned by BaseEventLoop
+        if scheduled:
+            when = scheduled[0].when()
+            # Jump exactly to the deadline so float round-off cannot leave it "not yet due".
+            self._now = max(self._now, when)
+        else:
+            self._now += timeout
+
+
+def run(coro: Coroutine[Any, Any, T], *, start: float = 0.0) -> T:
+    """Run ``coro`` to completion on a fresh :class:`VirtualTimeLoop` and close the loop."""
+    loop = VirtualTimeLoop(start=start)
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def run_live(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` in real time, on uvloop when it is installed (live serving and live replay)."""
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a core dependency on Linux; plain asyncio elsewhere
+        return asyncio.run(coro)
+    return uvloop.run(coro)

@@ -1,0 +1,5 @@
+"""Routing policies: pure functions of a frozen :class:`gateway.snapshot.Snapshot`.
+
+Every policy module registers itself in :mod:`policies.registry`; build one with
+``policies.registry.build({"name": ..., "type": ..., "params": {...}})`` or ``build("lpwl")``.
+"""
