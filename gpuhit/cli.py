@@ -18,7 +18,8 @@ from gpuhit.errors import GpuhitError
 COMMAND_MODULES: tuple[str, ...] = (
     "replayer.cli_trace",  # gpuhit trace stats|convert
     "replayer.cli_replay",  # gpuhit replay
-    "engines.emulated.cli",  # gpuhit experiment tiers|knee, gpuhit emulate
+    "engines.emulated.cli",  # gpuhit experiment tiers|knee
+    "engines.emulated.server_cli",  # gpuhit emulate
     "gateway.cli",  # gpuhit serve, gpuhit vllm-cmd
     "engines.attention.cli",  # gpuhit attention ...
 )
