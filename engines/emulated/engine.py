@@ -1,0 +1,715 @@
+"""The emulated vLLM v1 engine: block pool + KV manager + scheduler driven by a step-time profile.
+
+:class:`EmulatedEngine` implements :class:`engines.base.EngineClient` in-process. Its step loop:
+schedule (vLLM's algorithm, :mod:`engines.emulated.scheduler`) -> duration from the profile ->
+sleep until the step's end on the running loop's clock -> apply (tokens, completions, KV events).
+Time is read only from ``asyncio.get_running_loop().time()``, so the same engine runs in real time
+(live HTTP wrapper) and on :mod:`gpuhit.vtime`'s virtual clock (simulation).
+
+Decode-only stretches (every running request decoding, nothing waiting or loading) are advanced in
+one jump to the first completion: the batch is fixed, so step ``j`` lasts
+``step_time(n, 0, sum_ctx + n*(j-1))`` and all step ends are known up front. The jump is
+interrupted by anything that changes the queues (an arrival, an abort): at time ``t`` the engine
+finishes the step in flight, applies the steps completed so far and resumes step by step, so a
+jump gives the same per-request token times as stepping (``jump_decode=False``) bit for bit.
+Block allocations inside a jump are replayed in vLLM's order (step, then running order), and a
+jump stops before the first step whose allocation could fail, so preemption happens as stepping
+would do it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from engines.base import EngineStats, GenerateRequest, GenerateResult
+from engines.emulated.block_pool import BlockPool
+from engines.emulated.kv_manager import KVCacheManager, cdiv
+from engines.emulated.kv_transfer import TransferRegistry
+from engines.emulated.metrics import EngineMetrics
+from engines.emulated.profile import Profile, load_profile
+from engines.emulated.request import FINISHED, LOADING, WAITING, EmuRequest
+from engines.emulated.scheduler import ExternalHit, Scheduler, SchedulerOutput
+from engines.emulated.tiers import CPUTier, RemoteStore
+from engines.hashing import BlockHasher
+from engines.kv_events import CPU, GPU, STORAGE, AllBlocksCleared, KVEventBatch
+from gpuhit.errors import BadRequestError, CapacityError, ConfigError
+
+KVEventCallback = Callable[[KVEventBatch], None]
+
+
+def max_context_error(max_model_len: int, prompt_len: int, max_tokens: int) -> CapacityError:
+    """vLLM's OpenAI-server message for a request longer than the context window."""
+    return CapacityError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+        "completion). Please reduce the length of the messages or completion."
+    )
+
+
+class EmulatedEngine:
+    """One emulated vLLM instance (see module docstring). ``name`` is its engine id."""
+
+    def __init__(
+        self,
+        name: str,
+        profile: Profile | str = "qwen3-coder-30b-a3b@h20",
+        *,
+        num_gpu_blocks: int | None = None,
+        kv_capacity_bytes: float | None = None,
+        block_size: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        cpu_offload_bytes: float = 0,
+        remote_store_bytes: float = 0,
+        remote_store: RemoteStore | None = None,
+        transfer_registry: TransferRegistry | None = None,
+        emit_token_ids: bool = True,
+        jump_decode: bool = True,
+        hash_name: str = "sha256",
+        model_name: str | None = None,
+        bootstrap_addr: str | None = None,
+        util_bin_s: float = 1.0,
+    ):
+        self.name = name
+        self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
+        p = self.profile
+        self.block_size = block_size or p.block_size
+        if num_gpu_blocks is None:
+            num_gpu_blocks = p.num_gpu_blocks(self.block_size, kv_capacity_bytes)
+        elif kv_capacity_bytes is not None:
+            raise ConfigError("give num_gpu_blocks or kv_capacity_bytes, not both")
+        if num_gpu_blocks < 2:
+            raise ConfigError(f"engine {name!r}: the KV cache needs at least 2 blocks, got {num_gpu_blocks}")
+        self.max_num_batched_tokens = max_num_batched_tokens or p.max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs or p.max_num_seqs
+        self.max_model_len = max_model_len or p.max_model_len
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.block_bytes = p.block_bytes(self.block_size)
+        self.emit_token_ids = emit_token_ids
+        self.jump_decode = jump_decode
+        self.model_name = model_name or p.model.split(" ")[0]
+        self.bootstrap_addr = bootstrap_addr or name
+        self.hasher = BlockHasher(self.block_size, hash_name)
+        self.cpu = CPUTier(int(cpu_offload_bytes // self.block_bytes), self.block_size) if cpu_offload_bytes else None
+        if remote_store is not None and remote_store_bytes:
+            raise ConfigError("give remote_store or remote_store_bytes, not both")
+        if remote_store is None and remote_store_bytes:
+            remote_store = RemoteStore(int(remote_store_bytes // self.block_bytes))
+        self.remote = remote_store
+        self.registry = transfer_registry if transfer_registry is not None else TransferRegistry()
+        self.metrics = EngineMetrics(self.model_name, name, util_bin_s)
+        self._num_gpu_blocks = num_gpu_blocks
+        self._subscribers: list[KVEventCallback] = []
+        self._build_state()
+        self._requests: dict[str, EmuRequest] = {}
+        self._task: asyncio.Task | None = None
+        self._waiter: asyncio.Future | None = None
+        self._closed = False
+        self._pending_aborts: list[EmuRequest] = []
+        self.last_error: BaseException | None = None
+        self.num_jumps = 0  # decode stretches advanced in one jump (speed diagnostics, tests)
+        self.num_interrupted_jumps = 0
+
+    def _build_state(self) -> None:
+        self.pool = BlockPool(
+            self._num_gpu_blocks, self.block_size, enable_events=bool(self._subscribers),
+            on_evict=self.cpu.on_gpu_evict if self.cpu is not None else None,
+        )
+        self.kv = KVCacheManager(
+            self.pool, emit_token_ids=self.emit_token_ids,
+            on_cached=self.remote.write_through if self.remote is not None else None,
+        )
+        self.scheduler = Scheduler(
+            self.kv, max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            external_lookup=self._external_lookup,
+        )
+
+    # ---- EngineClient --------------------------------------------------------------------------
+    async def generate(
+        self, request: GenerateRequest, on_progress: Callable[[int], None] | None = None
+    ) -> GenerateResult:
+        """Run ``request`` to completion; failures come back as ``result.error``.
+
+        ``on_progress(total_output_tokens)`` is called synchronously whenever tokens are produced.
+        """
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._ensure_started(loop)
+        result = GenerateResult(request_id=request.request_id, prompt_tokens=request.prompt_len, arrival=now)
+        err = self._validate(request)
+        if err is not None:
+            result.error = str(err)
+            self.metrics.request_errors += 1
+            return result
+        if request.block_hashes is not None:
+            hashes: Any = request.block_hashes[: request.prompt_len // self.block_size]
+        elif request.prompt_token_ids is not None:
+            hashes = self.hasher.event_ints(request.prompt_token_ids[: request.prompt_len])
+        else:
+            hashes = ()
+        fut = loop.create_future()
+        req = EmuRequest(
+            request.request_id, request.prompt_len, request.max_tokens, hashes,
+            request.prompt_token_ids, now, fut, on_progress, request.kv_transfer_params,
+        )
+        self._requests[req.request_id] = req
+        delay = self.profile.frontend_delay(request.prompt_len)
+        if delay > 0:
+            loop.call_at(now + delay, self._enqueue, req)
+        else:
+            self._enqueue(req)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.abort(req.request_id)
+            raise
+
+    def _validate(self, r: GenerateRequest) -> Exception | None:
+        if r.request_id in self._requests:
+            return BadRequestError(f"request id {r.request_id!r} is already in flight on engine {self.name!r}")
+        if r.prompt_len < 1:
+            return BadRequestError(f"prompt_len must be >= 1, got {r.prompt_len}")
+        if r.max_tokens < 1:
+            return BadRequestError(f"max_tokens must be >= 1, got {r.max_tokens}")
+        if r.prompt_token_ids is not None and len(r.prompt_token_ids) < r.prompt_len:
+            return BadRequestError(
+                f"prompt_len {r.prompt_len} exceeds the {len(r.prompt_token_ids)} prompt_token_ids given")
+        total = r.prompt_len + r.max_tokens
+        if total > self.max_model_len:
+            return max_context_error(self.max_model_len, r.prompt_len, r.max_tokens)
+        need = cdiv(total, self.block_size)
+        if need > self.pool.num_usable:
+            return CapacityError(
+                f"request needs {need} KV cache blocks ({r.prompt_len} prompt + {r.max_tokens} output tokens "
+                f"at block size {self.block_size}) but engine {self.name!r} holds only {self.pool.num_usable}")
+        params = r.kv_transfer_params
+        if (params and (params.get("do_remote_prefill") or params.get("do_remote_decode"))
+                and not params.get("transfer_id")):
+            return BadRequestError("kv_transfer_params needs a transfer_id for do_remote_prefill/do_remote_decode")
+        return None
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_usage=self.pool.usage(), kv_capacity_blocks=self.pool.num_usable, block_size=self.block_size,
+        )
+
+    def subscribe_kv_events(self, callback: KVEventCallback) -> None:
+        self._subscribers.append(callback)
+        self.pool.enable_events = True
+        if self.cpu is not None:
+            self.cpu.enable_events = True
+
+    def abort(self, request_id: str) -> bool:
+        """Abort an in-flight request (handled at the next step boundary); False if unknown."""
+        req = self._requests.get(request_id)
+        if req is None or req.aborted:
+            return False
+        req.aborted = True
+        self._pending_aborts.append(req)
+        self._notify()
+        return True
+
+    def cached_block_hashes(self, medium: str = GPU) -> set[int]:
+        """The hashes cached now in one medium ("GPU", "CPU", "STORAGE")."""
+        if medium == GPU:
+            return self.pool.cached_hashes()
+        if medium == CPU:
+            return self.cpu.blocks.hashes() if self.cpu is not None else set()
+        if medium == STORAGE:
+            return self.remote.blocks.hashes() if self.remote is not None else set()
+        raise ConfigError(f"unknown KV medium {medium!r}; use GPU, CPU or STORAGE")
+
+    def utilization(self) -> float:
+        """Busy time / elapsed loop time since the engine started."""
+        try:
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:
+            now = self._last_time
+        return self.metrics.utilization(now)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``/reset_prefix_cache``: drop every cached GPU block; refused while blocks are in use."""
+        if self.pool.num_free() != self.pool.num_usable:
+            return False
+        for b in self.pool.blocks:
+            b.block_hash = None
+            b.parent_hash = None
+        self.pool._cached.clear()
+        self.pool._dups.clear()
+        if self.pool.enable_events:
+            self.pool.events.append(AllBlocksCleared())
+        self._publish(self._last_time)
+        return True
+
+    def render_prometheus(self) -> str:
+        self._update_gauges()
+        return self.metrics.render_prometheus()
+
+    async def start(self) -> None:
+        self._ensure_started(asyncio.get_running_loop())
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            # the step loop catches its own errors, so cancellation is the only way out
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for req in list(self._requests.values()):
+            self._finish(req, self._last_time, f"engine {self.name!r} closed")
+
+    # ---- internals: queueing -------------------------------------------------------------------
+    _last_time = 0.0
+
+    def _ensure_started(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._task is None or self._task.done():
+            if self._closed:
+                raise BadRequestError(f"engine {self.name!r} is closed")
+            if self.metrics.t0 is None:
+                self.metrics.t0 = loop.time()
+            self._task = loop.create_task(self._run(), name=f"emulated-engine-{self.name}")
+
+    def _notify(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(True)
+
+    def _enqueue(self, req: EmuRequest) -> None:
+        if req.aborted or req.status == FINISHED:
+            return
+        req.queued_time = asyncio.get_running_loop().time()
+        self.scheduler.add(req)
+        self._notify()
+
+    async def _wait(self, deadline: float | None) -> bool:
+        """Sleep until notified or ``deadline``; True if notified first."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiter = fut
+        handle = loop.call_at(deadline, _set_false, fut) if deadline is not None else None
+        try:
+            return await fut
+        finally:
+            self._waiter = None
+            if handle is not None:
+                handle.cancel()
+
+    @staticmethod
+    async def _sleep_until(when: float) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        handle = loop.call_at(when, _set_false, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+
+    # ---- internals: step loop ------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        sched = self.scheduler
+        while True:
+            try:
+                now = self._last_time = loop.time()
+                if self._pending_aborts:
+                    self._process_aborts(now)
+                if not sched.has_schedulable():
+                    self._update_gauges()
+                    self._publish(now)
+                    await self._wait(None)
+                    continue
+                out = sched.schedule()
+                if out.admitted:
+                    for r in out.admitted:
+                        r.first_scheduled_time = now
+                if out.preempted:
+                    self.metrics.num_preemptions += len(out.preempted)
+                if out.started_loads:
+                    self._start_loads(out.started_loads, now)
+                if out.empty:
+                    # nothing can run now (every waiting request loading, or blocked on pinned blocks)
+                    self._update_gauges()
+                    self._publish(now)
+                    await self._wait(None)
+                    continue
+                if (
+                    self.jump_decode
+                    and not out.preempted
+                    and not out.started_loads
+                    and not sched.waiting
+                    and len(out.reqs) == len(sched.running)
+                    and self._all_decode(out)
+                ):
+                    await self._jump(out, now)
+                    continue
+                prefill = 0.0
+                dsum = 0
+                prof = self.profile
+                for r, n, c in zip(out.reqs, out.num_tokens, out.contexts):
+                    if n == 1 and r.num_output_tokens > 0:
+                        dsum += c
+                    else:
+                        prefill += prof.prefill_cost(n, c)
+                end = now + prof.step_time(len(out.reqs), prefill, dsum)
+                await self._sleep_until(end)
+                self._apply(out, now, end)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - never leave a request hanging on an engine bug
+                self.last_error = exc
+                self._fail_all(exc)
+
+    @staticmethod
+    def _all_decode(out: SchedulerOutput) -> bool:
+        for r, n in zip(out.reqs, out.num_tokens):
+            if n != 1 or r.num_output_tokens == 0 or r.num_tokens - r.num_computed_tokens != 1:
+                return False
+        return True
+
+    def _apply(self, out: SchedulerOutput, start: float, end: float) -> None:
+        m = self.metrics
+        m.add_busy(start, end)
+        m.num_steps += 1
+        finished = []
+        gen = 0
+        for r, n in zip(out.reqs, out.num_tokens):
+            r.num_computed_tokens += n
+            if r.num_computed_tokens < r.num_tokens:
+                continue  # a prefill chunk that is not the last one
+            r.num_output_tokens += 1
+            gen += 1
+            if r.first_token_time is None:
+                r.first_token_time = end
+                self._on_first_token(r, end)
+            else:
+                m.itl.observe(end - r.last_token_time)
+            r.last_token_time = end
+            if r.num_output_tokens >= r.max_tokens:
+                finished.append(r)
+            elif r.on_progress is not None:
+                r.on_progress(r.num_output_tokens)
+        m.generation_tokens += gen
+        if finished:
+            self._complete(finished, end)
+        self._update_gauges()
+        self._publish(end)
+
+    def _on_first_token(self, r: EmuRequest, t: float) -> None:
+        m = self.metrics
+        m.ttft.observe(t - r.arrival)
+        if r.first_scheduled_time is not None:
+            m.prefill_time.observe(t - r.first_scheduled_time)
+        m.prompt_tokens += r.prompt_len
+        local = max(r.cached_tokens, 0)
+        ext = r.external_tokens
+        src = m.prompt_tokens_by_source
+        src["local_cache_hit"] += local
+        src["external_kv_transfer"] += ext
+        src["local_compute"] += r.prompt_len - local - ext
+
+    async def _jump(self, out: SchedulerOutput, start: float) -> None:
+        reqs = out.reqs
+        n = len(reqs)
+        bs = self.block_size
+        k_complete = min(r.max_tokens - r.num_output_tokens for r in reqs)
+        # block allocations of steps 2..k in vLLM's order (step, then running order)
+        allocs: list[tuple[int, int]] = []
+        if k_complete >= 2:
+            for idx, r in enumerate(reqs):
+                c = r.num_computed_tokens
+                j0 = 1 + ((-c) % bs)
+                if j0 == 1:
+                    j0 += bs
+                allocs.extend((j, idx) for j in range(j0, k_complete + 1, bs))
+            allocs.sort()
+        k = k_complete
+        free = self.pool.free_queue.num_free
+        if len(allocs) > free:
+            k = allocs[free][0] - 1
+        if k < 2:
+            # nothing to jump over: one ordinary step
+            dsum = sum(out.contexts)
+            end = start + self.profile.step_time(n, 0.0, dsum)
+            await self._sleep_until(end)
+            self._apply(out, start, end)
+            return
+        prof = self.profile
+        s = sum(out.contexts)
+        ends: list[float] = []
+        t = start
+        for j in range(k):
+            t = t + prof.step_time(n, 0.0, s + n * j)
+            ends.append(t)
+        interrupted = await self._wait(ends[-1])
+        self.num_jumps += 1
+        m = k
+        if interrupted:
+            self.num_interrupted_jumps += 1
+            now = asyncio.get_running_loop().time()
+            if now < ends[-1]:
+                m = bisect.bisect_left(ends, now) + 1
+                if ends[m - 1] > now:
+                    await self._sleep_until(ends[m - 1])
+        self._apply_jump(reqs, m, ends, start, allocs)
+
+    def _apply_jump(self, reqs: list[EmuRequest], m: int, ends: list[float], start: float,
+                    allocs: list[tuple[int, int]]) -> None:
+        kv = self.kv
+        for j, idx in allocs:
+            if j > m:
+                break
+            kv.append_block(reqs[idx])
+        met = self.metrics
+        end = ends[m - 1]
+        met.add_busy(start, end)
+        met.num_steps += m
+        n = len(reqs)
+        itl = met.itl
+        for r in reqs:
+            itl.observe(ends[0] - r.last_token_time)
+        if m > 1:
+            itl.observe_many((ends[j] - ends[j - 1] for j in range(1, m)), n)
+        finished = []
+        for r in reqs:
+            r.num_computed_tokens += m
+            r.num_output_tokens += m
+            r.last_token_time = end
+            if r.num_output_tokens >= r.max_tokens:
+                finished.append(r)
+            elif r.on_progress is not None:
+                r.on_progress(r.num_output_tokens)
+        met.generation_tokens += m * n
+        if finished:
+            self._complete(finished, end)
+        self._update_gauges()
+        self._publish(end)
+
+    # ---- internals: completion -----------------------------------------------------------------
+    def _complete(self, finished: list[EmuRequest], t: float) -> None:
+        done = set(map(id, finished))
+        self.scheduler.running = [r for r in self.scheduler.running if id(r) not in done]
+        for r in finished:
+            if r.on_progress is not None:
+                r.on_progress(r.num_output_tokens)
+            self._finish(r, t, None)
+
+    def _finish(self, r: EmuRequest, t: float, error: str | None) -> None:
+        """Resolve the request's future; free (or, for a PD producer, pin) its blocks."""
+        if r.status == FINISHED:
+            return
+        self._requests.pop(r.request_id, None)
+        m = self.metrics
+        if error is None and r.is_producer:
+            self._pin_for_transfer(r)
+        else:
+            if r.status == LOADING and r.load_release is not None:
+                r.load_release()
+                r.load_release = None
+            self.kv.free(r)
+        r.status = FINISHED
+        r.finish_time = t
+        if error is None:
+            m.request_success += 1
+            m.e2e.observe(t - r.arrival)
+            if r.queued_time is not None and r.first_scheduled_time is not None:
+                m.queue_time.observe(r.first_scheduled_time - r.queued_time)
+            if r.first_token_time is not None:
+                m.decode_time.observe(t - r.first_token_time)
+        else:
+            m.request_errors += 1
+        res = GenerateResult(
+            request_id=r.request_id, prompt_tokens=r.prompt_len, completion_tokens=r.num_output_tokens,
+            cached_tokens=max(r.cached_tokens, 0), external_cached_tokens=r.external_tokens,
+            arrival=r.arrival, first_token_time=r.first_token_time, finish_time=t, error=error,
+            kv_transfer_params=r.result_params, num_preemptions=r.num_preemptions,
+        )
+        fut = r.future
+        if fut is not None and not fut.done():
+            fut.set_result(res)
+
+    def _pin_for_transfer(self, r: EmuRequest) -> None:
+        params: Mapping[str, Any] = r.kv_transfer_params or {}
+        tid = str(params["transfer_id"])
+        blocks = self.kv.req_blocks.get(r.request_id, [])
+        ids = tuple(b.block_id for b in blocks)
+        n_full = min(r.prompt_len // self.block_size, len(r.block_hashes))
+        hashes = tuple(r.block_hashes[:n_full])
+
+        def release() -> None:
+            self.kv.free(r)
+            self._notify()
+
+        self.registry.register(tid, self.name, hashes, ids, r.prompt_len, release)
+        r.result_params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.name,
+            "remote_bootstrap_addr": self.bootstrap_addr,
+            "remote_block_ids": list(ids),
+            "transfer_id": tid,
+            "num_tokens": r.prompt_len,
+        }
+
+    def _process_aborts(self, now: float) -> None:
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for r in aborts:
+            if r.status == FINISHED:
+                continue
+            if r.queued_time is None:  # still in the frontend
+                self._finish(r, now, "aborted")
+                continue
+            self.scheduler.remove(r)
+            self._finish(r, now, "aborted")
+        self._update_gauges()
+        self._publish(now)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        now = self._last_time
+        msg = f"emulated engine {self.name!r} failed in its step loop: {exc!r}"
+        victims = list(self._requests.values())
+        # the KV state may be inconsistent after a bug: start from an empty cache
+        self._build_state()
+        for r in victims:
+            self._requests.pop(r.request_id, None)
+            r.status = FINISHED
+            r.load_release = None  # its blocks belong to the discarded pool
+            res = GenerateResult(request_id=r.request_id, prompt_tokens=r.prompt_len,
+                                 completion_tokens=r.num_output_tokens, arrival=r.arrival,
+                                 first_token_time=r.first_token_time, finish_time=now, error=msg)
+            self.metrics.request_errors += 1
+            if r.future is not None and not r.future.done():
+                r.future.set_result(res)
+        if self._subscribers:
+            self._deliver(KVEventBatch(ts=now, events=(AllBlocksCleared(),)))
+
+    # ---- internals: external KV (CPU tier, remote store, PD transfer) --------------------------
+    def _external_lookup(self, req: EmuRequest, n_local: int) -> ExternalHit | None:
+        bs = self.block_size
+        hashes = req.block_hashes
+        max_blocks = min((req.num_tokens - 1) // bs, len(hashes))
+        pos = n_local // bs
+        cpu_n = remote_n = transfer_n = 0
+        tid = None
+        params = req.kv_transfer_params
+        consumer = bool(params and params.get("do_remote_prefill")) and not req.transfer_tried
+        if pos < max_blocks:
+            if self.cpu is not None:
+                cpu_n = self.cpu.blocks.prefix_run(hashes, pos, max_blocks)
+                pos += cpu_n
+            if self.remote is not None and pos < max_blocks:
+                remote_n = self.remote.blocks.prefix_run(hashes, pos, max_blocks)
+                pos += remote_n
+        if consumer:
+            tid = str(params["transfer_id"])
+            entry = self.registry.peek(tid)
+            if entry is None:
+                req.transfer_tried = True
+                self.metrics.kv_transfer_failures += 1
+                tid = None
+            else:
+                theirs = entry.block_hashes
+                stop = min(max_blocks, len(theirs))
+                i = pos
+                while i < stop and theirs[i] == hashes[i]:
+                    i += 1
+                transfer_n = i - pos
+                if transfer_n == 0:  # nothing to pull: hand the producer its blocks back now
+                    req.transfer_tried = True
+                    claimed = self.registry.claim(tid)
+                    if claimed is not None:
+                        claimed.release()
+                    tid = None
+        m = self.metrics
+        tokens = (cpu_n + remote_n + transfer_n) * bs
+        if self.cpu is not None or self.remote is not None or consumer:
+            m.external_prefix_cache_queries += req.num_tokens
+            m.external_prefix_cache_hits += tokens
+        if tokens == 0:
+            return None
+        bb = self.block_bytes
+        prof = self.profile
+        load = 0.0
+        if cpu_n:
+            load += prof.cpu_load_time(cpu_n * bb)
+        if remote_n:
+            load += prof.remote_load_time(remote_n * bb)
+        if transfer_n:
+            load += prof.transfer_time(transfer_n * bb)
+        return ExternalHit(tokens, load, cpu_n, remote_n, transfer_n, tokens // bs * bb, tid)
+
+    def _start_loads(self, reqs: list[EmuRequest], now: float) -> None:
+        loop = asyncio.get_running_loop()
+        bs = self.block_size
+        bb = self.block_bytes
+        m = self.metrics
+        for r in reqs:
+            hit: ExternalHit = r.load_hit
+            start_blk = (r.num_computed_tokens - hit.tokens) // bs
+            if hit.cpu_blocks:
+                self.cpu.blocks.touch_run(r.block_hashes, start_blk, start_blk + hit.cpu_blocks)
+                m.cpu_load_bytes += hit.cpu_blocks * bb
+            if hit.remote_blocks:
+                self.remote.blocks.touch_run(r.block_hashes, start_blk + hit.cpu_blocks,
+                                             start_blk + hit.cpu_blocks + hit.remote_blocks)
+                m.remote_load_bytes += hit.remote_blocks * bb
+                self.remote.bytes_loaded += hit.remote_blocks * bb
+                self.remote.blocks_loaded += hit.remote_blocks
+            if hit.transfer_id is not None:
+                r.transfer_tried = True
+                entry = self.registry.claim(hit.transfer_id)
+                if entry is not None:
+                    r.load_release = entry.release
+                nbytes = hit.transfer_blocks * bb
+                m.kv_transfers += 1
+                m.kv_transfer_bytes += nbytes
+                m.kv_transfer_seconds += self.profile.transfer_time(nbytes)
+            loop.call_at(now + r.load_seconds, self._load_done, r)
+
+    def _load_done(self, r: EmuRequest) -> None:
+        if r.status != LOADING:
+            return  # aborted (or failed) meanwhile
+        r.status = WAITING  # keeps its place in the queue
+        self.kv.cache_blocks(r, r.num_computed_tokens)
+        if r.load_release is not None:
+            r.load_release()
+            r.load_release = None
+        r.load_hit = None
+        self._publish(asyncio.get_running_loop().time())
+        self._notify()
+
+    # ---- internals: observability --------------------------------------------------------------
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        s = self.kv.stats
+        m.num_requests_running = len(self.scheduler.running)
+        m.num_requests_waiting = len(self.scheduler.waiting)
+        m.kv_cache_usage_perc = self.pool.usage()
+        m.prefix_cache_queries = s.queries
+        m.prefix_cache_hits = s.hits
+
+    def _publish(self, ts: float) -> None:
+        if not self._subscribers:
+            return
+        events = self.pool.take_events()
+        if self.cpu is not None and self.cpu.events:
+            events.extend(self.cpu.take_events())
+        if events:
+            self._deliver(KVEventBatch(ts=ts, events=tuple(events)))
+
+    def _deliver(self, batch: KVEventBatch) -> None:
+        for cb in self._subscribers:
+            cb(batch)
+
+
+def _set_false(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(False)
+

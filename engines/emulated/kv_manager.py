@@ -1,0 +1,159 @@
+"""KV cache manager: vLLM v1's ``KVCacheManager`` for one full-attention KV group.
+
+Allocation policy over the block pool: longest prefix hit, slot allocation for the tokens a step
+computes, caching of blocks as they fill, and freeing in reverse order. Requests carry their
+prompt's 64-bit block hashes; blocks past the prompt's full blocks (generated tokens, the partial
+tail) are allocated but never cached here, because the tokens a real engine would generate are
+unknown to the emulator (a later turn's prompt brings its own hashes for them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from engines.emulated.block_pool import BlockPool, KVBlock
+from engines.emulated.request import EmuRequest
+
+
+class PrefixCacheStats:
+    """vLLM's ``PrefixCacheStats``: lookups of preempted requests are kept apart."""
+
+    __slots__ = ("hits", "preempted_hits", "preempted_queries", "preempted_requests", "queries", "requests")
+
+    def __init__(self) -> None:
+        self.requests = self.queries = self.hits = 0
+        self.preempted_requests = self.preempted_queries = self.preempted_hits = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """``get_computed_blocks`` / ``allocate_slots`` / ``free`` over a :class:`BlockPool`.
+
+    ``emit_token_ids`` puts the blocks' token ids in BlockStored events (live path); off in
+    simulation, where prompts are hash ids only. ``on_cached(hashes)`` sees every newly cached
+    run of hashes (a remote store writes them through).
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        emit_token_ids: bool = True,
+        on_cached: Callable[[Sequence[int]], None] | None = None,
+    ):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.emit_token_ids = emit_token_ids
+        self.on_cached = on_cached
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    # ---- lookups -------------------------------------------------------------------------------
+    def longest_hit(self, hashes: Sequence[int], max_blocks: int) -> list[KVBlock]:
+        """Cached blocks of the longest prefix of ``hashes`` (at most ``max_blocks``)."""
+        get = self.pool._cached.get
+        out: list[KVBlock] = []
+        append = out.append
+        for h in hashes[:max_blocks] if max_blocks < len(hashes) else hashes:
+            b = get(h)
+            if b is None:
+                break
+            append(b)
+        return out
+
+    def get_computed_blocks(self, req: EmuRequest) -> tuple[list[KVBlock], int]:
+        """Local prefix hit of a request about to be scheduled: (blocks, tokens).
+
+        At most ``num_tokens - 1`` tokens: even a full hit recomputes the last token to get logits.
+        """
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        blocks = self.longest_hit(req.block_hashes, max_blocks)
+        n = len(blocks) * self.block_size
+        self.stats.record(req.num_tokens, n, req.num_preemptions > 0)
+        return blocks, n
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        req: EmuRequest,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVBlock] = (),
+        delay_cache_blocks: bool = False,
+    ) -> list[KVBlock] | None:
+        """Blocks for ``num_new_tokens`` more tokens after the computed ones, or None if short.
+
+        Like vLLM, a hit block sitting in the free queue counts against the free blocks (touching
+        it takes it out), and full blocks are cached at allocation time, before the step runs.
+        """
+        rid = req.request_id
+        held = self.req_blocks.get(rid)
+        n_held = len(held) if held is not None else 0
+        num_computed = req.num_computed_tokens + num_new_computed_tokens
+        need_tokens = num_computed + num_new_tokens
+        n_new = cdiv(need_tokens, self.block_size) - len(new_computed_blocks) - n_held
+        n_new = max(n_new, 0)
+        evictable = 0
+        for b in new_computed_blocks:
+            if b.ref_cnt == 0:
+                evictable += 1
+        if n_new + evictable > self.pool.free_queue.num_free:
+            return None
+        if held is None:
+            held = self.req_blocks[rid] = []
+            self.num_cached_blocks[rid] = 0
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            held.extend(new_computed_blocks)
+            # hit blocks are cached already
+            self.num_cached_blocks[rid] = len(held)
+        new_blocks = self.pool.get_new_blocks(n_new) if n_new else []
+        if new_blocks:
+            held.extend(new_blocks)
+        if not delay_cache_blocks:
+            self.cache_blocks(req, min(need_tokens, req.num_tokens))
+        return new_blocks
+
+    def append_block(self, req: EmuRequest) -> None:
+        """One more block for a decoding request (decode-jump fast path; caller checked space)."""
+        self.req_blocks[req.request_id].extend(self.pool.get_new_blocks(1))
+
+    def cache_blocks(self, req: EmuRequest, num_tokens: int) -> None:
+        """Cache the request's full blocks covering its first ``num_tokens`` tokens."""
+        rid = req.request_id
+        start = self.num_cached_blocks[rid]
+        end = min(num_tokens // self.block_size, len(req.block_hashes))
+        if end <= start:
+            return
+        bs = self.block_size
+        tokens: tuple[int, ...] = ()
+        if self.emit_token_ids and req.token_ids is not None:
+            tokens = tuple(req.token_ids[start * bs : end * bs])
+        self.pool.cache_full_blocks(self.req_blocks[rid], req.block_hashes, start, end, tokens)
+        self.num_cached_blocks[rid] = end
+        if self.on_cached is not None:
+            self.on_cached(req.block_hashes[start:end])
+
+    def free(self, req: EmuRequest) -> None:
+        """Release the request's blocks, tail first (so the tail is evicted before the prefix)."""
+        blocks = self.req_blocks.pop(req.request_id, None)
+        self.num_cached_blocks.pop(req.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, req: EmuRequest) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]

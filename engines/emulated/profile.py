@@ -1,0 +1,180 @@
+"""Step-time profiles: how long one engine step takes on a given model and GPU.
+
+A step's duration (vLLM v1 runs prefill chunks and decodes in one forward pass)::
+
+    step = step_overhead_s                         # launch, sampling, weights read once
+         + per_seq_overhead_s * num_seqs
+         + sum over prefill chunks (n new tokens after c context tokens):
+               prefill_per_token_s * n + prefill_attn_s * ((c + n)^2 - c^2)
+         + decode_per_ctx_token_s * sum of decoding sequences' contexts   # KV read, memory-bound
+
+so a full prefill of L tokens costs ``a*L + b*L^2`` however it is chunked. Before a request reaches
+the scheduler it spends ``frontend_overhead_s + frontend_per_token_s * prompt_len`` in the API
+server (HTTP, input processing); that time is not GPU time. Loads from lower tiers cost
+``overhead + bytes / bandwidth``. Profiles are data (``profiles.json``), each citing its sources.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import pathlib
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from gpuhit.errors import ConfigError
+
+PROFILES_PATH = pathlib.Path(__file__).with_name("profiles.json")
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """One model on one GPU. Times in seconds, bandwidths in GB/s (1e9 bytes/s)."""
+
+    name: str
+    model: str
+    gpu: str
+    kv_bytes_per_token: int
+    gpu_kv_capacity_bytes: int
+    max_model_len: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    step_overhead_s: float = 0.01
+    per_seq_overhead_s: float = 0.0
+    prefill_per_token_s: float = 5e-5
+    prefill_attn_s: float = 0.0
+    decode_per_ctx_token_s: float = 0.0
+    frontend_overhead_s: float = 0.0
+    frontend_per_token_s: float = 0.0
+    pcie_gbps: float = 25.0
+    cpu_load_overhead_s: float = 0.0
+    nic_gbps: float = 10.0
+    transfer_overhead_s: float = 0.0
+    remote_gbps: float = 7.0
+    remote_load_overhead_s: float = 0.0
+    # optional measured effective remote-store throughput by transfer size: ((bytes, GB/s), ...),
+    # interpolated linearly in bytes and clamped at the ends; replaces remote_gbps when given
+    remote_gbps_by_bytes: tuple[tuple[float, float], ...] = ()
+    sources: tuple[str, ...] = ()
+    assumptions: tuple[str, ...] = ()
+    fit: dict[str, Any] = field(default_factory=dict)
+
+    # ---- derived -------------------------------------------------------------------------------
+    def block_bytes(self, block_size: int | None = None) -> int:
+        return self.kv_bytes_per_token * (block_size or self.block_size)
+
+    def num_gpu_blocks(self, block_size: int | None = None, capacity_bytes: float | None = None) -> int:
+        """Blocks of the pool for a KV capacity (default: the profile's), plus vLLM's null block."""
+        cap = self.gpu_kv_capacity_bytes if capacity_bytes is None else capacity_bytes
+        return int(cap // self.block_bytes(block_size)) + 1
+
+    # ---- costs ---------------------------------------------------------------------------------
+    def prefill_cost(self, n: int, context: int) -> float:
+        """GPU time of ``n`` new prompt tokens computed after ``context`` cached/computed ones."""
+        return self.prefill_per_token_s * n + self.prefill_attn_s * (n * (2 * context + n))
+
+    def step_time(self, num_seqs: int, prefill_cost: float, decode_ctx_sum: int) -> float:
+        """Duration of one step (see module docstring). Keep the expression order fixed: the
+        decode-jump path relies on it being bit-identical to the step-by-step path."""
+        return (
+            self.step_overhead_s
+            + self.per_seq_overhead_s * num_seqs
+            + prefill_cost
+            + self.decode_per_ctx_token_s * decode_ctx_sum
+        )
+
+    def frontend_delay(self, prompt_len: int) -> float:
+        return self.frontend_overhead_s + self.frontend_per_token_s * prompt_len
+
+    def cpu_load_time(self, nbytes: float) -> float:
+        return self.cpu_load_overhead_s + nbytes / (self.pcie_gbps * 1e9)
+
+    def transfer_time(self, nbytes: float) -> float:
+        """A PD / migration KV transfer over the NIC."""
+        return self.transfer_overhead_s + nbytes / (self.nic_gbps * 1e9)
+
+    def remote_load_time(self, nbytes: float) -> float:
+        return self.remote_load_overhead_s + nbytes / (self.remote_rate_gbps(nbytes) * 1e9)
+
+    def remote_rate_gbps(self, nbytes: float) -> float:
+        table = self.remote_gbps_by_bytes
+        if not table:
+            return self.remote_gbps
+        xs = [p[0] for p in table]
+        if nbytes <= xs[0]:
+            return table[0][1]
+        if nbytes >= xs[-1]:
+            return table[-1][1]
+        i = bisect.bisect_right(xs, nbytes)
+        (x0, y0), (x1, y1) = table[i - 1], table[i]
+        return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
+
+
+_FIELDS = {f.name for f in fields(Profile)}
+_REQUIRED = {"model", "gpu", "kv_bytes_per_token", "gpu_kv_capacity_bytes", "max_model_len"}
+
+
+def _from_dict(name: str, d: dict[str, Any], where: str) -> Profile:
+    unknown = set(d) - _FIELDS - {"name", "notes"}
+    if unknown:
+        raise ConfigError(f"{where}: profile {name!r} has unknown fields {sorted(unknown)}")
+    missing = _REQUIRED - set(d)
+    if missing:
+        raise ConfigError(f"{where}: profile {name!r} lacks required fields {sorted(missing)}")
+    kw = {k: v for k, v in d.items() if k in _FIELDS and k != "name"}
+    for k in ("sources", "assumptions"):
+        if k in kw:
+            kw[k] = tuple(kw[k])
+    if "remote_gbps_by_bytes" in kw:
+        kw["remote_gbps_by_bytes"] = tuple((float(a), float(b)) for a, b in kw["remote_gbps_by_bytes"])
+    try:
+        p = Profile(name=name, **kw)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: profile {name!r}: {exc}") from None
+    if p.kv_bytes_per_token <= 0 or p.gpu_kv_capacity_bytes <= 0 or p.block_size <= 0:
+        raise ConfigError(f"{where}: profile {name!r}: sizes must be positive")
+    return p
+
+
+def _read(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"profile file {path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"profile file {path} is not valid JSON: {exc}") from None
+    profiles = data.get("profiles") if isinstance(data, dict) else None
+    if not isinstance(profiles, dict):
+        raise ConfigError(f"profile file {path} must be an object with a 'profiles' object")
+    return profiles
+
+
+def available_profiles() -> list[str]:
+    """Names of the bundled profiles."""
+    return sorted(_read(PROFILES_PATH))
+
+
+def load_profile(name: str | pathlib.Path) -> Profile:
+    """A bundled profile by name, or ``path.json[#name]`` of a user file (first profile if no name).
+
+    Unknown names raise :class:`ConfigError` listing what is available.
+    """
+    if isinstance(name, Profile):
+        return name
+    s = str(name)
+    path_part, _, frag = s.partition("#")
+    if path_part.endswith(".json"):
+        path = pathlib.Path(path_part)
+        profiles = _read(path)
+        if not profiles:
+            raise ConfigError(f"profile file {path} holds no profiles")
+        key = frag or next(iter(profiles))
+        if key not in profiles:
+            raise ConfigError(f"profile {key!r} not in {path}; it has {sorted(profiles)}")
+        return _from_dict(key, profiles[key], str(path))
+    profiles = _read(PROFILES_PATH)
+    if s not in profiles:
+        raise ConfigError(f"unknown engine profile {s!r}; available: {', '.join(sorted(profiles))} "
+                          "(or a path to a .json profile file)")
+    return _from_dict(s, profiles[s], str(PROFILES_PATH))

@@ -1,0 +1,194 @@
+"""The step scheduler: vLLM v1's unified token-budget schedule, FCFS, chunked prefill, preemption.
+
+One call to :meth:`Scheduler.schedule` decides one engine step, exactly as vLLM's
+``Scheduler.schedule`` does for a single full-attention KV group without speculative decoding:
+
+1. Running requests first, in order: each gets ``min(remaining, budget)`` tokens (1 when decoding,
+   the next chunk when its prefill was chunked). If its slots cannot be allocated, the *last*
+   running request is preempted (blocks freed, computed tokens reset, pushed to the front of the
+   waiting queue) and allocation retried; if the victim is the request itself it is not scheduled.
+2. Only if nothing was preempted in this step: waiting requests in FCFS order while the budget
+   lasts and fewer than ``max_num_seqs`` run. A fresh request first takes its local prefix hit,
+   then asks ``external_lookup`` for more (CPU tier, remote store, PD transfer); a request with an
+   external hit only reserves blocks and waits for the load (status LOADING), like vLLM's
+   WAITING_FOR_REMOTE_KVS. The first waiting request that cannot get blocks stops the loop.
+
+Token bookkeeping (``num_computed_tokens`` += scheduled, a sampled token when the prompt is fully
+computed) happens in the engine after the step's duration has elapsed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engines.emulated.kv_manager import KVCacheManager
+from engines.emulated.request import LOADING, RUNNING, WAITING, EmuRequest
+
+
+@dataclass(slots=True)
+class ExternalHit:
+    """KV found outside the local GPU cache for the blocks after the local hit."""
+
+    tokens: int
+    load_seconds: float
+    cpu_blocks: int = 0
+    remote_blocks: int = 0
+    transfer_blocks: int = 0
+    nbytes: int = 0
+    transfer_id: str | None = None  # PD transfer to claim when the load starts
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    reqs: list[EmuRequest] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    contexts: list[int] = field(default_factory=list)
+    preempted: list[EmuRequest] = field(default_factory=list)
+    started_loads: list[EmuRequest] = field(default_factory=list)
+    admitted: list[EmuRequest] = field(default_factory=list)  # first scheduling of these requests
+
+    @property
+    def empty(self) -> bool:
+        return not self.reqs
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        external_lookup: Callable[[EmuRequest, int], ExternalHit | None] | None = None,
+    ):
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.external_lookup = external_lookup
+        self.waiting: deque[EmuRequest] = deque()
+        self.running: list[EmuRequest] = []
+        self.num_preemptions = 0
+
+    def add(self, req: EmuRequest) -> None:
+        req.status = WAITING
+        self.waiting.append(req)
+
+    def has_schedulable(self) -> bool:
+        if self.running:
+            return True
+        for r in self.waiting:
+            if r.status != LOADING:
+                return True
+        return False
+
+    def num_loading(self) -> int:
+        return sum(1 for r in self.waiting if r.status == LOADING)
+
+    def _preempt(self, req: EmuRequest) -> None:
+        self.kv.free(req)
+        req.status = WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv = self.kv
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = req.num_tokens - req.num_computed_tokens
+            n = min(n, budget)
+            if n <= 0:  # cannot happen without speculative decoding; keep vLLM's guard
+                i += 1
+                continue
+            while True:
+                new_blocks = kv.allocate_slots(req, n)
+                if new_blocks is not None:
+                    break
+                victim = running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if new_blocks is None:
+                break
+            out.reqs.append(req)
+            out.num_tokens.append(n)
+            out.contexts.append(req.num_computed_tokens)
+            budget -= n
+            i += 1
+
+        if out.preempted:
+            return out
+
+        waiting = self.waiting
+        skipped: list[EmuRequest] = []
+        while waiting and budget > 0:
+            if len(running) >= self.max_num_seqs:
+                break
+            req = waiting[0]
+            if req.status == LOADING:
+                skipped.append(waiting.popleft())
+                continue
+            ext: ExternalHit | None = None
+            if req.num_computed_tokens == 0:
+                hit_blocks, n_local = kv.get_computed_blocks(req)
+                if self.external_lookup is not None:
+                    ext = self.external_lookup(req, n_local)
+            else:  # its external KV has landed: continue from there
+                hit_blocks, n_local = [], 0
+            num_computed = req.num_computed_tokens + n_local
+            if ext is not None:
+                n_new = 0
+                alloc_tokens = ext.tokens
+            else:
+                n_new = req.num_tokens - num_computed
+                n_new = min(n_new, budget)
+                alloc_tokens = n_new
+            new_blocks = kv.allocate_slots(req, alloc_tokens, n_local, hit_blocks,
+                                           delay_cache_blocks=ext is not None)
+            if new_blocks is None:
+                break
+            waiting.popleft()
+            if not req.admitted:
+                req.admitted = True
+                req.cached_tokens = n_local
+                req.external_tokens = ext.tokens if ext is not None else 0
+                out.admitted.append(req)
+            if ext is not None:
+                req.status = LOADING
+                req.num_computed_tokens = num_computed + ext.tokens
+                req.load_seconds = ext.load_seconds
+                req.load_hit = ext
+                out.started_loads.append(req)
+                skipped.append(req)
+                continue
+            req.status = RUNNING
+            running.append(req)
+            req.num_computed_tokens = num_computed
+            out.reqs.append(req)
+            out.num_tokens.append(n_new)
+            out.contexts.append(num_computed)
+            budget -= n_new
+        if skipped:
+            waiting.extendleft(reversed(skipped))
+        return out
+
+    def remove(self, req: EmuRequest) -> None:
+        """Take a request out of the queues (finished, aborted or failed); frees nothing."""
+        if req.status == RUNNING:
+            try:
+                self.running.remove(req)
+            except ValueError:
+                pass
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
