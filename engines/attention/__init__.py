@@ -1,0 +1,17 @@
+"""Route the query, not the cache: cross-instance partial attention and its exact merge.
+
+A query row's attention over a KV set split across several holders equals the online-softmax merge
+of per-holder partials ``(o, m, l)`` (seed 000, FlashAttention's tile algebra carried between
+instances). This package holds the primitive (:mod:`.partial`, :mod:`.merge`), the model shapes
+(:mod:`.shapes`) and the transports that ship query rows to a holder and partials back
+(:mod:`.transports`). The route/fetch/local *decision* lives in :mod:`policies.costmodel`.
+
+torch is imported lazily: importing this package never needs it; calling the primitive without
+torch raises :class:`gpuhit.errors.UnavailableError`.
+"""
+
+from __future__ import annotations
+
+from engines.attention.shapes import GQA_LLAMA8B, MLA_DSV2_LITE, MLA_FRONTIER, AttentionShape
+
+__all__ = ["GQA_LLAMA8B", "MLA_DSV2_LITE", "MLA_FRONTIER", "AttentionShape"]
