@@ -28,6 +28,7 @@ class InstanceState:
     in_flight: int = 0  # routed, not finished
     pending_prefill_tokens: int = 0  # sum over routed, not-yet-first-token requests of (input - predicted hit)
     decode_seqs: int = 0  # past first token, not finished
+    active_blocks: int = 0  # KV blocks (prompt + output) of the routed, unfinished requests (Dynamo's load)
     # Reported by the engine (scraped /metrics or in-process stats); None = unknown:
     running: int | None = None
     waiting: int | None = None

@@ -1,0 +1,258 @@
+"""Where each request's prefix is cached: per instance, GPU prefix hit and CPU-tier extension, in blocks.
+
+One interface (:class:`KVIndex`), two sources:
+
+* :class:`PreciseKVIndex` follows the engines' KV events (``BlockStored`` / ``BlockRemoved`` /
+  ``AllBlocksCleared``, per medium; a ``None`` medium means GPU, as in vLLM).
+* :class:`ApproximateKVIndex` learns only from the gateway's own routing: every routed request's
+  blocks are assumed cached on its instance, with an LRU per instance sized from the engine's
+  capacity in blocks (for engines that publish no events).
+
+Speed. Agentic prompts are ~6,500 blocks, so a linear prefix scan per instance per request is too
+slow. vLLM block hashes are chained (a block's hash covers its whole prefix) and vLLM frees a
+request's blocks tail first, so an instance's cached blocks of one chain are almost always
+prefix-closed: cached up to some position, absent after. :meth:`_BlockSet.prefix_hit` therefore
+binary-searches the chain positions (O(log n) dict probes). Exactness is kept by bookkeeping, not
+hope: each set tracks its *orphans*, stored blocks whose parent is not stored. A hole inside the
+searched range implies an orphan in it, so when a set has no orphans the binary search is exact;
+when it has some, the answer is verified by a linear scan (rare: it needs a parent evicted before
+its child).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from engines.kv_events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from gpuhit.errors import ConfigError
+
+
+class KVIndex(Protocol):
+    """Per-instance prefix-hit oracle the router consults for every request."""
+
+    num_instances: int
+
+    def match(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """Per instance: (GPU prefix-hit blocks, CPU-tier blocks continuing the prefix beyond it)."""
+        ...
+
+    def on_kv_event(self, instance: int, batch: KVEventBatch) -> None: ...
+
+    def on_routed(self, instance: int, block_hashes: Sequence[int]) -> None: ...
+
+    def cached(self, instance: int, medium: str = GPU) -> set[int]:
+        """The block hashes believed cached on ``instance`` in ``medium`` (tests / debug)."""
+        ...
+
+
+class _BlockSet:
+    """Blocks of one instance in one medium: ``blocks`` maps hash -> parent hash (None = chain root).
+
+    ``nchild[p]`` counts the stored children of ``p`` and ``orphans`` counts stored blocks whose
+    parent is not stored; both are exact running totals, so "is this set prefix-closed?" is O(1).
+    ``blocks`` is an OrderedDict (insertion order = recency) when ``lru`` is set, for the
+    approximate index's LRU; a plain dict otherwise (half the memory).
+    """
+
+    __slots__ = ("blocks", "nchild", "orphans")
+
+    def __init__(self, lru: bool = False) -> None:
+        self.blocks: dict[int, int | None] = OrderedDict() if lru else {}
+        self.nchild: dict[int, int] = {}
+        self.orphans = 0
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def add(self, h: int, parent: int | None) -> bool:
+        """Store ``h`` (child of ``parent``); False if it was already stored."""
+        blocks = self.blocks
+        if h in blocks:
+            return False
+        blocks[h] = parent
+        if parent is not None:
+            nchild = self.nchild
+            nchild[parent] = nchild.get(parent, 0) + 1
+            if parent not in blocks:
+                self.orphans += 1
+        kids = self.nchild.get(h)
+        if kids:  # its stored children were orphans until now
+            self.orphans -= kids
+        return True
+
+    def remove(self, h: int) -> bool:
+        blocks = self.blocks
+        if h not in blocks:
+            return False
+        parent = blocks.pop(h)
+        if parent is not None:
+            if parent not in blocks:
+                self.orphans -= 1
+            left = self.nchild[parent] - 1
+            if left:
+                self.nchild[parent] = left
+            else:
+                del self.nchild[parent]
+        kids = self.nchild.get(h)
+        if kids:
+            self.orphans += kids
+        return True
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.nchild.clear()
+        self.orphans = 0
+
+    def prefix_hit(self, hashes: Sequence[int], start: int = 0) -> int:
+        """Length of the run of ``hashes[start:]`` present here, counted from ``start``."""
+        blocks = self.blocks
+        n = len(hashes)
+        if start >= n or hashes[start] not in blocks:
+            return 0
+        if hashes[n - 1] in blocks and not self.orphans:
+            return n - start
+        # Largest k in [start+1, n] with hashes[k-1] present, assuming prefix-closedness.
+        lo, hi = start + 1, n
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if hashes[mid - 1] in blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        # By construction hashes[lo-1] was seen present and hashes[lo] (if any) absent: the boundary
+        # is verified. Interior holes would leave an orphan; without orphans the answer is exact.
+        if self.orphans:
+            for j in range(start + 1, lo):
+                if hashes[j] not in blocks:
+                    return j - start
+        return lo - start
+
+
+class _BaseIndex:
+    __slots__ = ("_cpu", "_gpu", "num_instances")
+
+    def __init__(self, num_instances: int, lru: bool = False):
+        if num_instances <= 0:
+            raise ConfigError(f"a KV index needs at least one instance, got {num_instances}")
+        self.num_instances = num_instances
+        self._gpu = [_BlockSet(lru) for _ in range(num_instances)]
+        self._cpu = [_BlockSet() for _ in range(num_instances)]
+
+    def _check(self, instance: int) -> None:
+        if not 0 <= instance < self.num_instances:
+            raise ConfigError(f"instance {instance} out of range 0..{self.num_instances - 1}")
+
+    def match(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        if not block_hashes:
+            return [(0, 0)] * self.num_instances
+        for g_set, c_set in zip(self._gpu, self._cpu):
+            g = g_set.prefix_hit(block_hashes) if g_set.blocks else 0
+            c = c_set.prefix_hit(block_hashes, g) if c_set.blocks else 0
+            out.append((g, c))
+        return out
+
+    def cached(self, instance: int, medium: str = GPU) -> set[int]:
+        self._check(instance)
+        sets = self._gpu if medium in (GPU, None) else self._cpu if medium == CPU else None
+        if sets is None:
+            raise ConfigError(f"unknown medium {medium!r}; the index tracks GPU and CPU")
+        return set(sets[instance].blocks)
+
+
+class PreciseKVIndex(_BaseIndex):
+    """Index fed by the engines' KV events (the router subscribes it to every engine).
+
+    Media other than GPU and CPU (e.g. ``STORAGE``, a shared remote store) are ignored: a remote
+    store is not a property of one instance's prefix hit.
+    """
+
+    __slots__ = ()
+
+    def on_kv_event(self, instance: int, batch: KVEventBatch) -> None:
+        self._check(instance)
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                target = self._tier(instance, ev.medium)
+                if target is None:
+                    continue
+                parent = ev.parent_block_hash
+                for h in ev.block_hashes:
+                    target.add(h, parent)
+                    parent = h
+            elif isinstance(ev, BlockRemoved):
+                target = self._tier(instance, ev.medium)
+                if target is None:
+                    continue
+                for h in ev.block_hashes:
+                    target.remove(h)
+            elif isinstance(ev, AllBlocksCleared):
+                if ev.medium in (None, GPU):
+                    self._gpu[instance].clear()
+                if ev.medium in (None, CPU):
+                    self._cpu[instance].clear()
+            else:  # the decoder only produces the three types; anything else is a bug upstream
+                raise ConfigError(f"unknown KV event {type(ev).__name__}")
+
+    def on_routed(self, instance: int, block_hashes: Sequence[int]) -> None:
+        """Nothing to learn: the engine's events are the truth."""
+
+    def _tier(self, instance: int, medium: str | None) -> _BlockSet | None:
+        if medium is None or medium == GPU:
+            return self._gpu[instance]
+        if medium == CPU:
+            return self._cpu[instance]
+        return None
+
+
+class ApproximateKVIndex(_BaseIndex):
+    """Index learned from routing: a routed request's blocks are assumed cached on its instance.
+
+    Each instance keeps an LRU of at most ``capacities[i]`` blocks. A routed chain is touched tail
+    first so its head ends most recent: eviction then takes tails first, as vLLM does, and the
+    cached set stays prefix-closed. KV events are ignored (use :class:`PreciseKVIndex` for those).
+    """
+
+    __slots__ = ("capacities",)
+
+    def __init__(self, capacities: Sequence[int]):
+        super().__init__(len(capacities), lru=True)
+        caps = [int(c) for c in capacities]
+        if any(c <= 0 for c in caps):
+            raise ConfigError(f"approximate KV index capacities must be positive blocks, got {caps}")
+        self.capacities = caps
+
+    @classmethod
+    def from_engines(cls, engines: Iterable[object]) -> ApproximateKVIndex:
+        """Size each LRU from ``engine.stats().kv_capacity_blocks`` (must be known)."""
+        caps = []
+        for eng in engines:
+            cap = eng.stats().kv_capacity_blocks  # type: ignore[attr-defined]
+            if not cap:
+                raise ConfigError(
+                    f"engine {getattr(eng, 'name', '?')!r} does not report its KV capacity in blocks; "
+                    "give the approximate index explicit capacities"
+                )
+            caps.append(cap)
+        return cls(caps)
+
+    def on_kv_event(self, instance: int, batch: KVEventBatch) -> None:
+        """Ignored: this index models engines that publish no events."""
+
+    def on_routed(self, instance: int, block_hashes: Sequence[int]) -> None:
+        self._check(instance)
+        s = self._gpu[instance]
+        blocks = s.blocks
+        n = len(block_hashes)
+        for j in range(n - 1, -1, -1):
+            h = block_hashes[j]
+            if h in blocks:
+                blocks.move_to_end(h)  # type: ignore[attr-defined]
+            else:
+                s.add(h, block_hashes[j - 1] if j else None)
+        cap = self.capacities[instance]
+        while len(blocks) > cap:
+            oldest = next(iter(blocks))
+            s.remove(oldest)

@@ -1,0 +1,641 @@
+"""The routing core: snapshot -> pure policy -> action -> completion hooks.
+
+``Router.decide`` is synchronous (no await, no I/O): it copies the gateway's own counters, the
+engines' last reported stats, this request's prefix hits from the KV index and the session binding
+into a frozen :class:`~gateway.snapshot.Snapshot`, asks the policy, and validates the answer.
+
+Two ways to carry a decision out:
+
+* :meth:`Router.begin` returns a :class:`Ticket` for the live HTTP proxy, which streams bytes itself
+  and reports back with ``ticket.first_token()`` / ``ticket.finish(...)`` (and, for the KV-moving
+  actions, ``ticket.producer_request()`` / ``ticket.producer_done(result)``).
+* :meth:`Router.submit` does everything in-process (simulation): begin, act, finish.
+
+Actions that move KV (MIGRATE, FETCH, PD) use vLLM's KV-connector two-step, so one protocol serves
+emulated and real engines: (1) a producer request on ``decision.source`` with ``max_tokens = 1`` and
+``kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": T}``;
+(2) the real request on ``decision.target`` carrying the ``kv_transfer_params`` the producer returned.
+For MIGRATE and FETCH the producer prompt is only the prefix the source already holds (so the hot
+source computes nothing new; the consumer computes the rest); for PD it is the whole prompt. If the
+producer step fails the request is recomputed on the target (a counted fallback, never silent).
+
+Counters are exact running totals updated at begin / first token / producer done / finish, never
+re-summed. Time comes only from the injected ``clock`` or the running loop's ``time()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.base import EngineClient, GenerateRequest, GenerateResult
+from engines.kv_events import KVEventBatch
+from gateway.bindings import SessionBindings
+from gateway.kv_index import KVIndex
+from gateway.snapshot import (
+    ACTIONS,
+    FETCH,
+    FORWARD,
+    MIGRATE,
+    PD,
+    Decision,
+    InstanceState,
+    RequestView,
+    Snapshot,
+)
+from gpuhit.errors import ConfigError, NoInstanceError
+
+ROLES = ("both", "prefill", "decode")
+DEFAULT_KV_BYTES_PER_TOKEN = 98304
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the router needs to know about one request (block hashes precomputed by the caller)."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    block_hashes: tuple[int, ...]
+    prompt_token_ids: Sequence[int] | None = None
+    session_id: str | None = None
+    parent_session: str | None = None
+    turn: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRecord:
+    """One routing decision, as logged through ``decision_sink``."""
+
+    request_id: str
+    session: str | None
+    policy: str
+    action: str
+    target: int
+    source: int | None
+    reason: str
+    scores: tuple[tuple[int, float], ...]
+    predicted_hit_blocks: int
+    now: float
+
+
+@dataclass(slots=True)
+class RoutedResult:
+    """Outcome of :meth:`Router.submit`."""
+
+    decision: Decision
+    result: GenerateResult  # the step that produced the client's tokens
+    instance: str  # name of the instance that produced them
+    predicted_hit_tokens: int
+    migrated: bool = False
+    fetched: bool = False
+    pd: bool = False
+    fallback: bool = False  # a KV-moving action whose producer failed: recomputed on the target
+    producer: GenerateResult | None = None
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """Running totals (cheap to read at any time)."""
+
+    decisions: int = 0
+    decisions_by_policy: dict[str, int] = field(default_factory=dict)
+    decisions_by_instance: list[int] = field(default_factory=list)
+    actions: dict[str, int] = field(default_factory=dict)
+    migrations: int = 0
+    fetches: int = 0
+    pd_transfers: int = 0
+    fallbacks: int = 0
+    transferred_tokens: int = 0
+    bytes_moved: int = 0
+    finished: int = 0
+    errors: int = 0
+    errors_by_instance: list[int] = field(default_factory=list)
+    predicted_hit_tokens: int = 0
+    realized_hit_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decisions": self.decisions,
+            "decisions_by_policy": dict(self.decisions_by_policy),
+            "decisions_by_instance": list(self.decisions_by_instance),
+            "actions": dict(self.actions),
+            "migrations": self.migrations,
+            "fetches": self.fetches,
+            "pd_transfers": self.pd_transfers,
+            "fallbacks": self.fallbacks,
+            "transferred_tokens": self.transferred_tokens,
+            "bytes_moved": self.bytes_moved,
+            "finished": self.finished,
+            "errors": self.errors,
+            "errors_by_instance": list(self.errors_by_instance),
+            "predicted_hit_tokens": self.predicted_hit_tokens,
+            "realized_hit_tokens": self.realized_hit_tokens,
+        }
+
+
+def producer_transfer_params(transfer_id: str) -> dict[str, Any]:
+    """kv_transfer_params of step (1) of vLLM's connector protocol (the producer)."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+
+
+class Ticket:
+    """One routed request's life in the router's counters. Not thread-safe (one event loop)."""
+
+    __slots__ = (
+        "_blocks",
+        "_done",
+        "_first",
+        "_pending",
+        "_prod_blocks",
+        "_prod_open",
+        "_prod_pending",
+        "action",
+        "decision",
+        "fallback",
+        "predicted_hit_tokens",
+        "producer_prefix_blocks",
+        "producer_result",
+        "request",
+        "router",
+        "source",
+        "target",
+        "transfer_id",
+    )
+
+    def __init__(self, router: Router, request: RouteRequest, decision: Decision):
+        self.router = router
+        self.request = request
+        self.decision = decision
+        self.action = decision.action
+        self.target = decision.target
+        self.source = decision.source
+        self.transfer_id: str | None = None
+        self.predicted_hit_tokens = 0
+        self.producer_prefix_blocks = 0
+        self.fallback = False
+        self.producer_result: GenerateResult | None = None
+        self._pending = 0
+        self._blocks = 0
+        self._prod_pending = 0
+        self._prod_blocks = 0
+        self._prod_open = False
+        self._first = False
+        self._done = False
+
+    # -- the KV-moving two-step (MIGRATE / FETCH / PD) ---------------------------------------------
+
+    @property
+    def needs_producer(self) -> bool:
+        return self.action != FORWARD and not self.fallback
+
+    def producer_request(self) -> GenerateRequest:
+        """Step (1): the request to send to ``self.source`` (max_tokens 1, do_remote_decode)."""
+        if not self.needs_producer or self.source is None or self.transfer_id is None:
+            raise ConfigError(f"request {self.request.request_id}: action {self.action} has no producer step")
+        req = self.request
+        k = self.producer_prefix_blocks
+        if self.action == PD:
+            prompt_len, hashes, tokens = req.prompt_len, req.block_hashes, req.prompt_token_ids
+        else:
+            bs = self.router.block_size
+            prompt_len = k * bs
+            hashes = req.block_hashes[:k]
+            tokens = None if req.prompt_token_ids is None else req.prompt_token_ids[:prompt_len]
+        return GenerateRequest(
+            request_id=f"{req.request_id}::producer",
+            prompt_len=prompt_len,
+            max_tokens=1,
+            prompt_token_ids=tokens,
+            block_hashes=hashes,
+            session_id=req.session_id,
+            kv_transfer_params=producer_transfer_params(self.transfer_id),
+        )
+
+    def producer_done(self, result: GenerateResult | None, error: str | None = None) -> Mapping[str, Any] | None:
+        """Close step (1). Returns the consumer's kv_transfer_params, or None after a failure, in
+        which case the ticket falls back to recomputing on the target (counted in stats.fallbacks)."""
+        if not self._prod_open:
+            raise ConfigError(f"request {self.request.request_id}: producer step already closed or absent")
+        r = self.router
+        self._prod_open = False
+        src = self.source
+        assert src is not None
+        r._in_flight[src] -= 1
+        r._pending[src] -= self._prod_pending
+        r._active_blocks[src] -= self._prod_blocks
+        self.producer_result = result
+        err = error or (result.error if result is not None else "no producer result")
+        params = None if err else (result.kv_transfer_params if result is not None else None)
+        if err or not params:
+            self._fall_back()
+            r._note_error(src, err or "producer returned no kv_transfer_params")
+            return None
+        return dict(params)
+
+    def _fall_back(self) -> None:
+        r = self.router
+        self.fallback = True
+        r.stats.fallbacks += 1
+        own = r._hit_tokens_of(self.target, self.request)
+        new_pending = self.request.prompt_len - own
+        if not self._first:
+            r._pending[self.target] += new_pending - self._pending
+        self._pending = new_pending
+        r.stats.predicted_hit_tokens += own - self.predicted_hit_tokens
+        self.predicted_hit_tokens = own
+
+    def consumer_request(self, kv_transfer_params: Mapping[str, Any] | None = None) -> GenerateRequest:
+        """The request for ``self.target`` (step (2) when ``kv_transfer_params`` is given)."""
+        req = self.request
+        return GenerateRequest(
+            request_id=req.request_id,
+            prompt_len=req.prompt_len,
+            max_tokens=req.max_tokens,
+            prompt_token_ids=req.prompt_token_ids,
+            block_hashes=req.block_hashes,
+            session_id=req.session_id,
+            kv_transfer_params=kv_transfer_params,
+        )
+
+    # -- completion hooks --------------------------------------------------------------------------
+
+    def first_token(self) -> None:
+        """The target produced its first token: the request's prefill is no longer pending."""
+        if self._first or self._done:
+            return
+        self._first = True
+        r = self.router
+        r._pending[self.target] -= self._pending
+        r._decode[self.target] += 1
+
+    def finish(self, result: GenerateResult | None = None, error: str | None = None) -> None:
+        """Release the counters; record realized hits, transferred bytes and errors. Idempotent."""
+        if self._done:
+            return
+        if self._prod_open:  # aborted between the steps
+            self.producer_done(None, error or "aborted before the transfer")
+        self._done = True
+        r = self.router
+        t = self.target
+        if self._first:
+            r._decode[t] -= 1
+        else:
+            r._pending[t] -= self._pending
+        r._in_flight[t] -= 1
+        r._active_blocks[t] -= self._blocks
+        st = r.stats
+        st.finished += 1
+        err = error or (result.error if result is not None else None)
+        if err:
+            r._note_error(t, err)
+            return
+        r._consecutive_errors[t] = 0
+        if result is not None:
+            st.realized_hit_tokens += result.cached_tokens + result.external_cached_tokens
+            if self.action != FORWARD and not self.fallback:
+                moved = result.external_cached_tokens
+                st.transferred_tokens += moved
+                st.bytes_moved += moved * r.kv_bytes_per_token
+
+
+class Router:
+    """See the module docstring.
+
+    ``roles`` (one of "both" / "prefill" / "decode" per engine) are passed to policies through the
+    snapshot. ``unhealthy_after`` marks an instance unhealthy after that many consecutive errors
+    (None: only explicit :meth:`mark_unhealthy`). ``clock`` replaces the running loop's time (for
+    synchronous :meth:`decide` in tests).
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[EngineClient],
+        policy: Any,
+        *,
+        index: KVIndex,
+        block_size: int = 16,
+        roles: Sequence[str] | None = None,
+        decision_sink: Callable[[RouteRecord], None] | None = None,
+        clock: Callable[[], float] | None = None,
+        kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
+        unhealthy_after: int | None = None,
+        use_engine_stats: bool = True,
+    ):
+        if not engines:
+            raise ConfigError("the router needs at least one engine")
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {block_size}")
+        n = len(engines)
+        if index.num_instances != n:
+            raise ConfigError(f"KV index covers {index.num_instances} instances but {n} engines were given")
+        roles = tuple(roles) if roles is not None else ("both",) * n
+        if len(roles) != n or any(r not in ROLES for r in roles):
+            raise ConfigError(f"roles must be {n} values among {ROLES}, got {list(roles)}")
+        names = [e.name for e in engines]
+        if len(set(names)) != n:
+            raise ConfigError(f"engine names must be unique, got {names}")
+        if unhealthy_after is not None and unhealthy_after <= 0:
+            raise ConfigError("unhealthy_after must be positive or None")
+        self.engines = tuple(engines)
+        self.policy = policy
+        self.policy_name = str(getattr(policy, "name", type(policy).__name__))
+        self.index = index
+        self.block_size = block_size
+        self.roles = roles
+        self.names = tuple(names)
+        self.decision_sink = decision_sink
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.unhealthy_after = unhealthy_after
+        self.use_engine_stats = use_engine_stats
+        self._clock = clock
+        self.bindings = SessionBindings()
+        self.stats = RouterStats(decisions_by_instance=[0] * n, errors_by_instance=[0] * n)
+        self._in_flight = [0] * n
+        self._pending = [0] * n
+        self._decode = [0] * n
+        self._active_blocks = [0] * n
+        self._healthy = [True] * n
+        self.unhealthy_reason: list[str | None] = [None] * n
+        self._consecutive_errors = [0] * n
+        self._seq = itertools.count()
+        self._xfer = itertools.count()
+        self._progress_ok = [self._accepts_on_progress(e) for e in engines]
+        for i, eng in enumerate(engines):
+            eng.subscribe_kv_events(self._kv_callback(i))
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _accepts_on_progress(engine: EngineClient) -> bool:
+        try:
+            return "on_progress" in inspect.signature(engine.generate).parameters
+        except (TypeError, ValueError):
+            return False
+
+    def _kv_callback(self, i: int) -> Callable[[KVEventBatch], None]:
+        index = self.index
+
+        def on_batch(batch: KVEventBatch) -> None:
+            index.on_kv_event(i, batch)
+
+        return on_batch
+
+    def now(self) -> float:
+        if self._clock is not None:
+            return self._clock()
+        try:
+            return asyncio.get_running_loop().time()
+        except RuntimeError:
+            raise ConfigError("Router.decide outside an event loop needs an injected clock") from None
+
+    def _hit_tokens_of(self, i: int, req: RouteRequest) -> int:
+        g, _ = self.index.match(req.block_hashes)[i] if req.block_hashes else (0, 0)
+        return min(g * self.block_size, max(req.prompt_len - 1, 0))
+
+    def _note_error(self, i: int, reason: str) -> None:
+        self.stats.errors += 1
+        self.stats.errors_by_instance[i] += 1
+        self._consecutive_errors[i] += 1
+        if self.unhealthy_after is not None and self._consecutive_errors[i] >= self.unhealthy_after:
+            self.mark_unhealthy(i, f"{self._consecutive_errors[i]} consecutive errors, last: {reason}")
+
+    # -- health ------------------------------------------------------------------------------------
+
+    def mark_unhealthy(self, i: int, reason: str) -> None:
+        self._check(i)
+        self._healthy[i] = False
+        self.unhealthy_reason[i] = reason
+
+    def mark_healthy(self, i: int) -> None:
+        self._check(i)
+        self._healthy[i] = True
+        self.unhealthy_reason[i] = None
+        self._consecutive_errors[i] = 0
+
+    def healthy(self, i: int) -> bool:
+        return self._healthy[i]
+
+    def _check(self, i: int) -> None:
+        if not 0 <= i < len(self.engines):
+            raise ConfigError(f"instance {i} out of range 0..{len(self.engines) - 1}")
+
+    # -- deciding ----------------------------------------------------------------------------------
+
+    def snapshot(self, req: RouteRequest) -> Snapshot:
+        """The frozen view the policy decides on (also used by debug endpoints)."""
+        if req.prompt_len <= 0 or req.max_tokens < 0:
+            raise ConfigError(f"request {req.request_id}: prompt_len must be > 0 and max_tokens >= 0")
+        bs = self.block_size
+        if len(req.block_hashes) > req.prompt_len // bs:
+            raise ConfigError(
+                f"request {req.request_id}: {len(req.block_hashes)} block hashes but only "
+                f"{req.prompt_len // bs} full blocks of {bs} tokens in a {req.prompt_len}-token prompt"
+            )
+        if not any(self._healthy):
+            raise NoInstanceError("no healthy instance: every engine is marked unhealthy")
+        hits = self.index.match(req.block_hashes)
+        use_stats = self.use_engine_stats
+        states = []
+        for i, eng in enumerate(self.engines):
+            st = eng.stats() if use_stats else None
+            g, c = hits[i]
+            states.append(
+                InstanceState(
+                    i,
+                    self.names[i],
+                    self.roles[i],
+                    self._healthy[i],
+                    self._in_flight[i],
+                    self._pending[i],
+                    self._decode[i],
+                    self._active_blocks[i],
+                    None if st is None else st.running,
+                    None if st is None else st.waiting,
+                    None if st is None else st.kv_usage,
+                    None if st is None else st.kv_capacity_blocks,
+                    g,
+                    c,
+                )
+            )
+        view = RequestView(
+            req.request_id,
+            req.prompt_len,
+            len(req.block_hashes),
+            bs,
+            req.max_tokens,
+            req.session_id,
+            req.parent_session,
+            req.turn,
+            next(self._seq),
+        )
+        b = self.bindings
+        return Snapshot(self.now(), view, tuple(states), b.get(req.session_id), b.last_migrated_at(req.session_id))
+
+    def decide(self, req: RouteRequest) -> Decision:
+        """Snapshot + policy + validation (sync). Logs nothing and changes no counters."""
+        return self._decide(req)[1]
+
+    def _decide(self, req: RouteRequest) -> tuple[Snapshot, Decision]:
+        snap = self.snapshot(req)
+        d = self.policy.decide(snap)
+        self._validate(d, snap)
+        return snap, d
+
+    def _validate(self, d: Decision, snap: Snapshot) -> None:
+        n = len(self.engines)
+        who = f"policy {self.policy_name!r}"
+        if not isinstance(d, Decision) or d.action not in ACTIONS:
+            raise ConfigError(f"{who} returned an invalid decision {d!r}")
+        if not (isinstance(d.target, int) and 0 <= d.target < n):
+            raise ConfigError(f"{who} chose instance {d.target!r}, out of range 0..{n - 1}")
+        if not self._healthy[d.target]:
+            raise ConfigError(f"{who} chose unhealthy instance {d.target} ({self.names[d.target]})")
+        if d.action != FORWARD:
+            s = d.source
+            if not (isinstance(s, int) and 0 <= s < n) or s == d.target:
+                raise ConfigError(f"{who}: {d.action} needs a source instance other than the target, got {s!r}")
+            if not self._healthy[s]:
+                raise ConfigError(f"{who} chose unhealthy source instance {s} ({self.names[s]})")
+
+    # -- carrying out ------------------------------------------------------------------------------
+
+    def begin(self, req: RouteRequest) -> Ticket:
+        """Decide and account the request as routed (counters, binding, approximate index, log)."""
+        snap, d = self._decide(req)
+        return self._begin(req, snap, d)
+
+    def _begin(self, req: RouteRequest, snap: Snapshot, d: Decision) -> Ticket:
+        t = Ticket(self, req, d)
+        bs = self.block_size
+        cap = max(req.prompt_len - 1, 0)
+        tgt, src = d.target, d.source
+        inst = snap.instances
+        nblocks = len(req.block_hashes)
+        if d.action == FORWARD:
+            hit_blocks = inst[tgt].gpu_hit_blocks
+        elif d.action == PD:
+            hit_blocks = nblocks
+        else:
+            assert src is not None
+            t.producer_prefix_blocks = inst[src].gpu_hit_blocks
+            hit_blocks = max(inst[src].gpu_hit_blocks, inst[tgt].gpu_hit_blocks)
+            if t.producer_prefix_blocks == 0:  # nothing to move: policies should not ask for this
+                raise ConfigError(
+                    f"policy {self.policy_name!r}: {d.action} from instance {src}, which holds no prefix of "
+                    f"request {req.request_id}"
+                )
+        t.predicted_hit_tokens = min(hit_blocks * bs, cap)
+        t._pending = req.prompt_len - t.predicted_hit_tokens
+        t._blocks = -(-(req.prompt_len + req.max_tokens) // bs)
+        self._in_flight[tgt] += 1
+        self._pending[tgt] += t._pending
+        self._active_blocks[tgt] += t._blocks
+        if d.action != FORWARD:
+            assert src is not None
+            t.transfer_id = f"gpuhit-{next(self._xfer)}-{req.request_id}"
+            if d.action == PD:
+                t._prod_pending = req.prompt_len - min(inst[src].gpu_hit_blocks * bs, cap)
+                t._prod_blocks = -(-(req.prompt_len + 1) // bs)
+            else:
+                t._prod_pending = 1  # the prefix is cached; vLLM recomputes its last token
+                t._prod_blocks = t.producer_prefix_blocks
+            t._prod_open = True
+            self._in_flight[src] += 1
+            self._pending[src] += t._prod_pending
+            self._active_blocks[src] += t._prod_blocks
+        # Knowledge updates.
+        st = self.stats
+        st.decisions += 1
+        st.decisions_by_policy[self.policy_name] = st.decisions_by_policy.get(self.policy_name, 0) + 1
+        st.decisions_by_instance[tgt] += 1
+        st.actions[d.action] = st.actions.get(d.action, 0) + 1
+        st.predicted_hit_tokens += t.predicted_hit_tokens
+        if d.action == FORWARD:
+            self.bindings.bind(req.session_id, tgt)
+            self.index.on_routed(tgt, req.block_hashes)
+        elif d.action == MIGRATE:
+            st.migrations += 1
+            self.bindings.migrated(req.session_id, tgt, snap.now)
+            self.index.on_routed(tgt, req.block_hashes)
+        elif d.action == FETCH:
+            st.fetches += 1
+            self.index.on_routed(tgt, req.block_hashes)
+        else:
+            st.pd_transfers += 1
+            assert src is not None
+            self.index.on_routed(src, req.block_hashes)
+            self.index.on_routed(tgt, req.block_hashes)
+        if self.decision_sink is not None:
+            self.decision_sink(
+                RouteRecord(
+                    req.request_id, req.session_id, self.policy_name, d.action, tgt, src, d.reason,
+                    d.scores, hit_blocks, snap.now,
+                )
+            )
+        return t
+
+    async def submit(self, req: RouteRequest) -> RoutedResult:
+        """Route and run ``req`` in-process: begin -> (producer step) -> target -> finish."""
+        t = self.begin(req)
+        producer: GenerateResult | None = None
+        try:
+            params = None
+            if t.needs_producer:
+                assert t.source is not None
+                try:
+                    producer = await self.engines[t.source].generate(t.producer_request())
+                except Exception as exc:  # noqa: BLE001 - engines return errors; a raising one must not leak counters
+                    t.producer_done(None, f"{type(exc).__name__}: {exc}")
+                else:
+                    params = t.producer_done(producer)
+            result = await self._run_target(t, params)
+        except BaseException as exc:
+            t.finish(None, f"{type(exc).__name__}: {exc}")
+            raise
+        t.finish(result)
+        return RoutedResult(
+            decision=t.decision,
+            result=result,
+            instance=self.names[t.target],
+            predicted_hit_tokens=t.predicted_hit_tokens,
+            migrated=t.action == MIGRATE and not t.fallback,
+            fetched=t.action == FETCH and not t.fallback,
+            pd=t.action == PD and not t.fallback,
+            fallback=t.fallback,
+            producer=producer,
+        )
+
+    async def _run_target(self, t: Ticket, params: Mapping[str, Any] | None) -> GenerateResult:
+        eng = self.engines[t.target]
+        greq = t.consumer_request(params)
+        if self._progress_ok[t.target]:
+
+            def on_progress(n: int) -> None:
+                if n >= 1:
+                    t.first_token()
+
+            result = await eng.generate(greq, on_progress=on_progress)  # type: ignore[call-arg]
+        else:
+            result = await eng.generate(greq)
+        if result.ok:
+            t.first_token()  # engines without progress reports: first token known only at the end
+        return result
+
+    # -- introspection -----------------------------------------------------------------------------
+
+    def counters(self) -> list[dict[str, int]]:
+        """Per-instance gateway counters (for /debug/state and tests)."""
+        return [
+            {
+                "in_flight": self._in_flight[i],
+                "pending_prefill_tokens": self._pending[i],
+                "decode_seqs": self._decode[i],
+                "active_blocks": self._active_blocks[i],
+            }
+            for i in range(len(self.engines))
+        ]
