@@ -1,0 +1,302 @@
+"""Exact token synthesis: trace hash ids -> token ids -> vLLM block hashes, with memoized hashing.
+
+Replayers that turn hash ids into *text* lose block identity on re-tokenization. gpuhit sends token
+ids, so a prompt's engine blocks are equal exactly when the trace says its blocks are equal.
+
+**Tokens.** A turn's prompt has ``input_length`` tokens; position ``p`` takes its token from
+
+1. the session model's *system prompt* stream, if ``system_prompts`` is on, the session has
+   ``system_tokens = S > 0``, the turn is of the session's model (or names none) and ``p < S``. The system prompt *replaces* the first S tokens (it is
+   counted inside ``input_length``, as WEKA's ``in`` counts it). WEKA's first hash blocks already
+   stand for that conversation's system prompt and tools, so within a session nothing changes;
+   across conversations of the same model the first S tokens become identical, the real prefix
+   that Claude Code requests share and that the locally scoped WEKA ids cannot express;
+2. else the trace block ``p // B`` (``B`` = ``session.block_size``) while ``p // B < len(hash_ids)``:
+   token ``p % B`` of the block that ``(namespace, hash id)`` maps to. A partial last block is
+   simply cut: its tokens do not depend on the cut;
+3. else (positions the ids do not cover: WEKA gives ids for full blocks only; Azure none) a *tail*
+   stream unique to (namespace, session, turn): new text that nothing else shares.
+
+Each stream is a counter-based generator: ``splitmix64(key + i * C) % vocab_size`` with ``key``
+from BLAKE2b of (seed, stream identity) - stable across processes and Python versions (never
+Python's ``hash()``), vectorized with numpy, no per-token Python objects.
+
+**Identity property.** Two prompts share exactly their first :meth:`common_prefix_tokens` tokens
+(the number their hash ids, system prompts and lengths imply), hence exactly
+``common_prefix_tokens // engine_block_size`` leading engine blocks, whatever the trace block size,
+up to an accidental collision of independent random tokens (probability <= ``1/vocab_size`` per
+boundary block).
+
+**Hashing.** :meth:`block_hashes` returns vLLM's event-int block hashes of the prompt, memoized in
+a trie keyed by ``(parent node, next hash id)`` whose nodes hold the engine-block hashes that end
+inside their trace block, so a turn that extends an earlier one hashes only its new blocks.
+Only trace blocks that are full, covered by an id and inside the prompt are memoized; engine blocks
+past them (a partial last trace block, the tail) depend on the cut and are hashed from the actual
+tokens on every call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from engines.hashing import BlockHasher
+from gpuhit.errors import ConfigError
+from replayer.trace import Session
+
+_MASK = (1 << 64) - 1
+_STEP = np.uint64(0xD1B54A32D192ED03)  # odd constant: consecutive positions land far apart
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, elementwise on a uint64 array (wraps modulo 2**64 by design)."""
+    z = z + _GOLDEN
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+def _ids_u64(ids: tuple[int, ...]) -> np.ndarray:
+    try:
+        return np.fromiter(ids, dtype=np.int64, count=len(ids)).view(np.uint64)
+    except OverflowError:  # ids outside int64: reduce modulo 2**64 (a collision is vanishingly unlikely)
+        return np.array([h & _MASK for h in ids], dtype=np.uint64)
+
+
+class TokenSynthesizer:
+    """Deterministic token ids and memoized vLLM block hashes for the turns of a trace."""
+
+    def __init__(
+        self,
+        seed: int = 0,
+        vocab_size: int = 32000,
+        engine_block_size: int = 16,
+        hash_name: str = "sha256",
+        system_prompts: bool = True,
+    ):
+        if type(vocab_size) is not int or vocab_size < 1000:
+            raise ConfigError(f"vocab_size must be an integer >= 1000, got {vocab_size!r}")
+        if type(engine_block_size) is not int or engine_block_size <= 0:
+            raise ConfigError(f"engine_block_size must be a positive integer, got {engine_block_size!r}")
+        self.seed = int(seed)
+        self.vocab_size = vocab_size
+        self.engine_block_size = engine_block_size
+        self.system_prompts = system_prompts
+        self.hasher = BlockHasher(engine_block_size, hash_name)
+        self._vocab = np.uint64(vocab_size)
+        self._stream_keys: dict[tuple[str, ...], np.uint64] = {}
+        # the memo trie: node ids index the parallel lists
+        self._roots: dict[tuple, int] = {}
+        self._children: dict[tuple[int, int], int] = {}
+        # node n's event ints are _store[_node_start[n]:_node_end[n]] (8 bytes per engine block)
+        self._node_start: list[int] = []
+        self._node_end: list[int] = []
+        self._node_digest: list[bytes | None] = []
+        self._store = np.empty(0, dtype=np.uint64)
+        self._used = 0
+        self.hashed_blocks = 0  # engine blocks actually hashed (for cost reports and tests)
+
+    # ---------------------------------------------------------------- tokens
+
+    def num_blocks(self, prompt_len: int) -> int:
+        """Full engine blocks of a prompt of ``prompt_len`` tokens (the ones vLLM can cache)."""
+        return prompt_len // self.engine_block_size
+
+    def _key(self, *parts: str) -> np.uint64:
+        key = self._stream_keys.get(parts)
+        if key is None:
+            h = hashlib.blake2b(digest_size=8, person=b"gpuhit-synth")
+            h.update(str(self.seed).encode())
+            for part in parts:
+                h.update(b"\x00" + part.encode("utf-8", "surrogatepass"))
+            key = np.uint64(int.from_bytes(h.digest(), "big"))
+            self._stream_keys[parts] = key
+        return key
+
+    def _system_len(self, session: Session, turn_index: int) -> int:
+        """S for this turn: the session's system prompt, unless off or the turn is another model's
+        (a Haiku helper call inside an Opus conversation has its own, unknown, system prompt)."""
+        if not self.system_prompts or session.system_tokens <= 0:
+            return 0
+        model = session.turns[turn_index].model
+        return session.system_tokens if not model or not session.model or model == session.model else 0
+
+    def _tokens_at(self, session: Session, turn_index: int, start: int, stop: int) -> np.ndarray:
+        """Token ids (uint64) at prompt positions ``[start, stop)`` of the turn."""
+        turn = session.turns[turn_index]
+        bs = session.block_size
+        pos = np.arange(start, stop, dtype=np.uint64)
+        out = np.empty(stop - start, dtype=np.uint64)
+        s_len = self._system_len(session, turn_index)
+        covered = min(len(turn.hash_ids) * bs, turn.input_length)
+        # region 3: tail, unique per (namespace, session, turn)
+        lo = max(start, covered)
+        if lo < stop:
+            key = self._key("tail", session.namespace, session.session_id, str(turn_index))
+            out[lo - start :] = _mix(key + (pos[lo - start :] - np.uint64(covered)) * _STEP)
+        # region 2: hash-id blocks
+        hi = min(stop, covered)
+        if start < hi:
+            first, last = start // bs, (hi - 1) // bs
+            ns_key = self._key("block", session.namespace)
+            block_keys = _mix(ns_key ^ _mix(_ids_u64(turn.hash_ids[first : last + 1])))
+            p = pos[: hi - start]
+            bidx = (p // np.uint64(bs)) - np.uint64(first)
+            out[: hi - start] = _mix(block_keys[bidx] + (p % np.uint64(bs)) * _STEP)
+        # region 1: the model's system prompt replaces the first S tokens
+        s_hi = min(stop, s_len)
+        if start < s_hi:
+            key = self._key("system", session.model)
+            out[: s_hi - start] = _mix(key + pos[: s_hi - start] * _STEP)
+        return out % self._vocab
+
+    def prompt_tokens(self, session: Session, turn_index: int) -> list[int]:
+        """The turn's prompt as token ids (``input_length`` of them)."""
+        n = session.turns[turn_index].input_length
+        return self._tokens_at(session, turn_index, 0, n).tolist()
+
+    def prompt_array(self, session: Session, turn_index: int) -> np.ndarray:
+        """The prompt as a numpy uint64 array (no Python int per token)."""
+        return self._tokens_at(session, turn_index, 0, session.turns[turn_index].input_length)
+
+    def common_prefix_tokens(self, sa: Session, ta: int, sb: Session, tb: int) -> int:
+        """How many leading tokens two turns' prompts share by construction (see the module doc)."""
+        a, b = sa.turns[ta], sb.turns[tb]
+        if sa.session_id == sb.session_id and sa.namespace == sb.namespace and ta == tb:
+            return a.input_length  # the same turn
+        limit = min(a.input_length, b.input_length)
+        sys_a, sys_b = self._system_len(sa, ta), self._system_len(sb, tb)
+        p = 0
+        if sys_a or sys_b:
+            if not (sys_a and sys_b and sa.model == sb.model):
+                return 0
+            p = min(sys_a, sys_b)
+            if sys_a != sys_b or p >= limit:
+                return min(p, limit)  # one system prompt ends where the other goes on
+        # from p on, both prompts are in their block regions (or tails)
+        if sa.namespace != sb.namespace or sa.block_size != sb.block_size:
+            return min(p, limit)
+        bs = sa.block_size
+        cov_a = min(len(a.hash_ids) * bs, a.input_length)
+        cov_b = min(len(b.hash_ids) * bs, b.input_length)
+        k = p // bs
+        ia, ib = a.hash_ids, b.hash_ids
+        n = min(len(ia), len(ib))
+        while k < n and ia[k] == ib[k]:
+            k += 1
+        same = k * bs  # equal block content up to here
+        end = min(same, cov_a, cov_b)  # past it: different ids, or a tail (unique to its turn)
+        return min(max(p, end), limit)
+
+    # ---------------------------------------------------------------- hashes
+
+    def block_hashes(self, session: Session, turn_index: int) -> tuple[int, ...]:
+        """vLLM event-int hashes of every full engine block of the turn's prompt (memoized).
+
+        Equal to ``BlockHasher(engine_block_size, hash_name).event_ints(prompt_tokens(...))``.
+        Cost: one dict probe per memoized trace block plus building the tuple; SHA-256 only for
+        engine blocks not seen before and for those past the last full, covered trace block.
+        """
+        turn = session.turns[turn_index]
+        bs, es = session.block_size, self.engine_block_size
+        n_in = turn.input_length
+        ids = turn.hash_ids
+        m = min(len(ids), n_in // bs)  # trace blocks that are full, covered by an id and in the prompt
+        s_len = self._system_len(session, turn_index)
+        root_key = (session.namespace, session.model if s_len else None, s_len, bs)
+        node = self._roots.get(root_key)
+        if node is None:
+            node = self._new_node(0, 0, None)
+            self._roots[root_key] = node
+        # Walk the memoized part, collecting the store ranges of its hashes; nodes created together
+        # sit next to each other in the store, so a chain is usually a handful of ranges.
+        children, starts, ends = self._children, self._node_start, self._node_end
+        ranges: list[list[int]] = []
+        last_end = -1
+        k = 0
+        while k < m:
+            child = children.get((node, ids[k]))
+            if child is None:
+                break
+            node = child
+            lo, hi = starts[child], ends[child]
+            if lo == last_end:
+                ranges[-1][1] = hi
+            elif lo < hi:
+                ranges.append([lo, hi])
+            last_end = hi if lo < hi else last_end
+            k += 1
+        digest = self._node_digest[node]
+        hash_fn, root, extra = self.hasher.hash_fn, self.hasher.root, self.hasher.extra_keys
+        if k < m:
+            # cold part: hash the engine blocks of trace blocks k..m-1 and record them as nodes
+            done = (k * bs) // es  # engine blocks complete before trace block k
+            tokens = self._tokens_at(session, turn_index, done * es, ((m * bs) // es) * es).tolist()
+            new: list[int] = []
+            first = self._used
+            j = done
+            for kk in range(k, m):
+                end_j = ((kk + 1) * bs) // es
+                node_lo = first + len(new)
+                while j < end_j:
+                    off = (j - done) * es
+                    digest = hash_fn((digest or root, tuple(tokens[off : off + es]), extra))
+                    new.append(int.from_bytes(digest[-8:], "big"))  # = to_event_int
+                    j += 1
+                child = self._new_node(node_lo, first + len(new), digest)
+                children[(node, ids[kk])] = child
+                node = child
+            self._append(new)
+            self.hashed_blocks += len(new)
+            if new:
+                if first == last_end:
+                    ranges[-1][1] = first + len(new)
+                else:
+                    ranges.append([first, first + len(new)])
+        store = self._store
+        out = np.concatenate([store[lo:hi] for lo, hi in ranges]).tolist() if ranges else []
+        # uncached remainder: engine blocks that reach past the last memoizable trace block
+        done = (m * bs) // es
+        total = n_in // es
+        if done < total:
+            tokens = self._tokens_at(session, turn_index, done * es, total * es).tolist()
+            for off in range(0, len(tokens), es):
+                digest = hash_fn((digest or root, tuple(tokens[off : off + es]), extra))
+                out.append(int.from_bytes(digest[-8:], "big"))
+            self.hashed_blocks += total - done
+        return tuple(out)
+
+    def _new_node(self, start: int, end: int, digest: bytes | None) -> int:
+        """A trie node whose engine-block hashes are ``_store[start:end]`` (written by _append)."""
+        self._node_start.append(start)
+        self._node_end.append(end)
+        self._node_digest.append(digest)
+        return len(self._node_end) - 1
+
+    def _append(self, ints: list[int]) -> None:
+        n = len(ints)
+        if self._used + n > self._store.size:
+            grown = np.empty(max(2 * self._store.size, self._used + n, 1024), dtype=np.uint64)
+            grown[: self._used] = self._store[: self._used]
+            self._store = grown
+        self._store[self._used : self._used + n] = ints
+        self._used += n
+
+    def cache_info(self) -> dict[str, int]:
+        """Memo size: trie nodes and the engine-block hashes they hold; blocks hashed so far."""
+        return {"nodes": len(self._node_end), "cached_blocks": self._used, "hashed_blocks": self.hashed_blocks}
+
+    def clear(self) -> None:
+        """Drop the memo (a long sweep over many traces can bound its memory this way)."""
+        self._roots.clear()
+        self._children.clear()
+        self._node_start.clear()
+        self._node_end.clear()
+        self._node_digest.clear()
+        self._store = np.empty(0, dtype=np.uint64)
+        self._used = 0
