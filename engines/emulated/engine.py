@@ -23,7 +23,7 @@ import asyncio
 import bisect
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.base import EngineStats, GenerateRequest, GenerateResult
 from engines.emulated.block_pool import BlockPool
@@ -37,6 +37,9 @@ from engines.emulated.tiers import CPUTier, RemoteStore
 from engines.hashing import BlockHasher
 from engines.kv_events import CPU, GPU, STORAGE, AllBlocksCleared, KVEventBatch
 from gpuhit.errors import BadRequestError, CapacityError, ConfigError
+
+if TYPE_CHECKING:
+    from engines.emulated.remote_transfer import RemoteTransferClient
 
 KVEventCallback = Callable[[KVEventBatch], None]
 
@@ -74,6 +77,7 @@ class EmulatedEngine:
         model_name: str | None = None,
         bootstrap_addr: str | None = None,
         util_bin_s: float = 1.0,
+        remote_transfer: RemoteTransferClient | None = None,
     ):
         self.name = name
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
@@ -103,6 +107,10 @@ class EmulatedEngine:
             remote_store = RemoteStore(int(remote_store_bytes // self.block_bytes))
         self.remote = remote_store
         self.registry = transfer_registry if transfer_registry is not None else TransferRegistry()
+        # Consumer side of cross-process PD transfers (engines.emulated.remote_transfer); None keeps
+        # transfers in-process only, as in simulation, where no HTTP may happen. The engine owns it.
+        self.remote_transfer = remote_transfer
+        self._pull_tasks: set[asyncio.Task] = set()
         self.metrics = EngineMetrics(self.model_name, name, util_bin_s)
         self._num_gpu_blocks = num_gpu_blocks
         self._subscribers: list[KVEventCallback] = []
@@ -160,7 +168,13 @@ class EmulatedEngine:
         )
         self._requests[req.request_id] = req
         delay = self.profile.frontend_delay(request.prompt_len)
-        if delay > 0:
+        if self._needs_remote_pull(request.kv_transfer_params):
+            # The pull runs alongside the frontend delay, as vLLM's bootstrap query runs alongside
+            # scheduling; the request joins the queue once both are over.
+            task = loop.create_task(self._pull_then_enqueue(req, now + delay))
+            self._pull_tasks.add(task)
+            task.add_done_callback(self._pull_tasks.discard)
+        elif delay > 0:
             loop.call_at(now + delay, self._enqueue, req)
         else:
             self._enqueue(req)
@@ -169,6 +183,35 @@ class EmulatedEngine:
         except asyncio.CancelledError:
             self.abort(req.request_id)
             raise
+
+    def _needs_remote_pull(self, params: Mapping[str, Any] | None) -> bool:
+        """A consumer request whose producer is not in this process (its transfer is not in the
+        in-process registry and its bootstrap address is an HTTP URL)."""
+        if self.remote_transfer is None or not params or not params.get("do_remote_prefill"):
+            return False
+        from engines.emulated.remote_transfer import is_http_addr
+
+        return (is_http_addr(params.get("remote_bootstrap_addr"))
+                and self.registry.peek(str(params.get("transfer_id"))) is None)
+
+    async def _pull_then_enqueue(self, req: EmuRequest, ready_at: float) -> None:
+        """Pull the remote transfer into the local registry, then queue the request. A failed pull
+        leaves the registry without the entry: ``_external_lookup`` counts the failure and the
+        prompt is recomputed."""
+        params = req.kv_transfer_params
+        assert params is not None and self.remote_transfer is not None
+        entry = await self.remote_transfer.pull(params, self.block_size, self.registry, self.block_bytes)
+        if req.aborted or req.status == FINISHED:
+            if entry is not None:  # nobody will load it: hand the producer its blocks back now
+                claimed = self.registry.claim(entry.transfer_id)
+                if claimed is not None:
+                    claimed.release()
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < ready_at:
+            loop.call_at(ready_at, self._enqueue, req)
+        else:
+            self._enqueue(req)
 
     def _validate(self, r: GenerateRequest) -> Exception | None:
         if r.request_id in self._requests:
@@ -257,6 +300,10 @@ class EmulatedEngine:
 
     async def close(self) -> None:
         self._closed = True
+        for t in list(self._pull_tasks):
+            t.cancel()
+        if self._pull_tasks:
+            await asyncio.gather(*self._pull_tasks, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             # the step loop catches its own errors, so cancellation is the only way out
@@ -265,6 +312,8 @@ class EmulatedEngine:
             self._task = None
         for req in list(self._requests.values()):
             self._finish(req, self._last_time, f"engine {self.name!r} closed")
+        if self.remote_transfer is not None:
+            await self.remote_transfer.close()
 
     # ---- internals: queueing -------------------------------------------------------------------
     _last_time = 0.0
