@@ -65,7 +65,7 @@ class BlockHasher:
     form. Only full blocks are hashed: a trailing partial block is never cached by vLLM.
     """
 
-    __slots__ = ("block_size", "hash_fn", "root", "extra_keys")
+    __slots__ = ("block_size", "extra_keys", "hash_fn", "root")
 
     def __init__(self, block_size: int = 16, hash_name: str = "sha256", seed: str | None = None):
         if block_size <= 0:

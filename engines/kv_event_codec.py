@@ -1,0 +1,259 @@
+"""vLLM's KV-event wire format (msgpack) <-> :class:`engines.kv_events.KVEventBatch`.
+
+vLLM publishes each batch as one msgpack document, the third frame of ``[topic, seq, payload]``.
+Its shape changed over releases (``vllm/distributed/kv_events.py``, msgspec structs):
+
+* **current** (``EventBatch`` without ``array_like``, ``KVCacheEvent(tag=True, omit_defaults=True)``):
+  the batch is a map ``{"ts", "events", "data_parallel_rank"}`` and every event a map whose
+  ``"type"`` is the class name; required fields (``lora_id``, ``medium``, ``lora_name``) are always
+  present, defaulted ones (``extra_keys``, ``group_idx``, ...) only when set.
+* **array** (older releases, ``array_like=True`` everywhere): the batch is ``[ts, [events...]]`` or
+  ``[ts, [events...], data_parallel_rank]`` and every event an array whose first element is the tag,
+  ``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, ...]`` (trailing fields
+  absent in the oldest releases).
+
+The decoder accepts both (and the mixed array-batch / map-event shape), so the gateway works in
+front of any vLLM since KV events exist. Block hashes are 64-bit ints by default; with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` vLLM sends the raw digest bytes, which are normalised here
+to the same int (last 8 bytes, big-endian) so that one index serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+
+from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from gpuhit.errors import EngineError
+
+CURRENT = "current"
+ARRAY = "array"
+SHAPES = (CURRENT, ARRAY)
+
+
+class KVEventDecodeError(EngineError):
+    """A KV-event payload that is not a vLLM event batch (corrupt, truncated, unknown event)."""
+
+    code = "kv_event_decode_error"
+
+
+# ---------------------------------------------------------------------------------------- encode
+
+
+def _stored_map(ev: BlockStored) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": "BlockStored",
+        "block_hashes": list(ev.block_hashes),
+        "parent_block_hash": ev.parent_block_hash,
+        "token_ids": list(ev.token_ids),
+        "block_size": ev.block_size,
+        "lora_id": ev.lora_id,
+        "medium": ev.medium,
+        "lora_name": ev.lora_name,
+    }
+    if ev.group_idx is not None:  # omit_defaults: a defaulted field is left out
+        out["group_idx"] = ev.group_idx
+    return out
+
+
+def _event_current(ev: KVEvent) -> dict[str, Any]:
+    if isinstance(ev, BlockStored):
+        return _stored_map(ev)
+    if isinstance(ev, BlockRemoved):
+        out: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": list(ev.block_hashes), "medium": ev.medium}
+        if ev.group_idx is not None:
+            out["group_idx"] = ev.group_idx
+        return out
+    if isinstance(ev, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    raise TypeError(f"not a KV event: {ev!r}")
+
+
+def _event_array(ev: KVEvent) -> list[Any]:
+    if isinstance(ev, BlockStored):
+        out = [
+            "BlockStored",
+            list(ev.block_hashes),
+            ev.parent_block_hash,
+            list(ev.token_ids),
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+        ]
+        if ev.lora_name is not None or ev.group_idx is not None:
+            out.append(ev.lora_name)
+        if ev.group_idx is not None:
+            out += [None, ev.group_idx]  # extra_keys (unset), group_idx
+        return out
+    if isinstance(ev, BlockRemoved):
+        out = ["BlockRemoved", list(ev.block_hashes), ev.medium]
+        if ev.group_idx is not None:
+            out.append(ev.group_idx)
+        return out
+    if isinstance(ev, AllBlocksCleared):
+        return ["AllBlocksCleared"]
+    raise TypeError(f"not a KV event: {ev!r}")
+
+
+def encode_batch(batch: KVEventBatch, shape: str = CURRENT) -> bytes:
+    """The msgpack payload vLLM would publish for ``batch`` (``shape``: ``current`` or ``array``)."""
+    if shape == CURRENT:
+        doc: Any = {"ts": batch.ts, "events": [_event_current(e) for e in batch.events]}
+        if batch.data_parallel_rank is not None:
+            doc["data_parallel_rank"] = batch.data_parallel_rank
+    elif shape == ARRAY:
+        doc = [batch.ts, [_event_array(e) for e in batch.events]]
+        if batch.data_parallel_rank is not None:
+            doc.append(batch.data_parallel_rank)
+    else:
+        raise ValueError(f"unknown KV event shape {shape!r}; choose one of {SHAPES}")
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+# ---------------------------------------------------------------------------------------- decode
+
+
+def _hash(value: Any, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        # vLLM sends unsigned 64-bit ints; a signed encoder could send the same bits negative.
+        return value & 0xFFFFFFFFFFFFFFFF
+    if isinstance(value, (bytes, bytearray)):
+        if not value:
+            raise KVEventDecodeError(f"{what}: empty hash bytes")
+        return int.from_bytes(bytes(value[-8:]), "big")
+    raise KVEventDecodeError(f"{what}: block hash must be an int or bytes, got {type(value).__name__}")
+
+
+def _hashes(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise KVEventDecodeError(f"{what}: block_hashes must be an array, got {type(value).__name__}")
+    # Fast path (the default wire form): non-negative ints pass through; anything else is normalised.
+    return tuple([v if type(v) is int and v >= 0 else _hash(v, what) for v in value])
+
+
+def _opt_int(value: Any, what: str) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise KVEventDecodeError(f"{what} must be an int or nil, got {type(value).__name__}")
+
+
+def _opt_str(value: Any, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise KVEventDecodeError(f"{what} must be a string or nil, got {type(value).__name__}")
+
+
+def _stored(f: Mapping[str, Any]) -> BlockStored:
+    try:
+        hashes = f["block_hashes"]
+        parent = f["parent_block_hash"]
+        token_ids = f["token_ids"]
+        block_size = f["block_size"]
+    except KeyError as exc:
+        raise KVEventDecodeError(f"BlockStored without {exc.args[0]!r}") from None
+    if not isinstance(token_ids, (list, tuple)):
+        raise KVEventDecodeError("BlockStored.token_ids must be an array")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise KVEventDecodeError(f"BlockStored.block_size must be a positive int, got {block_size!r}")
+    return BlockStored(
+        block_hashes=_hashes(hashes, "BlockStored"),
+        parent_block_hash=None if parent is None else _hash(parent, "BlockStored.parent_block_hash"),
+        token_ids=tuple(token_ids),
+        block_size=block_size,
+        lora_id=_opt_int(f.get("lora_id"), "BlockStored.lora_id"),
+        medium=_opt_str(f.get("medium"), "BlockStored.medium"),
+        lora_name=_opt_str(f.get("lora_name"), "BlockStored.lora_name"),
+        group_idx=_opt_int(f.get("group_idx"), "BlockStored.group_idx"),
+    )
+
+
+def _removed(f: Mapping[str, Any]) -> BlockRemoved:
+    if "block_hashes" not in f:
+        raise KVEventDecodeError("BlockRemoved without 'block_hashes'")
+    return BlockRemoved(
+        block_hashes=_hashes(f["block_hashes"], "BlockRemoved"),
+        medium=_opt_str(f.get("medium"), "BlockRemoved.medium"),
+        group_idx=_opt_int(f.get("group_idx"), "BlockRemoved.group_idx"),
+    )
+
+
+# Positional field order of vLLM's array_like structs (after the tag).
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_TAGS = frozenset(("BlockStored", "BlockRemoved", "AllBlocksCleared"))
+
+
+def decode_event(raw: Any) -> KVEvent:
+    """One event in either encoding."""
+    if isinstance(raw, Mapping):
+        tag = raw.get("type")
+        fields: Mapping[str, Any] = raw
+    elif isinstance(raw, (list, tuple)) and raw:
+        tag = raw[0]
+        if tag not in _TAGS:
+            raise KVEventDecodeError(f"unknown KV event type {tag!r}")
+        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS if tag == "BlockRemoved" else ()
+        if len(raw) - 1 > len(names):
+            raise KVEventDecodeError(f"{tag} event has {len(raw) - 1} fields, at most {len(names)} known")
+        fields = dict(zip(names, raw[1:]))
+    else:
+        raise KVEventDecodeError(f"KV event must be a map or a tagged array, got {raw!r:.80}")
+    if tag == "BlockStored":
+        return _stored(fields)
+    if tag == "BlockRemoved":
+        return _removed(fields)
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared(medium=_opt_str(fields.get("medium"), "AllBlocksCleared.medium"))
+    raise KVEventDecodeError(f"unknown KV event type {tag!r}")
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decode one published payload; raises :class:`KVEventDecodeError` on anything else."""
+    try:
+        doc = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types for corrupt input
+        raise KVEventDecodeError(f"KV event payload is not msgpack: {exc}") from None
+    if isinstance(doc, Mapping):
+        ts, events, rank = doc.get("ts"), doc.get("events"), doc.get("data_parallel_rank")
+    elif isinstance(doc, (list, tuple)) and len(doc) in (2, 3):
+        ts, events = doc[0], doc[1]
+        rank = doc[2] if len(doc) == 3 else None
+    else:
+        raise KVEventDecodeError(f"KV event batch must be [ts, events(, rank)] or a map, got {doc!r:.80}")
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        raise KVEventDecodeError(f"KV event batch ts must be a number, got {ts!r:.40}")
+    if not isinstance(events, (list, tuple)):
+        raise KVEventDecodeError(f"KV event batch events must be an array, got {type(events).__name__}")
+    return KVEventBatch(
+        ts=float(ts),
+        events=tuple(decode_event(e) for e in events),
+        data_parallel_rank=_opt_int(rank, "data_parallel_rank"),
+    )
+
+
+def encode_seq(seq: int) -> bytes:
+    """A batch sequence number as vLLM sends it: 8 bytes, big-endian."""
+    return seq.to_bytes(8, "big")
+
+
+def decode_seq(raw: bytes) -> int:
+    if len(raw) != 8:
+        raise KVEventDecodeError(f"KV event sequence frame must be 8 bytes, got {len(raw)}")
+    return int.from_bytes(raw, "big")
+
+
+# The replay socket's end-of-replay marker: seq -1 as signed 8 bytes (= b"\xff" * 8).
+END_SEQ = b"\xff" * 8
+

@@ -1,0 +1,103 @@
+"""Active health checks of engines (``GET /health``) with ejection and re-admission.
+
+Each instance is probed every ``interval`` seconds (loop time). After ``fail_threshold``
+consecutive failures (connection error, timeout, non-200) ``on_unhealthy(i)`` is called once; the
+first success after that calls ``on_healthy(i)``. The gateway also ejects an instance at once when
+a forwarded request cannot connect (passive check, :meth:`HealthMonitor.report_failure`); the
+prober then re-admits it when it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_urls: Sequence[str],
+        on_unhealthy: Callable[[int], None],
+        on_healthy: Callable[[int], None],
+        interval: float = 1.0,
+        timeout: float = 1.0,
+        fail_threshold: int = 2,
+    ):
+        self.session = session
+        self.urls = [u.rstrip("/") + "/health" for u in base_urls]
+        self.on_unhealthy = on_unhealthy
+        self.on_healthy = on_healthy
+        self.interval = interval
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.fail_threshold = fail_threshold
+        self.failures = [0] * len(self.urls)
+        self.healthy = [True] * len(self.urls)
+        self._task: asyncio.Task | None = None
+        self.rounds = 0
+        self._round_done = asyncio.Event()
+
+    async def probe(self, i: int) -> bool:
+        try:
+            async with self.session.get(self.urls[i], timeout=self.timeout) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    def report_failure(self, i: int) -> None:
+        """A forwarded request could not reach instance ``i``: eject it now."""
+        self.failures[i] = max(self.failures[i], self.fail_threshold)
+        if self.healthy[i]:
+            self.healthy[i] = False
+            self.on_unhealthy(i)
+
+    def _record(self, i: int, ok: bool) -> None:
+        if ok:
+            self.failures[i] = 0
+            if not self.healthy[i]:
+                self.healthy[i] = True
+                self.on_healthy(i)
+            return
+        self.failures[i] += 1
+        if self.healthy[i] and self.failures[i] >= self.fail_threshold:
+            self.healthy[i] = False
+            log.warning("instance %d (%s) failed %d health checks: ejected", i, self.urls[i], self.failures[i])
+            self.on_unhealthy(i)
+
+    async def check_all(self) -> None:
+        results = await asyncio.gather(*(self.probe(i) for i in range(len(self.urls))))
+        for i, ok in enumerate(results):
+            self._record(i, ok)
+        self.rounds += 1
+        self._round_done.set()
+
+    async def wait_rounds(self, n: int = 1) -> None:
+        """Wait until ``n`` more probe rounds have completed (tests)."""
+        target = self.rounds + n
+        while self.rounds < target:
+            self._round_done.clear()
+            await self._round_done.wait()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="health")
+
+    async def _run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.interval)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None

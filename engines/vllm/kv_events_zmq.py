@@ -1,0 +1,404 @@
+"""KV events over ZMQ, both ends, as vLLM's ``ZmqEventPublisher`` speaks them.
+
+Wire protocol (vLLM ``vllm/distributed/kv_events.py``):
+
+* PUB socket, multipart frames ``[topic, seq (8 bytes big-endian, 0, 1, 2, ...), payload]``.
+* ROUTER replay socket: a DEALER sends ``[b"", start_seq (8 bytes)]``; the ROUTER answers one
+  ``[b"", seq, payload]`` per buffered batch with ``seq >= start_seq`` and then the end marker
+  ``[b"", b"\\xff" * 8, b""]``.
+
+:class:`KVEventSubscriber` keeps an index consistent with one engine (one data-parallel rank):
+on start it replays the publisher's buffer from 0 (so it learns blocks cached before it joined),
+then applies live batches in order. A sequence gap (ZMQ drops at the high-water mark, or the
+subscriber was slow to join) triggers a replay of the missing range; if the replay cannot be had
+(no replay socket, timeout, buffer already evicted) or a payload cannot be decoded, the subscriber
+delivers an ``AllBlocksCleared`` batch so the consumer drops that instance's state instead of
+routing on stale knowledge, and then goes on from the live stream. It never dies on bad input.
+
+:class:`KVEventPublisher` is the emulated server's side (PUB + ROUTER with a bounded replay buffer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from engines.kv_event_codec import (
+    CURRENT,
+    END_SEQ,
+    KVEventDecodeError,
+    decode_batch,
+    encode_batch,
+    encode_seq,
+)
+from engines.kv_events import AllBlocksCleared, KVEventBatch
+
+log = logging.getLogger(__name__)
+
+BatchCallback = Callable[[KVEventBatch], None]
+
+
+class KVEventPublisher:
+    """PUB + ROUTER replay publisher of KV event batches (the emulated engine's side).
+
+    ``endpoint`` / ``replay_endpoint`` are ZMQ bind addresses (``tcp://127.0.0.1:0`` picks a free
+    port; :attr:`endpoint_bound` / :attr:`replay_endpoint_bound` tell which). Publishing is
+    synchronous and non-blocking (PUB drops at the high-water mark, exactly like vLLM); replay
+    requests are served by a task on the running loop, started by :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:0",
+        replay_endpoint: str | None = "tcp://127.0.0.1:0",
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        shape: str = CURRENT,
+        data_parallel_rank: int = 0,
+    ):
+        self._ctx = zmq.asyncio.Context()
+        self._topic = topic.encode()
+        self._shape = shape
+        self._rank = data_parallel_rank
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self._seq = 0
+        self._lose = 0
+        # XPUB is PUB on the wire (vLLM subscribers see no difference) but also reports
+        # subscriptions, which lets callers wait until a subscriber is really attached.
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoint)
+        self.endpoint_bound: str = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._replay: zmq.asyncio.Socket | None = None
+        self.replay_endpoint_bound: str | None = None
+        if replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+            self.replay_endpoint_bound = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._task: asyncio.Task | None = None
+        self._sub_task: asyncio.Task | None = None
+        self.subscriptions = 0
+        self._subscribed: asyncio.Condition | None = None
+        self.topic = topic
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._replay is not None and self._task is None:
+            self._task = loop.create_task(self._serve_replay(), name="kv-replay")
+        if self._sub_task is None:
+            self._subscribed = asyncio.Condition()
+            self._sub_task = loop.create_task(self._watch_subscriptions(), name="kv-xpub")
+
+    async def _watch_subscriptions(self) -> None:
+        assert self._subscribed is not None
+        while True:
+            try:
+                msg = await self._pub.recv()
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            if msg[:1] == b"\x01":
+                async with self._subscribed:
+                    self.subscriptions += 1
+                    self._subscribed.notify_all()
+
+    async def wait_subscribers(self, n: int = 1, timeout: float = 10.0) -> None:
+        """Wait until ``n`` SUB sockets have subscribed in total (tests, and the slow-joiner
+        problem: batches published before a SUB is attached never reach it)."""
+        assert self._subscribed is not None, "start() first"
+
+        async def _wait() -> None:
+            async with self._subscribed:
+                await self._subscribed.wait_for(lambda: self.subscriptions >= n)
+
+        await asyncio.wait_for(_wait(), timeout)
+
+    def lose_next(self, n: int = 1) -> None:
+        """Fault injection for tests: buffer the next ``n`` batches for replay but do not send
+        them on the PUB socket, as if the network had dropped them."""
+        self._lose += n
+
+    def publish(self, batch: KVEventBatch) -> int:
+        """Encode and send ``batch``; returns its sequence number."""
+        if batch.data_parallel_rank is None:
+            batch = KVEventBatch(batch.ts, batch.events, self._rank)
+        payload = encode_batch(batch, self._shape)
+        return self.publish_raw(payload)
+
+    def publish_raw(self, payload: bytes) -> int:
+        """Send an already encoded payload (tests use it to inject garbage)."""
+        seq = self._seq
+        self._seq += 1
+        self._buffer.append((seq, payload))
+        if self._lose > 0:
+            self._lose -= 1
+            return seq
+        try:
+            # zmq.asyncio with NOBLOCK completes at once; PUB never blocks, it drops at the HWM.
+            self._pub.send_multipart((self._topic, encode_seq(seq), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # dropped like vLLM's PUB would; the subscriber resyncs through replay
+        return seq
+
+    async def _serve_replay(self) -> None:
+        assert self._replay is not None
+        sock = self._replay
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except (asyncio.CancelledError, zmq.ContextTerminated):
+                return
+            except zmq.ZMQError:
+                return
+            if len(frames) != 3:
+                log.warning("ignoring malformed KV replay request with %d frames", len(frames))
+                continue
+            ident, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    await sock.send_multipart((ident, b"", encode_seq(seq), payload))
+            await sock.send_multipart((ident, b"", END_SEQ, b""))
+
+    async def close(self) -> None:
+        for task in (self._task, self._sub_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._task = self._sub_task = None
+        self._pub.close(0)
+        if self._replay is not None:
+            self._replay.close(0)
+        self._ctx.term()
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    batches: int = 0
+    gaps: int = 0
+    replays_ok: int = 0
+    replays_failed: int = 0
+    resets: int = 0
+    decode_errors: int = 0
+    last_seq: int | None = None
+
+
+class KVEventSubscriber:
+    """Subscribes to one engine's (one rank's) KV events and delivers them, in order, to ``callback``.
+
+    Missing batches are fetched from the replay socket; when that is impossible the callback gets
+    a synthetic ``AllBlocksCleared`` batch first so the consumer forgets that instance's blocks.
+    ``replay_timeout`` bounds each replay round trip (seconds of loop time).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        callback: BatchCallback,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        name: str = "",
+        replay_timeout: float = 2.0,
+    ):
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.name = name or endpoint
+        self.replay_timeout = replay_timeout
+        self._callback = callback
+        self._ctx = zmq.asyncio.Context()
+        self._sync_ctx = zmq.Context()
+        self._sub: zmq.Socket | None = None
+        self._task: asyncio.Task | None = None
+        self._last: int | None = None
+        self.stats = SubscriberStats()
+        # Set once the initial replay is done and the live stream is being consumed.
+        self.synced = asyncio.Event()
+
+    def start(self) -> None:
+        # A plain (synchronous) SUB socket read from a loop reader callback: draining every queued
+        # batch in one callback is far cheaper than one zmq.asyncio future per batch.
+        sub = self._sync_ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sub.connect(self.endpoint)
+        self._sub = sub
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-sub-{self.name}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._sub is not None:
+            self._sub.close(0)
+            self._sub = None
+        self._ctx.term()
+        self._sync_ctx.term()
+
+    # -------------------------------------------------------------------------------- internals
+
+    def _deliver(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except KVEventDecodeError as exc:
+            self.stats.decode_errors += 1
+            log.warning("KV events from %s: batch %d undecodable (%s); clearing its index", self.name, seq, exc)
+            self._reset()
+        else:
+            self.stats.batches += 1
+            self._callback(batch)
+        self._last = seq
+        self.stats.last_seq = seq
+
+    def _reset(self) -> None:
+        self.stats.resets += 1
+        self._callback(KVEventBatch(ts=0.0, events=(AllBlocksCleared(),)))
+
+    async def _replay(self, start_seq: int) -> list[tuple[int, bytes]] | None:
+        """Batches from ``start_seq`` on, or None when the replay socket cannot give them."""
+        if not self.replay_endpoint:
+            return None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(self.replay_endpoint)
+            await dealer.send_multipart((b"", encode_seq(start_seq)))
+            out: list[tuple[int, bytes]] = []
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
+                if len(frames) != 3:
+                    raise KVEventDecodeError(f"replay reply has {len(frames)} frames, expected 3")
+                _, seq_raw, payload = frames
+                if seq_raw == END_SEQ:
+                    return out
+                out.append((int.from_bytes(seq_raw, "big"), payload))
+        except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
+            log.warning("KV event replay from %s failed: %s", self.replay_endpoint, exc or type(exc).__name__)
+            return None
+        finally:
+            dealer.close(0)
+
+    async def _catch_up(self, start_seq: int, upto: int | None) -> bool:
+        """Replay ``[start_seq, upto)`` (``upto`` None = everything buffered); True when complete."""
+        got = await self._replay(start_seq)
+        if got is None:
+            self.stats.replays_failed += 1
+            return False
+        expected = start_seq
+        if upto is None and got and got[0][0] > start_seq:
+            # Initial sync: the buffer no longer reaches back to the start; what it holds is all
+            # anyone can know (vLLM has no snapshot), so take it from its first batch.
+            expected = got[0][0]
+        for seq, payload in got:
+            if upto is not None and seq >= upto:
+                break
+            if seq < expected:
+                continue
+            if seq > expected:
+                # The publisher's buffer no longer holds what we missed.
+                self.stats.replays_failed += 1
+                return False
+            self._deliver(seq, payload)
+            expected = seq + 1
+        if upto is not None and expected < upto:
+            self.stats.replays_failed += 1
+            return False
+        self.stats.replays_ok += 1
+        return True
+
+    async def _run(self) -> None:
+        assert self._sub is not None
+        sub = self._sub
+        # Initial state: everything the publisher still buffers (blocks cached before we joined).
+        if self.replay_endpoint:
+            await self._catch_up(0, None)
+        self.synced.set()
+        loop = asyncio.get_running_loop()
+        backlog: collections.deque[list[bytes]] = collections.deque()
+        wake = asyncio.Event()
+
+        def readable() -> None:
+            # The ZMQ FD is edge-triggered: drain until the socket reports nothing more to read.
+            while sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                try:
+                    frames = sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                if backlog or self._is_gap(frames):
+                    # A replay (async) must come first; keep order by queueing behind it.
+                    backlog.append(frames)
+                    wake.set()
+                else:
+                    self._handle_in_order(frames)
+
+        fd = sub.getsockopt(zmq.FD)
+        loop.add_reader(fd, readable)
+        try:
+            readable()
+            while True:
+                await wake.wait()
+                wake.clear()
+                while backlog:
+                    await self._handle(backlog.popleft())
+                readable()
+        finally:
+            loop.remove_reader(fd)
+
+    def _seq_of(self, frames: list[bytes]) -> int | None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            return None
+        return int.from_bytes(frames[1], "big")
+
+    def _is_gap(self, frames: list[bytes]) -> bool:
+        seq = self._seq_of(frames)
+        return seq is not None and seq > (0 if self._last is None else self._last + 1)
+
+    def _handle_in_order(self, frames: list[bytes]) -> None:
+        """A frame set that needs no replay: deliver it, or skip a duplicate / malformed one."""
+        seq = self._seq_of(frames)
+        if seq is None:
+            self.stats.decode_errors += 1
+            log.warning("KV events from %s: malformed frame set (%d frames); ignored", self.name, len(frames))
+            return
+        if seq < (0 if self._last is None else self._last + 1):
+            return  # already delivered through a replay
+        self._deliver(seq, frames[2])
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.stats.decode_errors += 1
+            log.warning("KV events from %s: malformed frame set (%d frames); ignored", self.name, len(frames))
+            return
+        _, seq_raw, payload = frames
+        seq = int.from_bytes(seq_raw, "big")
+        expected = 0 if self._last is None else self._last + 1
+        if seq < expected:
+            # Already delivered through a replay. (A restarted publisher also counts from 0
+            # again; health checks catch that case: the gateway clears a re-admitted instance.)
+            return
+        if seq > expected:
+            self.stats.gaps += 1
+            if not await self._catch_up(expected, seq):
+                self._reset()
+        self._deliver(seq, payload)

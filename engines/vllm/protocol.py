@@ -1,0 +1,96 @@
+"""vLLM's OpenAI-compatible wire shapes, shared by the emulated server, the vLLM adapter and the gateway.
+
+Only what gpuhit sends or reads: completion / chat bodies and chunks, ``usage`` with
+``prompt_tokens_details.cached_tokens``, SSE framing, and vLLM's error body
+``{"error": {"message", "type", "param", "code"}}`` where ``code`` is the HTTP status (int) and
+``type`` the exception class name vLLM uses (``BadRequestError``, ``NotFoundError``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from gpuhit.errors import GpuhitError
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+# vLLM names the error type after the HTTP class of the failure.
+_TYPE_BY_STATUS = {
+    400: "BadRequestError",
+    401: "UnauthorizedError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    501: "NotImplementedError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(message: str, status: int, param: str | None = None, type_: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": type_ or _TYPE_BY_STATUS.get(status, "InternalServerError"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def error_from_exc(exc: GpuhitError) -> tuple[int, dict[str, Any]]:
+    """(status, body) for one of our errors, in vLLM's shape."""
+    status = int(getattr(exc, "http_status", 500))
+    return status, error_body(str(exc), status, getattr(exc, "param", None))
+
+
+def sse(obj: Mapping[str, Any]) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON (vLLM's framing: ``data: ...\\n\\n``)."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+    # vLLM fills prompt_tokens_details only when --enable-prompt-tokens-details is on; gpuhit's
+    # emulator always does, since the replayer reads the realized hit from it.
+    out["prompt_tokens_details"] = None if cached_tokens is None else {"cached_tokens": cached_tokens}
+    return out
+
+
+def cached_tokens_of(usage_obj: Any) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` or None when the server did not report it."""
+    if not isinstance(usage_obj, Mapping):
+        return None
+    details = usage_obj.get("prompt_tokens_details")
+    if not isinstance(details, Mapping):
+        return None
+    v = details.get("cached_tokens")
+    return v if isinstance(v, int) else None
+
+
+def completion_request(
+    prompt_token_ids: list[int],
+    max_tokens: int,
+    model: str,
+    stream: bool = True,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The replay request: exact output length, token-id prompt, usage in the stream."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt_token_ids,
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    return body

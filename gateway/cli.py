@@ -1,0 +1,145 @@
+"""``gpuhit serve`` (the HTTP gateway) and ``gpuhit vllm-cmd`` (vLLM launch lines for N instances)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from collections import Counter
+
+from gpuhit.errors import ConfigError
+
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the KV-aware HTTP gateway in front of vLLM/emulated engines",
+                       description="OpenAI-compatible gateway that routes each request to the instance "
+                                   "holding its KV prefix (GPU-hit-first). Flags override --config.")
+    p.add_argument("--config", help="TOML config file (see gateway/config.py)")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8080)")
+    p.add_argument("--engine", action="append", metavar="URL",
+                   help="engine base URL, e.g. http://127.0.0.1:8000 (repeat per instance)")
+    p.add_argument("--policy", default=None, help="routing policy name (default lpwl)")
+    p.add_argument("--index", choices=("precise", "approximate"), default=None,
+                   help="KV index: precise (engines' KV events) or approximate (routing history)")
+    p.add_argument("--model", default=None, help="served model name (default: the first engine's)")
+    p.add_argument("--block-size", type=int, default=None, help="engines' KV block size (default 16)")
+    p.add_argument("--hash", default=None, help="engines' prefix-caching hash: sha256 | sha256_cbor")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer for text prompts (needs the `tokenizers` package); without it text "
+                        "prompts are routed by an approximate text-chunk hash")
+    p.add_argument("--max-body-bytes", type=int, default=None)
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="reject longer prompts with 400 (0 = off)")
+    p.add_argument("--timeout", type=float, default=None, help="upstream timeout in seconds (0 = none)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--otel", action="store_true", default=None,
+                   help="export OpenTelemetry spans over OTLP/HTTP (OTEL_EXPORTER_OTLP_* variables)")
+    p.set_defaults(func=_serve)
+
+    v = sub.add_parser("vllm-cmd", help="print the vllm serve command lines for N colocated instances",
+                       description="Print `vllm serve` lines (KV events, metrics, optional Mooncake connector "
+                                   "and CPU offload) for N instances, and the matching `gpuhit serve` line.")
+    v.add_argument("--instances", type=int, required=True)
+    v.add_argument("--model", required=True)
+    v.add_argument("--gpu-ids", default=None, help="comma-separated GPU per instance (default 0..N-1)")
+    v.add_argument("--base-port", type=int, default=8000)
+    v.add_argument("--kv-events-port", type=int, default=5557, help="first instance's PUB port (+2 per instance)")
+    v.add_argument("--host", default="127.0.0.1", help="address the gateway uses to reach the engines")
+    v.add_argument("--block-size", type=int, default=16)
+    v.add_argument("--mooncake", action="store_true", help="add the MooncakeConnector KV transfer config")
+    v.add_argument("--mooncake-protocol", choices=("rdma", "tcp"), default="rdma")
+    v.add_argument("--kv-role", choices=KV_ROLES, default="kv_both")
+    v.add_argument("--bootstrap-port", type=int, default=8998, help="first Mooncake bootstrap port (+1 per instance)")
+    v.add_argument("--cpu-offload-gib", type=float, default=None, help="native CPU KV offload size per instance")
+    v.add_argument("--otlp-traces-endpoint", default=None, help="vLLM --otlp-traces-endpoint")
+    v.add_argument("--gateway-port", type=int, default=8080)
+    v.add_argument("--policy", default="lpwl")
+    v.set_defaults(func=_vllm_cmd)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway import config as gcfg
+    from gateway.http.app import run
+
+    cfg = gcfg.load(args.config) if args.config else gcfg.GatewayConfig()
+    cfg = gcfg.with_overrides(
+        cfg, engines=args.engine, host=args.host, port=args.port, policy=args.policy, index=args.index,
+        model=args.model, block_size=args.block_size, hash=args.hash, tokenizer=args.tokenizer,
+        max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout,
+        api_key=args.api_key, otel=args.otel,
+    ).validate()
+    run(cfg)
+    return 0
+
+
+def vllm_commands(
+    instances: int,
+    model: str,
+    gpu_ids: list[str] | None = None,
+    base_port: int = 8000,
+    kv_events_port: int = 5557,
+    host: str = "127.0.0.1",
+    block_size: int = 16,
+    mooncake: bool = False,
+    mooncake_protocol: str = "rdma",
+    kv_role: str = "kv_both",
+    bootstrap_port: int = 8998,
+    cpu_offload_gib: float | None = None,
+    otlp_traces_endpoint: str | None = None,
+    gateway_port: int = 8080,
+    policy: str = "lpwl",
+) -> list[str]:
+    """The shell lines: one ``vllm serve`` per instance, then ``gpuhit serve``."""
+    if instances <= 0:
+        raise ConfigError(f"--instances must be positive, got {instances}")
+    gpus = gpu_ids if gpu_ids is not None else [str(i) for i in range(instances)]
+    if len(gpus) != instances:
+        raise ConfigError(f"--gpu-ids lists {len(gpus)} GPUs for {instances} instances; give one per instance")
+    if kv_role not in KV_ROLES:
+        raise ConfigError(f"--kv-role must be one of {KV_ROLES}, got {kv_role!r}")
+    per_gpu = Counter(gpus)
+    lines = []
+    for i, gpu in enumerate(gpus):
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{kv_events_port + 2 * i}",
+            "replay_endpoint": f"tcp://*:{kv_events_port + 2 * i + 1}",
+            "topic": "kv-events",
+        }
+        env = [f"CUDA_VISIBLE_DEVICES={gpu}"]
+        argv = ["vllm", "serve", model, "--host", "0.0.0.0", "--port", str(base_port + i),
+                "--block-size", str(block_size), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                "--kv-events-config", json.dumps(events, separators=(",", ":"))]
+        if per_gpu[gpu] > 1:
+            # Several instances share this GPU: split the memory they may claim.
+            argv += ["--gpu-memory-utilization", f"{0.9 / per_gpu[gpu]:.2f}"]
+        if mooncake:
+            env.append(f"VLLM_MOONCAKE_BOOTSTRAP_PORT={bootstrap_port + i}")
+            transfer = {"kv_connector": "MooncakeConnector", "kv_role": kv_role,
+                        "kv_connector_extra_config": {"mooncake_protocol": mooncake_protocol}}
+            argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+        if cpu_offload_gib is not None:
+            argv += ["--kv-offloading-size", f"{cpu_offload_gib:g}", "--kv-offloading-backend", "native"]
+        if otlp_traces_endpoint:
+            argv += ["--otlp-traces-endpoint", otlp_traces_endpoint]
+        lines.append(" ".join(env + [shlex.quote(a) for a in argv]))
+    gw = ["gpuhit", "serve", "--port", str(gateway_port), "--policy", policy, "--index", "precise",
+          "--block-size", str(block_size)]
+    for i in range(instances):
+        gw += ["--engine", f"http://{host}:{base_port + i}"]
+    lines.append(" ".join(shlex.quote(a) for a in gw))
+    return lines
+
+
+def _vllm_cmd(args: argparse.Namespace) -> int:
+    gpus = [g.strip() for g in args.gpu_ids.split(",")] if args.gpu_ids else None
+    for line in vllm_commands(
+        args.instances, args.model, gpus, args.base_port, args.kv_events_port, args.host, args.block_size,
+        args.mooncake, args.mooncake_protocol, args.kv_role, args.bootstrap_port, args.cpu_offload_gib,
+        args.otlp_traces_endpoint, args.gateway_port, args.policy,
+    ):
+        print(line)
+    return 0

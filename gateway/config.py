@@ -1,0 +1,174 @@
+"""The gateway's configuration: a TOML file (``--config gpuhit.toml``) overridden by flags.
+
+Example::
+
+    [gateway]
+    host = "0.0.0.0"
+    port = 8080
+    index = "precise"            # precise (KV events) | approximate (routing history)
+    block_size = 16              # the engines' --block-size
+    hash = "sha256"              # the engines' --prefix-caching-hash-algo
+    max_body_bytes = 67108864
+    max_prompt_tokens = 131072   # longer prompts get 400 before routing (0 = no limit)
+    timeout = 600                # upstream request timeout, seconds (0 = none)
+    api_key = "..."              # optional: clients must send "Authorization: Bearer <key>"
+    tokenizer = "Qwen/Qwen3-Coder-30B-A3B-Instruct"   # optional, needs the `tokenizers` package
+    health_interval = 1.0
+    health_fail_threshold = 2
+    scrape_interval = 0.5
+    otel = false
+
+    [policy]                     # or:  policy = "lpwl"  in [gateway]
+    name = "lpwl"
+    type = "lpwl"
+    params = {}
+
+    [[engines]]
+    url = "http://127.0.0.1:8000"
+    name = "gpu0"                            # optional (default e0, e1, ...)
+    kv_events = "tcp://127.0.0.1:5557"       # optional: else GET /kv_event_sources
+    kv_replay = "tcp://127.0.0.1:5558"
+    role = "both"
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from gpuhit.errors import ConfigError
+
+INDEXES = ("precise", "approximate")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEntry:
+    url: str
+    name: str = ""
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    topic: str = ""
+    role: str = "both"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    engines: tuple[EngineEntry, ...] = ()
+    policy: str | Mapping[str, Any] = "lpwl"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    index: str = "precise"
+    block_size: int = 16
+    hash: str = "sha256"
+    hash_seed: str | None = None
+    model: str | None = None  # served model name; default: what the first engine reports
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_prompt_tokens: int = 0
+    timeout: float = 0.0
+    api_key: str | None = None
+    tokenizer: str | None = None
+    text_chunk_chars: int = 64
+    health_interval: float = 1.0
+    health_fail_threshold: int = 2
+    scrape_interval: float = 0.5
+    otel: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> GatewayConfig:
+        if not self.engines:
+            raise ConfigError("no engines: give --engine URL (repeatable) or [[engines]] in the config file")
+        names = [e.name for e in self.engines]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"engine names must be unique, got {names}")
+        for e in self.engines:
+            if not e.url.startswith(("http://", "https://")):
+                raise ConfigError(f"engine URL must start with http:// or https://, got {e.url!r}")
+            if e.role not in ("both", "prefill", "decode"):
+                raise ConfigError(f"engine {e.name}: role must be both|prefill|decode, got {e.role!r}")
+        if self.index not in INDEXES:
+            raise ConfigError(f"index must be one of {INDEXES}, got {self.index!r}")
+        for name in ("block_size", "max_body_bytes", "health_fail_threshold", "text_chunk_chars"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "timeout"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be 0..65535, got {self.port}")
+        return self
+
+
+_SCALARS = {f.name for f in fields(GatewayConfig)} - {"engines", "policy", "extra"}
+
+
+def _engine(i: int, raw: Any) -> EngineEntry:
+    if isinstance(raw, str):
+        raw = {"url": raw}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"engines[{i}] must be a URL or a table, got {type(raw).__name__}")
+    known = {f.name for f in fields(EngineEntry)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"engines[{i}]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    if not isinstance(raw.get("url"), str):
+        raise ConfigError(f"engines[{i}] needs url = \"http://host:port\"")
+    e = EngineEntry(**raw)
+    return e if e.name else replace(e, name=f"e{i}")
+
+
+def _check_type(name: str, value: Any) -> Any:
+    default = GatewayConfig.__dataclass_fields__[name].default
+    if default is None or value is None:
+        return value
+    want = type(default)
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise ConfigError(f"{name} must be {want.__name__}, got {value!r}")
+    return value
+
+
+def from_mapping(doc: Mapping[str, Any]) -> GatewayConfig:
+    """Build from a parsed TOML document (sections ``gateway``, ``policy``, ``engines``)."""
+    unknown_top = set(doc) - {"gateway", "policy", "engines"}
+    if unknown_top:
+        raise ConfigError(f"unknown config sections {sorted(unknown_top)}; expected gateway, policy, engines")
+    gw = dict(doc.get("gateway") or {})
+    kw: dict[str, Any] = {}
+    if "policy" in gw:
+        kw["policy"] = gw.pop("policy")
+    unknown = set(gw) - _SCALARS
+    if unknown:
+        raise ConfigError(f"[gateway]: unknown keys {sorted(unknown)}")
+    for k, v in gw.items():
+        kw[k] = _check_type(k, v)
+    if "policy" in doc:
+        kw["policy"] = doc["policy"]
+    engines = doc.get("engines") or []
+    if not isinstance(engines, list):
+        raise ConfigError("engines must be an array of tables ([[engines]])")
+    kw["engines"] = tuple(_engine(i, e) for i, e in enumerate(engines))
+    return GatewayConfig(**kw)
+
+
+def load(path: str) -> GatewayConfig:
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    return from_mapping(doc)
+
+
+def with_overrides(cfg: GatewayConfig, engines: Sequence[str] | None = None, **flags: Any) -> GatewayConfig:
+    """Flags win over the file; ``None`` means "not given". ``--engine`` replaces the file's list."""
+    kw = {k: _check_type(k, v) for k, v in flags.items() if v is not None and k in _SCALARS}
+    if flags.get("policy") is not None:
+        kw["policy"] = flags["policy"]
+    if engines:
+        kw["engines"] = tuple(_engine(i, u) for i, u in enumerate(engines))
+    return replace(cfg, **kw)

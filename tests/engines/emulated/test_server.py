@@ -1,0 +1,84 @@
+"""The emulated vLLM HTTP server: vLLM's shapes for sources, errors, chat, usage, kv_transfer_params."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import msgpack
+import zmq
+import zmq.asyncio
+
+from engines.emulated.server import EmulatedServer, chat_template, simple_tokenize
+from engines.fake import FakeEngine, FakeTransferHub
+
+
+def test_tokenizer_is_prefix_stable():
+    a = simple_tokenize("hello big world")
+    assert len(a) == 3 and simple_tokenize("hello big world again")[:3] == a
+    assert all(256 <= t for t in a)
+    assert chat_template([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_endpoints_errors_and_kv_transfer_passthrough():
+    async def main():
+        hub = FakeTransferHub()
+        eng = FakeEngine("a", hub=hub, capacity_blocks=8, decode_s_per_token=1e-4)
+        srv = EmulatedServer(eng, model="m", max_model_len=200, kv_event_shape="array")
+        port = await srv.start()
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/kv_event_sources") as r:
+                sources = await r.json()
+            assert sources == [{"data_parallel_rank": 0, "endpoint": srv.publisher.endpoint_bound,
+                                "replay_endpoint": srv.publisher.replay_endpoint_bound, "topic": ""}]
+            # a raw vLLM-style subscriber sees the older array shape when asked for it
+            ctx = zmq.asyncio.Context()
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(sources[0]["endpoint"])
+            await srv.publisher.wait_subscribers(1)
+            prompt = list(range(40))
+            producer = {"model": "m", "prompt": prompt, "max_tokens": 1,
+                        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                               "transfer_id": "t1"}}
+            async with http.post(url + "/v1/completions", json=producer) as r:
+                doc = await r.json()
+            assert r.status == 200
+            assert doc["kv_transfer_params"]["do_remote_prefill"] is True
+            assert doc["kv_transfer_params"]["transfer_id"] == "t1"
+            assert doc["usage"] == {"prompt_tokens": 40, "total_tokens": 41, "completion_tokens": 1,
+                                    "prompt_tokens_details": {"cached_tokens": 0}}
+            _topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 10)
+            assert seq == (0).to_bytes(8, "big")
+            _ts, events, rank = msgpack.unpackb(payload)
+            assert rank == 0 and events[0][0] == "BlockStored" and len(events[0][1]) == 2
+            sub.close(0)
+            ctx.term()
+            # errors in vLLM's shape
+            async with http.post(url + "/v1/completions", json={"model": "x", "prompt": [1]}) as r:
+                assert r.status == 404
+                assert (await r.json())["error"] == {"message": "The model `x` does not exist.",
+                                                     "type": "NotFoundError", "param": None, "code": 404}
+            async with http.post(url + "/v1/completions", json={"prompt": [1] * 190, "max_tokens": 20}) as r:
+                assert r.status == 400
+                assert "maximum context length is 200 tokens" in (await r.json())["error"]["message"]
+            async with http.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 0}) as r:
+                err = (await r.json())["error"]
+                assert r.status == 400 and err["param"] == "max_tokens" and err["type"] == "BadRequestError"
+            async with http.post(url + "/v1/completions", data=b"{", headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 400
+            # chat, streaming, with the role in the first delta
+            chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "stream": True}
+            async with http.post(url + "/v1/chat/completions", json=chat) as r:
+                raw = await r.read()
+            assert b'"delta":{"role":"assistant"' in raw and raw.endswith(b"data: [DONE]\n\n")
+            async with http.get(url + "/metrics") as r:
+                text = await r.text()
+            assert "vllm:num_requests_running" in text and 'num_gpu_blocks="8"' in text
+            async with http.get(url + "/v1/models") as r:
+                assert (await r.json())["data"][0]["id"] == "m"
+        await srv.close()
+
+    asyncio.run(main())

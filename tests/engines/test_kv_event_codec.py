@@ -1,0 +1,127 @@
+"""vLLM KV-event wire format: both encodings, bytes hashes, malformed payloads."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import pytest
+
+from engines.kv_event_codec import (
+    ARRAY,
+    CURRENT,
+    END_SEQ,
+    KVEventDecodeError,
+    decode_batch,
+    decode_seq,
+    encode_batch,
+    encode_seq,
+)
+from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from gpuhit.errors import EngineError
+
+BATCH = KVEventBatch(
+    ts=12.5,
+    events=(
+        BlockStored(
+            block_hashes=(7322446309363477352, 17027874615116373601),
+            parent_block_hash=None,
+            token_ids=tuple(range(1000, 1032)),
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+        ),
+        BlockRemoved(block_hashes=(7322446309363477352,), medium="GPU"),
+        AllBlocksCleared(),
+    ),
+    data_parallel_rank=0,
+)
+
+
+@pytest.mark.parametrize("shape", [CURRENT, ARRAY])
+def test_round_trip(shape):
+    assert decode_batch(encode_batch(BATCH, shape)) == BATCH
+
+
+def test_current_shape_is_vllm_map_encoding():
+    doc = msgpack.unpackb(encode_batch(BATCH, CURRENT))
+    assert doc["ts"] == 12.5 and doc["data_parallel_rank"] == 0
+    stored = doc["events"][0]
+    # msgspec tag=True: "type" is the class name; required None fields are present, defaults omitted.
+    assert stored == {
+        "type": "BlockStored",
+        "block_hashes": [7322446309363477352, 17027874615116373601],
+        "parent_block_hash": None,
+        "token_ids": list(range(1000, 1032)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    assert doc["events"][1] == {"type": "BlockRemoved", "block_hashes": [7322446309363477352], "medium": "GPU"}
+    assert doc["events"][2] == {"type": "AllBlocksCleared"}
+
+
+def test_older_array_shape_decodes():
+    payload = msgpack.packb(
+        [
+            3.0,
+            [
+                ["BlockStored", [1, 2], 9, [5] * 32, 16, None, "CPU"],
+                ["BlockStored", [3], 2, [6] * 16, 16, None],  # oldest: no medium
+                ["BlockRemoved", [1]],
+                ["AllBlocksCleared"],
+            ],
+        ]
+    )
+    batch = decode_batch(payload)
+    assert batch.ts == 3.0 and batch.data_parallel_rank is None
+    assert batch.events == (
+        BlockStored((1, 2), 9, tuple([5] * 32), 16, None, "CPU"),
+        BlockStored((3,), 2, tuple([6] * 16), 16, None, None),
+        BlockRemoved((1,), None),
+        AllBlocksCleared(),
+    )
+
+
+def test_mixed_array_batch_with_map_events():
+    payload = msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [4], "medium": "GPU"}], 2])
+    assert decode_batch(payload) == KVEventBatch(1.0, (BlockRemoved((4,), "GPU"),), 2)
+
+
+def test_bytes_hashes_normalise_to_event_ints():
+    digest = hashlib.sha256(b"x").digest()
+    payload = msgpack.packb(
+        {"ts": 0.0, "events": [{"type": "BlockStored", "block_hashes": [digest], "parent_block_hash": digest,
+                                "token_ids": [1] * 16, "block_size": 16, "lora_id": None, "medium": "GPU",
+                                "lora_name": None}]},
+        use_bin_type=True,
+    )
+    ev = decode_batch(payload).events[0]
+    want = int.from_bytes(digest[-8:], "big")
+    assert ev.block_hashes == (want,) and ev.parent_block_hash == want
+
+
+@pytest.mark.parametrize(
+    "payload, fragment",
+    [
+        (b"\xc1garbage", "not msgpack"),
+        (msgpack.packb("hello"), "must be [ts, events"),
+        (msgpack.packb([1.0, [["Bogus", 1]]]), "unknown KV event type 'Bogus'"),
+        (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1]}]]), "without 'parent_block_hash'"),
+        (msgpack.packb([1.0, [["BlockRemoved", ["x"]]]]), "must be an int or bytes"),
+        (msgpack.packb(["t", []]), "ts must be a number"),
+    ],
+)
+def test_malformed_payload_is_a_clear_engine_error(payload, fragment):
+    with pytest.raises(KVEventDecodeError, match=fragment.replace("[", r"\[").replace("(", r"\(")) as info:
+        decode_batch(payload)
+    assert isinstance(info.value, EngineError)
+
+
+def test_seq_frames():
+    assert encode_seq(258) == b"\x00" * 6 + b"\x01\x02"
+    assert decode_seq(encode_seq(2**40)) == 2**40
+    assert END_SEQ == (-1).to_bytes(8, "big", signed=True)
+    with pytest.raises(KVEventDecodeError):
+        decode_seq(b"\x01")

@@ -1,0 +1,132 @@
+"""KV events over real loopback ZMQ: initial replay, live stream, gap -> replay, failed resync."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from engines.vllm.kv_events_zmq import KVEventPublisher, KVEventSubscriber
+
+
+def stored(h: int) -> KVEventBatch:
+    return KVEventBatch(ts=float(h), events=(BlockStored((h,), None, tuple(range(16)), 16),))
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.batches: list[KVEventBatch] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, batch: KVEventBatch) -> None:
+        self.batches.append(batch)
+        self._changed.set()
+
+    async def wait_for(self, n: int, timeout: float = 10.0) -> None:
+        async def _wait() -> None:
+            while len(self.batches) < n:
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(_wait(), timeout)
+
+
+def hashes(batches: list[KVEventBatch]) -> list:
+    out = []
+    for b in batches:
+        for ev in b.events:
+            out.append("clear" if isinstance(ev, AllBlocksCleared) else ev.block_hashes[0])
+    return out
+
+
+def test_initial_replay_then_gap_resync():
+    async def main() -> None:
+        pub = KVEventPublisher(topic="kv")
+        pub.start()
+        pub.publish(stored(1))  # before anyone subscribed: only the replay buffer has these
+        pub.publish(stored(2))
+        got = Collector()
+        sub = KVEventSubscriber(pub.endpoint_bound, got, replay_endpoint=pub.replay_endpoint_bound, topic="kv")
+        sub.start()
+        await pub.wait_subscribers(1)
+        await asyncio.wait_for(sub.synced.wait(), 10)
+        await got.wait_for(2)
+        pub.publish(stored(3))
+        pub.lose_next(2)
+        pub.publish(stored(4))  # dropped on the wire
+        pub.publish(stored(5))  # dropped on the wire
+        pub.publish(KVEventBatch(6.0, (BlockRemoved((1,)),)))
+        await got.wait_for(6)
+        assert hashes(got.batches) == [1, 2, 3, 4, 5, 1]
+        assert sub.stats.gaps == 1 and sub.stats.replays_ok == 2 and sub.stats.resets == 0
+        assert sub.stats.last_seq == 5
+        await sub.close()
+        await pub.close()
+
+    asyncio.run(main())
+
+
+def test_gap_without_replay_socket_clears_the_index():
+    async def main() -> None:
+        pub = KVEventPublisher(replay_endpoint=None)
+        pub.start()
+        got = Collector()
+        sub = KVEventSubscriber(pub.endpoint_bound, got)
+        sub.start()
+        await pub.wait_subscribers(1)
+        pub.publish(stored(1))
+        await got.wait_for(1)
+        pub.lose_next(1)
+        pub.publish(stored(2))
+        pub.publish(stored(3))
+        await got.wait_for(3)
+        # The lost batch cannot be fetched: the consumer is told to forget this instance first.
+        assert hashes(got.batches) == [1, "clear", 3]
+        assert sub.stats.gaps == 1 and sub.stats.resets == 1 and sub.stats.replays_failed == 1
+        await sub.close()
+        await pub.close()
+
+    asyncio.run(main())
+
+
+def test_malformed_payload_resets_and_keeps_going():
+    async def main() -> None:
+        pub = KVEventPublisher()
+        pub.start()
+        got = Collector()
+        sub = KVEventSubscriber(pub.endpoint_bound, got, replay_endpoint=pub.replay_endpoint_bound)
+        sub.start()
+        await pub.wait_subscribers(1)
+        await asyncio.wait_for(sub.synced.wait(), 10)
+        pub.publish(stored(1))
+        pub.publish_raw(b"\xc1 not msgpack")
+        pub.publish(stored(2))
+        await got.wait_for(3)
+        assert hashes(got.batches) == [1, "clear", 2]
+        assert sub.stats.decode_errors == 1
+        await sub.close()
+        await pub.close()
+
+    asyncio.run(main())
+
+
+def test_replay_buffer_evicted_means_reset():
+    async def main() -> None:
+        pub = KVEventPublisher(buffer_steps=1)
+        pub.start()
+        got = Collector()
+        sub = KVEventSubscriber(pub.endpoint_bound, got, replay_endpoint=pub.replay_endpoint_bound)
+        sub.start()
+        await pub.wait_subscribers(1)
+        await asyncio.wait_for(sub.synced.wait(), 10)
+        pub.publish(stored(1))
+        await got.wait_for(1)
+        pub.lose_next(2)
+        pub.publish(stored(2))
+        pub.publish(stored(3))  # the buffer (1 batch) now holds only seq 2
+        pub.publish(stored(4))
+        await got.wait_for(3)
+        assert hashes(got.batches) == [1, "clear", 4]
+        await sub.close()
+        await pub.close()
+
+    asyncio.run(main())
