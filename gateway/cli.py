@@ -21,6 +21,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="port (default 8080)")
     p.add_argument("--engine", action="append", metavar="URL",
                    help="engine base URL, e.g. http://127.0.0.1:8000 (repeat per instance)")
+    p.add_argument("--bootstrap", action="append", metavar="URL",
+                   help="an engine's Mooncake bootstrap server, http://host:VLLM_MOONCAKE_BOOTSTRAP_PORT (repeat per "
+                        "engine, in --engine order): needed for migration / PD against real vLLM")
+    p.add_argument("--transport", choices=("fast", "aiohttp"), default=None,
+                   help="HTTP implementation of the hot path (default fast: httptools on uvloop)")
     p.add_argument("--policy", default=None, help="routing policy name (default lpwl)")
     p.add_argument("--index", choices=("precise", "approximate"), default=None,
                    help="KV index: precise (engines' KV events) or approximate (routing history)")
@@ -65,8 +70,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     cfg = gcfg.load(args.config) if args.config else gcfg.GatewayConfig()
     cfg = gcfg.with_overrides(
-        cfg, engines=args.engine, host=args.host, port=args.port, policy=args.policy, index=args.index,
-        model=args.model, block_size=args.block_size, hash=args.hash, tokenizer=args.tokenizer,
+        cfg, engines=args.engine, bootstraps=args.bootstrap, transport=args.transport, host=args.host,
+        port=args.port, policy=args.policy, index=args.index, model=args.model, block_size=args.block_size,
+        hash=args.hash, tokenizer=args.tokenizer,
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout,
         api_key=args.api_key, otel=args.otel,
     ).validate()
@@ -130,6 +136,10 @@ def vllm_commands(
           "--block-size", str(block_size)]
     for i in range(instances):
         gw += ["--engine", f"http://{host}:{base_port + i}"]
+    if mooncake:
+        # The gateway names each producer's bootstrap server in the consumer's kv_transfer_params.
+        for i in range(instances):
+            gw += ["--bootstrap", f"http://{host}:{bootstrap_port + i}"]
     lines.append(" ".join(shlex.quote(a) for a in gw))
     return lines
 

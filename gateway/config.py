@@ -17,6 +17,7 @@ Example::
     health_fail_threshold = 2
     scrape_interval = 0.5
     otel = false
+    transport = "fast"           # fast (httptools on uvloop, default) | aiohttp
 
     [policy]                     # or:  policy = "lpwl"  in [gateway]
     name = "lpwl"
@@ -29,6 +30,8 @@ Example::
     kv_events = "tcp://127.0.0.1:5557"       # optional: else GET /kv_event_sources
     kv_replay = "tcp://127.0.0.1:5558"
     role = "both"
+    bootstrap = "http://127.0.0.1:8998"      # optional: the engine's Mooncake bootstrap server
+                                             # (VLLM_MOONCAKE_BOOTSTRAP_PORT) for migration / PD
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any
 from gpuhit.errors import ConfigError
 
 INDEXES = ("precise", "approximate")
+TRANSPORTS = ("fast", "aiohttp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +55,10 @@ class EngineEntry:
     kv_replay: str | None = None
     topic: str = ""
     role: str = "both"
+    # Where consumers reach this engine's KV when it produces for a migration / PD step (vLLM's
+    # Mooncake bootstrap server, http://host:VLLM_MOONCAKE_BOOTSTRAP_PORT). None: use the
+    # remote_bootstrap_addr the producer returns in its kv_transfer_params (the emulator does).
+    bootstrap: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,7 @@ class GatewayConfig:
     health_fail_threshold: int = 2
     scrape_interval: float = 0.5
     otel: bool = False
+    transport: str = "fast"  # the HTTP implementation of the hot path (gateway.http.fast | aiohttp)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def validate(self) -> GatewayConfig:
@@ -87,6 +96,10 @@ class GatewayConfig:
                 raise ConfigError(f"engine URL must start with http:// or https://, got {e.url!r}")
             if e.role not in ("both", "prefill", "decode"):
                 raise ConfigError(f"engine {e.name}: role must be both|prefill|decode, got {e.role!r}")
+            if e.bootstrap is not None and not e.bootstrap.startswith(("http://", "https://")):
+                raise ConfigError(f"engine {e.name}: bootstrap must be http://host:port, got {e.bootstrap!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.index not in INDEXES:
             raise ConfigError(f"index must be one of {INDEXES}, got {self.index!r}")
         for name in ("block_size", "max_body_bytes", "health_fail_threshold", "text_chunk_chars"):
@@ -164,11 +177,19 @@ def load(path: str) -> GatewayConfig:
     return from_mapping(doc)
 
 
-def with_overrides(cfg: GatewayConfig, engines: Sequence[str] | None = None, **flags: Any) -> GatewayConfig:
-    """Flags win over the file; ``None`` means "not given". ``--engine`` replaces the file's list."""
+def with_overrides(cfg: GatewayConfig, engines: Sequence[str] | None = None,
+                   bootstraps: Sequence[str] | None = None, **flags: Any) -> GatewayConfig:
+    """Flags win over the file; ``None`` means "not given". ``--engine`` replaces the file's list;
+    ``--bootstrap`` (one per engine, in the same order) sets their Mooncake bootstrap addresses."""
     kw = {k: _check_type(k, v) for k, v in flags.items() if v is not None and k in _SCALARS}
     if flags.get("policy") is not None:
         kw["policy"] = flags["policy"]
     if engines:
         kw["engines"] = tuple(_engine(i, u) for i, u in enumerate(engines))
+    if bootstraps:
+        ents = kw.get("engines", cfg.engines)
+        if len(bootstraps) != len(ents):
+            raise ConfigError(f"--bootstrap given {len(bootstraps)} times for {len(ents)} engines; give one per "
+                              "engine, in --engine order")
+        kw["engines"] = tuple(replace(e, bootstrap=b) for e, b in zip(ents, bootstraps))
     return replace(cfg, **kw)

@@ -10,6 +10,10 @@ event loop); ``render()`` formats everything in the Prometheus text format. Name
 * ``gpuhit_gateway_routing_seconds`` histogram (parse + hash + snapshot + decide)
 * ``gpuhit_gateway_upstream_errors_total{instance,kind}`` (connect, status, midstream, timeout)
 * ``gpuhit_gateway_instance_healthy{instance}`` gauge
+* ``gpuhit_gateway_kv_moves_total{action,outcome}``: KV-moving two-steps (migrate, fetch, pd) by
+  outcome: ``transferred`` (the target's realized hit covered the moved prefix), ``recomputed``
+  (it fell at least a block short: the consumer could not pull and recomputed), ``producer_failed``
+  (step 1 failed: the target recomputed the whole prompt), ``unverified`` (no usage reported)
 """
 
 from __future__ import annotations
@@ -98,13 +102,15 @@ class GatewayMetrics:
                                        ("instance", "kind"))
         self.routing = Histogram("gpuhit_gateway_routing_seconds",
                                  "Time to route one request (parse, hash, snapshot, decide).", ROUTING_BUCKETS)
+        self.kv_moves = Counter("gpuhit_gateway_kv_moves_total",
+                                "KV-moving two-step requests (migration, fetch, PD) by outcome.", ("action", "outcome"))
         self.healthy = Counter("gpuhit_gateway_instance_healthy", "1 if the instance takes traffic.", ("instance",))
         self.extra: list[Callable[[], Iterable[str]]] = []
 
     def render(self) -> str:
         lines: list[str] = []
         for c in (self.requests, self.decisions, self.prompt_tokens, self.predicted_hit, self.realized_hit,
-                  self.upstream_errors):
+                  self.upstream_errors, self.kv_moves):
             lines.extend(c.render())
         lines.extend(self.routing.render())
         lines.extend(self.healthy.render("gauge"))

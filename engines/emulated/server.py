@@ -11,6 +11,12 @@ surface: ``generate(request, on_progress=None)``, ``subscribe_kv_events(cb)``, `
 * ``POST /v1/chat/completions``: ``messages`` rendered by :func:`chat_template` then tokenized.
 * ``GET /v1/models``, ``/health``, ``/metrics`` (the engine's vLLM-named metrics),
   ``/kv_event_sources`` (bare JSON array like vLLM), plus the ZMQ KV-event publisher with replay.
+* For an engine that can move KV (an ``EmulatedEngine``: it has a transfer ``registry``), the
+  Mooncake-style bootstrap routes of :mod:`engines.emulated.remote_transfer` (``GET /query``,
+  ``POST /kv_transfer/pull``, ``/kv_transfer/release``) on the same port, and a consumer client:
+  every emulated server is ``kv_both``, as migration needs. Once the port is known the engine's
+  ``bootstrap_addr`` is this server's URL, so the ``kv_transfer_params`` a producer step returns
+  point consumers here.
 
 Text prompts are tokenized by :func:`simple_tokenize`, a deterministic stand-in for a real
 tokenizer: the text is split before every whitespace run (so ``"a b"`` -> ``"a"``, ``" b"``) and
@@ -105,7 +111,9 @@ class EmulatedServer:
 
     ``kv_events_endpoint`` / ``kv_replay_endpoint`` are ZMQ bind addresses (port 0 = any free
     port); None disables KV events. ``advertise_host`` is the host put in ``/kv_event_sources``
-    (vLLM reports the address it bound). ``tracer`` is an OpenTelemetry tracer or None (off).
+    and in the engine's bootstrap address (vLLM reports the address it bound). ``tracer`` is an
+    OpenTelemetry tracer or None (off). ``kv_transfer``: serve the bootstrap / pull / release
+    routes (None = when the engine supports transfers).
     """
 
     def __init__(
@@ -120,6 +128,7 @@ class EmulatedServer:
         kv_event_shape: str = CURRENT,
         tracer: Any = None,
         hash_name: str = "sha256",
+        kv_transfer: bool | None = None,
     ):
         from gateway.http.prompt import SessionHashCache
 
@@ -159,6 +168,14 @@ class EmulatedServer:
                 web.get("/kv_event_sources", self.kv_event_sources),
             ]
         )
+        self.bootstrap = None
+        self._advertise_host = advertise_host
+        if kv_transfer is None:
+            kv_transfer = hasattr(engine, "registry") and hasattr(engine, "remote_transfer")
+        if kv_transfer:
+            from engines.emulated.remote_transfer import mount_remote_transfer
+
+            self.bootstrap = mount_remote_transfer(self.app, engine)
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
         self._runner: web.AppRunner | None = None
@@ -191,12 +208,20 @@ class EmulatedServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve on ``host:port`` (0 = any free port) on the running loop; returns the port."""
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts the
+        # engine's request at once, as vLLM does (aiohttp would otherwise notice only on the next write).
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         sockets = self._runner.addresses
         self.port = int(sockets[0][1])
+        if self.bootstrap is not None:
+            from engines.emulated.remote_transfer import bootstrap_url
+
+            # A wildcard bind is not dialable: advertise the configured host instead.
+            adv = self._advertise_host if host in ("0.0.0.0", "::", "") else host
+            self.engine.bootstrap_addr = bootstrap_url(adv, self.port)
         return self.port
 
     async def close(self) -> None:

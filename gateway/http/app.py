@@ -1,41 +1,53 @@
-"""``gpuhit serve``: the OpenAI-compatible, KV-aware HTTP gateway (aiohttp on uvloop).
+"""``gpuhit serve``: the OpenAI-compatible, KV-aware HTTP gateway (on uvloop).
 
 Per request (``/v1/completions``, ``/v1/chat/completions``): read the body (size-limited), parse
 only what routing needs (model, prompt or messages, max_tokens, stream), compute block hashes
 (:mod:`gateway.http.prompt`), ``router.begin`` (snapshot + pure policy, synchronous), then forward
-the client's raw body bytes to the chosen engine over one shared keep-alive ``ClientSession`` and
-stream the answer back chunk by chunk (TCP_NODELAY on both sockets: aiohttp sets it on every
-connection it makes or accepts; :func:`_nodelay` makes sure on the client socket). The first
-upstream chunk calls ``ticket.first_token()``; the end calls ``ticket.finish`` with the usage the
-engine reported (the realized hit, ``usage.prompt_tokens_details.cached_tokens``; a client that
-does not ask for ``include_usage`` in a stream gives no realized hit). Decision headers:
+the client's raw body bytes to the chosen engine over a keep-alive connection pool and relay the
+answer chunk by chunk (TCP_NODELAY on both sockets). The first upstream chunk calls
+``ticket.first_token()``; the end calls ``ticket.finish`` with the usage the engine reported (the
+realized hit, ``usage.prompt_tokens_details.cached_tokens``, found in the stream's tail; a client
+that does not ask for ``include_usage`` in a stream gives no realized hit). Decision headers:
 ``x-gpuhit-instance``, ``x-gpuhit-decision`` (action), ``x-gpuhit-reason``,
 ``x-gpuhit-predicted-hit`` (tokens). ``x-session-id`` names the session (bindings, hash memo).
 
+The request logic lives once, in :class:`Gateway`, written against the small interfaces of
+:mod:`gateway.http.transport`; the HTTP implementation is chosen by ``cfg.transport``: ``fast``
+(default: :mod:`gateway.http.fast`, an httptools protocol server and a pooled upstream client) or
+``aiohttp`` (``Gateway.app``, an aiohttp application, with an aiohttp client session upstream).
+
 KV-moving decisions (MIGRATE / FETCH / PD) run vLLM's connector two-step: the producer request
-(``max_tokens`` 1, ``do_remote_decode``) to the source, then the client's request, re-serialized
-with the producer's ``kv_transfer_params``, to the target; a failed producer step falls back to
-recomputing on the target (counted by the router).
+(non-streaming, ``max_tokens`` = ``min_tokens`` = 1, ``kv_transfer_params`` with
+``do_remote_decode`` and the router's ``transfer_id``) to the source, then the client's request,
+re-serialized with the consumer's ``kv_transfer_params`` (``do_remote_prefill``,
+``remote_engine_id``, ``remote_bootstrap_addr``, ``transfer_id``), to the target. The bootstrap
+address is the engine's configured ``bootstrap`` (vLLM's Mooncake bootstrap server, whose
+``GET /query`` names the engine id) or else what the producer returned (the emulator returns
+both). A failed producer step falls back to recomputing on the target (counted by the router and
+in ``gpuhit_gateway_kv_moves_total{outcome="producer_failed"}``); a consumer that could not pull
+the KV recomputes by itself (vLLM's ``kv_load_failure_policy=recompute``, the emulator's
+fallback), which the gateway sees as a realized hit at least a block short of the predicted one
+(``outcome="recomputed"``).
 
 Errors (vLLM's JSON error shape): malformed JSON / wrong types / oversize prompt -> 400, body over
 ``max_body_bytes`` -> 413, unknown model -> 404, missing API key -> 401, no healthy instance ->
 503, engine unreachable -> 502 (and the instance is ejected until its ``/health`` answers again),
-engine dying mid-stream -> an SSE ``{"error": ...}`` event and ``[DONE]``, the stream ends cleanly.
-No log line per request.
+engine dying mid-stream -> an SSE ``{"error": ...}`` event and ``[DONE]``, the stream ends cleanly;
+a client that disconnects cancels the upstream request (its connection is closed). No log line
+per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
-import socket
 from array import array
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from engines.base import GenerateResult
@@ -53,9 +65,17 @@ from gateway.http.prompt import (
     load_tokenizer,
     text_chunk_hashes,
 )
+from gateway.http.transport import (
+    AioUpstream,
+    Downstream,
+    Upstream,
+    UpstreamClosedError,
+    UpstreamConnectError,
+)
 from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router, RouteRequest, Ticket
+from gateway.snapshot import FORWARD
 from gpuhit.errors import (
     BadRequestError,
     CapacityError,
@@ -71,8 +91,8 @@ from policies import registry
 log = logging.getLogger(__name__)
 
 _TAIL = 4096  # bytes of the stream end kept to find the usage chunk without parsing every chunk
-_UPSTREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                    ConnectionResetError)
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
 
 
 def _bad(msg: str, param: str | None = None) -> BadRequestError:
@@ -88,12 +108,6 @@ def _pack_token_ids(prompt: list[Any]) -> array | None:
         return array("Q", prompt)
     except (TypeError, OverflowError):
         return None
-
-
-def _nodelay(request: web.Request) -> None:
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _ascii(s: str) -> str:
@@ -120,7 +134,7 @@ def usage_from_tail(tail: bytes, sse: bool = True) -> Mapping[str, Any] | None:
                 depth -= 1
                 if depth == 0:
                     try:
-                        obj = json.loads(tail[start : j + 1])
+                        obj = orjson.loads(tail[start : j + 1])
                     except ValueError:
                         return None
                     return obj if isinstance(obj, dict) else None
@@ -131,7 +145,7 @@ def usage_from_tail(tail: bytes, sse: bool = True) -> Mapping[str, Any] | None:
         end = tail.find(b"\n\n", at)
         if start >= 0:
             try:
-                obj = json.loads(tail[start + 5 : end if end >= 0 else len(tail)])
+                obj = orjson.loads(tail[start + 5 : end if end >= 0 else len(tail)])
             except ValueError:
                 obj = None
             if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
@@ -141,7 +155,9 @@ def usage_from_tail(tail: bytes, sse: bool = True) -> Mapping[str, Any] | None:
 
 
 class Gateway:
-    """The gateway's state and handlers. ``start()`` connects to the engines; ``app`` serves."""
+    """The gateway's state and request logic. ``listen(host, port)`` starts the engines' side
+    (``start``) and the configured transport; ``shutdown()`` stops both. ``app`` is the aiohttp
+    application of the ``aiohttp`` transport (its startup / cleanup run ``start`` / ``close``)."""
 
     def __init__(self, cfg: GatewayConfig, tracer: Any = None):
         self.cfg = cfg
@@ -153,32 +169,70 @@ class Gateway:
         self.hash_cache = SessionHashCache(self.hasher)
         self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
         self.session: aiohttp.ClientSession | None = None
+        self.upstream: Upstream | None = None
         self.engines: list[VLLMEngine] = []
         self.router: Router | None = None
         self.health: HealthMonitor | None = None
         self.model: str | None = cfg.model
         self.max_model_len: int | None = None
         self._ids = itertools.count()
-        self.timeout = aiohttp.ClientTimeout(total=cfg.timeout or None, sock_connect=5.0)
-        self.app = web.Application(client_max_size=cfg.max_body_bytes)
-        self.app.add_routes([
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
-            web.get("/v1/models", self.models),
-            web.get("/health", self.health_handler),
-            web.get("/ready", self.ready),
-            web.get("/metrics", self.metrics_handler),
-            web.get("/debug/state", self.debug_state),
-        ])
-        self.app.on_startup.append(lambda app: self.start())
-        self.app.on_cleanup.append(lambda app: self.close())
+        self._engine_ids: dict[str, str] = {}  # bootstrap address -> engine id (its GET /query)
+        self._app: web.Application | None = None
+        self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
+        self._server: Any = None  # the running transport (AppRunner or FastServer)
+        self.port: int | None = None
+
+    @property
+    def app(self) -> web.Application:
+        if self._app is None:
+            from gateway.http.aio import build_app
+
+            self._app = build_app(self)
+        return self._app
 
     # ------------------------------------------------------------------------------ lifecycle
 
+    async def listen(self, host: str | None = None, port: int | None = None) -> int:
+        """Start everything on the running loop with ``cfg.transport``; returns the bound port."""
+        host = self.cfg.host if host is None else host
+        port = self.cfg.port if port is None else port
+        if self.cfg.transport == "aiohttp":
+            runner = web.AppRunner(self.app, access_log=None)
+            await runner.setup()  # runs start() through on_startup
+            self._server = runner
+            await web.TCPSite(runner, host, port).start()
+            self.port = int(runner.addresses[0][1])
+        else:
+            from gateway.http.fast import FastServer
+
+            await self.start()
+            srv = FastServer(self, self.cfg.max_body_bytes)
+            self._server = srv
+            self.port = await srv.start(host, port)
+        return self.port
+
+    async def shutdown(self) -> None:
+        srv, self._server = self._server, None
+        if srv is None:
+            return
+        if isinstance(srv, web.AppRunner):
+            await srv.cleanup()  # runs close() through on_cleanup
+        else:
+            await srv.close()
+            await self.close()
+
     async def start(self) -> None:
         cfg = self.cfg
+        self._loop = asyncio.get_running_loop()
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=None)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        urls = [e.url.rstrip("/") for e in cfg.engines]
+        if cfg.transport == "aiohttp":
+            self.upstream = AioUpstream(self.session, urls)
+        else:
+            from gateway.http.fast import FastUpstream
+
+            self.upstream = FastUpstream(urls)
         for e in cfg.engines:
             sources = None
             if e.kv_events:
@@ -195,15 +249,16 @@ class Gateway:
             index: Any = PreciseKVIndex(len(self.engines))
         else:
             index = ApproximateKVIndex.from_engines(self.engines)
+        # The loop's clock, injected: saves get_running_loop() (a getpid() syscall) per decision.
         self.router = Router(self.engines, self.policy, index=index, block_size=cfg.block_size,
-                             roles=[e.role for e in cfg.engines])
+                             roles=[e.role for e in cfg.engines], clock=self._loop.time)
         for eng in self.engines:
             # The approximate index learns from routing only: no KV event subscription.
             await eng.start(scrape=True, kv_events=cfg.index == "precise")
         self.health = HealthMonitor(self.session, [e.url for e in cfg.engines], self._on_unhealthy,
                                     self._on_healthy, cfg.health_interval, fail_threshold=cfg.health_fail_threshold)
         self.health.start()
-        for i, e in enumerate(self.engines):
+        for e in self.engines:
             self.metrics.healthy.values[(e.name,)] = 1.0
 
     async def _first_scrape(self, eng: VLLMEngine) -> None:
@@ -225,6 +280,8 @@ class Gateway:
             await self.health.close()
         for e in self.engines:
             await e.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         if self.session is not None:
             await self.session.close()
 
@@ -259,34 +316,39 @@ class Gateway:
                 log.warning("instance %s ejected: %s", self.engines[i].name, why)
             self.health.report_failure(i)
 
-    # ------------------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------------------ parsing
 
-    def _error(self, exc: GpuhitError, endpoint: str) -> web.Response:
+    def error_payload(self, exc: GpuhitError, endpoint: str) -> tuple[int, bytes]:
+        """(status, JSON body) of an error answer in vLLM's shape; counted in the metrics."""
         status, body = protocol.error_from_exc(exc)
         self.metrics.requests.inc((endpoint, str(status)))
-        return web.json_response(body, status=status)
+        return status, orjson.dumps(body)
 
-    async def _read(self, request: web.Request) -> tuple[dict[str, Any], bytes]:
-        key = self.cfg.api_key
-        if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
-            raise UnauthorizedError("missing or wrong API key (send 'Authorization: Bearer <key>')")
+    async def _send_error(self, down: Downstream, exc: GpuhitError, endpoint: str,
+                          headers: Mapping[str, str] | None = None) -> None:
+        status, data = self.error_payload(exc, endpoint)
+        await down.respond(status, headers or {}, data, "application/json")
+
+    def body_limit_error(self, size: int | None) -> PayloadTooLargeError:
         limit = self.cfg.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise PayloadTooLargeError(f"request body of {request.content_length} bytes exceeds the {limit}-byte limit")
+        if size is None:
+            return PayloadTooLargeError(f"request body exceeds the {limit}-byte limit")
+        return PayloadTooLargeError(f"request body of {size} bytes exceeds the {limit}-byte limit")
+
+    def _parse_body(self, headers: Mapping[str, str], raw: bytes) -> dict[str, Any]:
+        key = self.cfg.api_key
+        if key is not None and headers.get("authorization") != f"Bearer {key}":
+            raise UnauthorizedError("missing or wrong API key (send 'Authorization: Bearer <key>')")
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLargeError(f"request body exceeds the {limit}-byte limit") from None
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as exc:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
             raise _bad(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise _bad("request body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.model:
             raise NotFoundError(f"The model `{model}` does not exist. Served: `{self.model}`.")
-        return body, raw
+        return body
 
     def _common(self, body: Mapping[str, Any], chat: bool) -> tuple[int, bool]:
         name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
@@ -320,41 +382,10 @@ class Gateway:
         n = max(len(text) // CHARS_PER_TOKEN, len(hashes) * self.cfg.block_size, 1)
         return n, tuple(hashes), None
 
-    # ------------------------------------------------------------------------------ handlers
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        endpoint = "/v1/completions"
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        try:
-            body, raw = await self._read(request)
-            max_tokens, stream = self._common(body, chat=False)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
-                prompt = prompt[0]
-            session = request.headers.get("x-session-id")
-            ids: list[int] | None = None
-            if isinstance(prompt, str):
-                n, hashes, ids = self._text_route(prompt)
-                self._check_len(n, max_tokens)
-            elif isinstance(prompt, list) and prompt and (packed := _pack_token_ids(prompt)) is not None:
-                ids = prompt
-                n = len(prompt)
-                self._check_len(n, max_tokens)
-                hashes = tuple(self.hash_cache.hashes(prompt, session, packed))
-            else:
-                raise _bad("prompt must be a string or a non-empty list of non-negative token ids (one prompt)",
-                           "prompt")
-        except GpuhitError as exc:
-            return self._error(exc, endpoint)
-        return await self._route_and_forward(request, endpoint, body, raw, n, max_tokens, stream, hashes, ids, session, t0)
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        endpoint = "/v1/chat/completions"
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        try:
-            body, raw = await self._read(request)
+    def _parse(self, endpoint: str, headers: Mapping[str, str], body: Mapping[str, Any], session: str | None
+               ) -> tuple[int, int, bool, tuple[int, ...], list[int] | None]:
+        """(prompt tokens, max_tokens, stream, block hashes, token ids or None) of a valid request."""
+        if endpoint == CHAT:
             max_tokens, stream = self._common(body, chat=True)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -363,176 +394,318 @@ class Gateway:
             hashes = tuple(text_chunk_hashes(text, self.cfg.text_chunk_chars))
             n = max(len(text) // CHARS_PER_TOKEN, len(hashes) * self.cfg.block_size, 1)
             self._check_len(n, max_tokens)
-        except GpuhitError as exc:
-            return self._error(exc, endpoint)
-        session = request.headers.get("x-session-id")
-        return await self._route_and_forward(request, endpoint, body, raw, n, max_tokens, stream, hashes, None,
-                                             session, t0)
+            return n, max_tokens, stream, hashes, None
+        max_tokens, stream = self._common(body, chat=False)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            n, hashes, ids = self._text_route(prompt)
+            self._check_len(n, max_tokens)
+            return n, max_tokens, stream, hashes, ids
+        if isinstance(prompt, list) and prompt and (packed := _pack_token_ids(prompt)) is not None:
+            n = len(prompt)
+            self._check_len(n, max_tokens)
+            return n, max_tokens, stream, tuple(self.hash_cache.hashes(prompt, session, packed)), prompt
+        raise _bad("prompt must be a string or a non-empty list of non-negative token ids (one prompt)", "prompt")
 
-    async def _route_and_forward(self, request: web.Request, endpoint: str, body: dict[str, Any], raw: bytes, n: int,
-                                 max_tokens: int, stream: bool, hashes: tuple[int, ...], ids: list[int] | None,
-                                 session: str | None, t0: float) -> web.StreamResponse:
+    # ------------------------------------------------------------------------------ the request
+
+    async def handle(self, endpoint: str, headers: Mapping[str, str], raw: bytes, down: Downstream) -> None:
+        """One POST to ``endpoint`` (COMPLETIONS or CHAT): every answer goes through ``down``.
+        ``headers`` must answer lower-case names (a plain dict with lower-case keys, or a
+        case-insensitive mapping)."""
+        loop = self._loop
+        t0 = loop.time()
+        session = headers.get("x-session-id")
+        try:
+            body = self._parse_body(headers, raw)
+            n, max_tokens, stream, hashes, ids = self._parse(endpoint, headers, body, session)
+        except GpuhitError as exc:
+            return await self._send_error(down, exc, endpoint)
         router = self.router
         assert router is not None
-        rid = request.headers.get("x-request-id") or f"gw-{next(self._ids)}"
-        span = tracing.start_gateway_span(self.tracer, request.headers, endpoint) if self.tracer is not None else None
+        rid = headers.get("x-request-id") or f"gw-{next(self._ids)}"
+        span = tracing.start_gateway_span(self.tracer, headers, endpoint) if self.tracer is not None else None
         try:
             try:
                 ticket = router.begin(RouteRequest(rid, n, max_tokens, hashes, ids, session))
             except ConfigError as exc:  # a request the router cannot take (e.g. inconsistent sizes)
-                return self._error(_bad(str(exc)), endpoint)
+                return await self._send_error(down, _bad(str(exc)), endpoint)
             except GpuhitError as exc:
-                return self._error(exc, endpoint)
-            loop = asyncio.get_running_loop()
+                return await self._send_error(down, exc, endpoint)
             self.metrics.routing.observe(loop.time() - t0)
+            own_hit = 0
+            if ticket.action != FORWARD:
+                # The target's own prefix hit, before this request adds to it: the rest of its
+                # realized hit is what the transfer brought.
+                g = router.index.match(hashes)[ticket.target][0] if hashes else 0
+                own_hit = min(g * self.cfg.block_size, max(n - 1, 0))
             d = ticket.decision
             name = self.engines[ticket.target].name
             m = self.metrics
             m.decisions.inc((self.policy_name, name, d.action))
             m.prompt_tokens.inc((name,), n)
             m.predicted_hit.inc((name,), ticket.predicted_hit_tokens)
-            headers = {
+            resp_headers = {
                 "x-gpuhit-instance": name,
                 "x-gpuhit-decision": d.action,
                 "x-gpuhit-reason": _ascii(d.reason),
                 "x-gpuhit-predicted-hit": str(ticket.predicted_hit_tokens),
             }
-            up_headers = {"Content-Type": "application/json"}
+            up_headers = {"x-request-id": rid}
+            if session is not None:
+                up_headers["x-session-id"] = session
             if span is not None:
                 tracing.annotate_decision(span, self.policy_name, name, d.action, d.reason,
                                           ticket.predicted_hit_tokens, n)
                 tracing.inject(span, up_headers)
-            if ticket.needs_producer:
-                params = await self._producer_step(ticket, up_headers)
-                if params is not None:
-                    raw = json.dumps({**body, "kv_transfer_params": dict(params)}).encode()
             res = GenerateResult(request_id=rid, prompt_tokens=n, arrival=t0)
-            return await self._forward(request, endpoint, raw, stream, ticket, res, headers, up_headers)
+            try:
+                if self.cfg.timeout:
+                    async with asyncio.timeout(self.cfg.timeout):
+                        await self._act(down, endpoint, body, raw, stream, ticket, res, resp_headers, up_headers,
+                                        own_hit)
+                else:  # no timeout: skip the context manager's per-request cost
+                    await self._act(down, endpoint, body, raw, stream, ticket, res, resp_headers, up_headers, own_hit)
+            except TimeoutError:
+                why = f"engine {name} did not answer within {self.cfg.timeout} s"
+                ticket.finish(None, why)
+                m.upstream_errors.inc((name, "timeout"))
+                await self._fail(down, EngineError(why), endpoint, resp_headers)
+            except asyncio.CancelledError:  # the transport saw the client leave
+                ticket.finish(None, "client disconnected")
+                m.requests.inc((endpoint, "499"))
+                raise
         finally:
             if span is not None:
                 span.end()
 
-    async def _producer_step(self, ticket: Ticket, up_headers: Mapping[str, str]) -> Mapping[str, Any] | None:
-        assert ticket.source is not None
-        preq = ticket.producer_request()
-        if preq.prompt_token_ids is None:
-            return ticket.producer_done(None, "KV-moving actions need token-id prompts")
-        try:
-            result = await self.engines[ticket.source].generate(preq)
-        except Exception as exc:  # noqa: BLE001 - never leave router counters stuck
-            return ticket.producer_done(None, f"{type(exc).__name__}: {exc}")
-        return ticket.producer_done(result)
+    async def _act(self, down: Downstream, endpoint: str, body: Mapping[str, Any], raw: bytes, stream: bool,
+                   ticket: Ticket, res: GenerateResult, resp_headers: dict[str, str], up_headers: dict[str, str],
+                   own_hit: int) -> None:
+        if ticket.needs_producer:
+            params = await self._producer_step(ticket, up_headers)
+            if params is not None:
+                raw = orjson.dumps({**body, "kv_transfer_params": params})
+        await self._forward(down, endpoint, raw, stream, ticket, res, resp_headers, up_headers, own_hit)
 
-    async def _forward(self, request: web.Request, endpoint: str, raw: bytes, stream: bool, ticket: Ticket,
-                       res: GenerateResult, headers: dict[str, str], up_headers: dict[str, str]) -> web.StreamResponse:
-        i = ticket.target
-        eng = self.engines[i]
-        name = eng.name
+    async def _fail(self, down: Downstream, exc: GpuhitError, endpoint: str, headers: Mapping[str, str]) -> None:
+        """An error after routing: a JSON error answer, or an SSE error event once streaming."""
+        if not down.started:
+            return await self._send_error(down, exc, endpoint, headers)
+        status, body = protocol.error_from_exc(exc)
+        self.metrics.requests.inc((endpoint, str(status)))
+        try:
+            await down.write(protocol.sse(body))
+            await down.write(protocol.SSE_DONE)
+            await down.end()
+        except ConnectionError:
+            pass
+
+    async def _producer_step(self, ticket: Ticket, up_headers: Mapping[str, str]) -> Mapping[str, Any] | None:
+        """Step (1) of the connector two-step on ``ticket.source``; the consumer's
+        kv_transfer_params, or None after a (counted) failure: the target then recomputes."""
+        src = ticket.source
+        assert src is not None and self.upstream is not None
+        preq = ticket.producer_request()
+        action = ticket.action
         m = self.metrics
-        loop = asyncio.get_running_loop()
-        url = eng.base_url + endpoint
+        if preq.prompt_token_ids is None:
+            m.kv_moves.inc((action, "producer_failed"))
+            return ticket.producer_done(None, "KV-moving actions need token-id prompts")
+        # As vLLM's disaggregation proxies do: not streamed, one output token, the connector's
+        # answer in the body's kv_transfer_params.
+        body = {"model": self.model, "prompt": list(preq.prompt_token_ids), "max_tokens": 1, "min_tokens": 1,
+                "ignore_eos": True, "stream": False, "kv_transfer_params": dict(preq.kv_transfer_params or {})}
+        res = GenerateResult(request_id=preq.request_id, prompt_tokens=preq.prompt_len)
+        name = self.engines[src].name
+        try:
+            up = await self.upstream.post(src, COMPLETIONS, orjson.dumps(body),
+                                          {**up_headers, "x-request-id": preq.request_id})
+            try:
+                data = await up.read()
+            finally:
+                up.release()
+            if up.status != 200:
+                raise EngineError(f"HTTP {up.status}: {data[:300].decode(errors='replace')}")
+            try:
+                doc = orjson.loads(data)
+            except orjson.JSONDecodeError as exc:
+                raise EngineError(f"answered invalid JSON: {exc}") from None
+            returned = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
+            u = doc.get("usage") if isinstance(doc, dict) else None
+            res.cached_tokens = protocol.cached_tokens_of(u) or 0
+            res.completion_tokens = int(u.get("completion_tokens") or 0) if isinstance(u, dict) else 0
+            res.kv_transfer_params = await self._consumer_params(src, ticket.transfer_id or "", returned)
+        except EngineError as exc:
+            m.kv_moves.inc((action, "producer_failed"))
+            m.upstream_errors.inc((name, "producer"))
+            return ticket.producer_done(None, f"producer {name}: {exc}")
+        return ticket.producer_done(res)
+
+    async def _consumer_params(self, src: int, transfer_id: str, returned: Any) -> dict[str, Any]:
+        """The consumer's kv_transfer_params for a transfer produced on ``src``: what the producer
+        returned (the emulator returns everything), completed from the engine's configured bootstrap
+        address and the engine id its ``GET /query`` names (vLLM's Mooncake producer returns none)."""
+        params = dict(returned) if isinstance(returned, Mapping) else {}
+        params["do_remote_prefill"] = True
+        params["do_remote_decode"] = False
+        params.setdefault("transfer_id", transfer_id)
+        configured = self.cfg.engines[src].bootstrap
+        if configured is not None:
+            addr = configured.rstrip("/")
+            if params.get("remote_bootstrap_addr") != addr or not params.get("remote_engine_id"):
+                params["remote_engine_id"] = await self._engine_id(addr)
+            params["remote_bootstrap_addr"] = addr
+        elif not params.get("remote_bootstrap_addr") or not params.get("remote_engine_id"):
+            raise EngineError(f"returned no remote_bootstrap_addr / remote_engine_id and no bootstrap address is "
+                              f"configured for engine {self.engines[src].name} (set bootstrap = "
+                              f"\"http://host:8998\" in its [[engines]] entry, or --bootstrap)")
+        return params
+
+    async def _engine_id(self, addr: str) -> str:
+        known = self._engine_ids.get(addr)
+        if known is not None:
+            return known
         assert self.session is not None
         try:
-            async with self.session.post(url, data=raw, headers=up_headers, timeout=self.timeout) as up:
-                if up.status != 200:
-                    data = await up.read()
-                    ticket.finish(None, f"HTTP {up.status} from {name}")
-                    m.upstream_errors.inc((name, "status"))
-                    m.requests.inc((endpoint, str(up.status)))
-                    return web.Response(body=data, status=up.status, headers=headers,
-                                        content_type=up.content_type or "application/json")
-                if not stream:
-                    data = await up.read()
-                    ticket.first_token()
-                    # The usage object is at the end of vLLM's JSON: find it without parsing the rest.
-                    self._finish_ok(ticket, res, usage_from_tail(data[-_TAIL:], sse=False), name, loop.time())
-                    m.requests.inc((endpoint, "200"))
-                    return web.Response(body=data, status=200, headers=headers, content_type="application/json")
-                return await self._stream(request, endpoint, up, ticket, res, headers, name)
-        except aiohttp.ClientConnectorError as exc:
-            why = f"engine {name} unreachable at {eng.base_url}: {exc.os_error or exc}"
-        except TimeoutError:
-            why = f"engine {name} did not answer within {self.cfg.timeout} s"
-            ticket.finish(None, why)
-            m.upstream_errors.inc((name, "timeout"))
-            return self._error(EngineError(why), endpoint)
-        except _UPSTREAM_ERRORS as exc:
-            why = f"engine {name} closed the connection: {exc or type(exc).__name__}"
-        ticket.finish(None, why)
-        m.upstream_errors.inc((name, "connect"))
-        self._eject(i, why)
-        return self._error(EngineError(why), endpoint)
+            async with self.session.get(addr + "/query", timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                doc = await r.json(content_type=None)
+            first = doc.get("0") if "0" in doc else next(iter(doc.values()))
+            eid = str(first["engine_id"])
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError, KeyError, StopIteration,
+                TypeError) as exc:
+            raise EngineError(f"bootstrap {addr}/query gave no engine id: {exc!r}") from None
+        self._engine_ids[addr] = eid
+        return eid
 
-    def _finish_ok(self, ticket: Ticket, res: GenerateResult, u: Any, name: str, now: float) -> None:
+    async def _forward(self, down: Downstream, endpoint: str, raw: bytes, stream: bool, ticket: Ticket,
+                       res: GenerateResult, headers: dict[str, str], up_headers: dict[str, str], own_hit: int) -> None:
+        i = ticket.target
+        name = self.engines[i].name
+        m = self.metrics
+        assert self.upstream is not None
+        try:
+            up = await self.upstream.post(i, endpoint, raw, up_headers)
+        except UpstreamConnectError as exc:
+            return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
+                                               f"engine {name} unreachable at {self.engines[i].base_url}: {exc}")
+        except UpstreamClosedError as exc:
+            return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
+                                               f"engine {name} closed the connection: {exc}")
+        try:
+            if up.status != 200:
+                try:
+                    data = await up.read()
+                except UpstreamClosedError as exc:
+                    return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
+                                                       f"engine {name} closed the connection: {exc}")
+                ticket.finish(None, f"HTTP {up.status} from {name}")
+                m.upstream_errors.inc((name, "status"))
+                m.requests.inc((endpoint, str(up.status)))
+                return await down.respond(up.status, headers, data, up.content_type)
+            if not stream:
+                try:
+                    data = await up.read()
+                except UpstreamClosedError as exc:
+                    return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
+                                                       f"engine {name} closed the connection: {exc}")
+                ticket.first_token()
+                # The usage object is at the end of vLLM's JSON: find it without parsing the rest.
+                self._finish_ok(ticket, res, usage_from_tail(data[-_TAIL:], sse=False), name, own_hit)
+                m.requests.inc((endpoint, "200"))
+                return await down.respond(200, headers, data, "application/json")
+            return await self._stream(down, endpoint, up, ticket, res, headers, name, own_hit)
+        finally:
+            up.release()
+
+    async def _upstream_failed(self, down: Downstream, endpoint: str, ticket: Ticket, headers: Mapping[str, str],
+                               kind: str, why: str) -> None:
+        ticket.finish(None, why)
+        self.metrics.upstream_errors.inc((self.engines[ticket.target].name, kind))
+        self._eject(ticket.target, why)
+        await self._send_error(down, EngineError(why), endpoint)
+
+    def _finish_ok(self, ticket: Ticket, res: GenerateResult, u: Any, name: str, own_hit: int) -> None:
+        m = self.metrics
+        moved = ticket.action != FORWARD and not ticket.fallback
         if isinstance(u, Mapping):
             res.completion_tokens = int(u.get("completion_tokens") or 0)
-            res.cached_tokens = protocol.cached_tokens_of(u) or 0
-            self.metrics.realized_hit.inc((name,), res.cached_tokens)
-        res.finish_time = now
+            cached = protocol.cached_tokens_of(u) or 0
+            m.realized_hit.inc((name,), cached)
+            if moved:
+                # The engine reports local and transferred tokens together; split them so the
+                # router's transferred-bytes totals count only what the transfer brought.
+                res.external_cached_tokens = max(cached - own_hit, 0)
+                res.cached_tokens = cached - res.external_cached_tokens
+                short = cached + self.cfg.block_size <= ticket.predicted_hit_tokens
+                m.kv_moves.inc((ticket.action, "recomputed" if short else "transferred"))
+            else:
+                res.cached_tokens = cached
+        elif moved:
+            m.kv_moves.inc((ticket.action, "unverified"))
+        res.finish_time = self._loop.time()
         ticket.finish(res)
 
-    async def _stream(self, request: web.Request, endpoint: str, up: aiohttp.ClientResponse, ticket: Ticket,
-                      res: GenerateResult, headers: dict[str, str], name: str) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
+    async def _stream(self, down: Downstream, endpoint: str, up: Any, ticket: Ticket, res: GenerateResult,
+                      headers: dict[str, str], name: str, own_hit: int) -> None:
+        loop = self._loop
         m = self.metrics
-        resp = web.StreamResponse(status=200, headers=headers)
-        resp.content_type = "text/event-stream"
-        resp.headers["Cache-Control"] = "no-cache"
-        await resp.prepare(request)
-        _nodelay(request)
+        await down.start_stream(headers)
         tail = b""
         first = True
         try:
-            async for chunk in up.content.iter_any():
+            async for chunk in up.chunks():
                 if first:
                     first = False
                     res.first_token_time = loop.time()
                     ticket.first_token()
                 try:
-                    await resp.write(chunk)
-                except ConnectionError:  # the client went away; dropping `up` aborts the engine's request
+                    await down.write(chunk)
+                except ConnectionError:  # the client went away; releasing `up` aborts the engine's request
                     ticket.finish(None, "client disconnected")
                     m.requests.inc((endpoint, "499"))
-                    return resp
+                    return
                 tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else tail[-(_TAIL - len(chunk)):] + chunk
-        except _UPSTREAM_ERRORS as exc:
-            why = f"engine {name} died mid-stream: {exc or type(exc).__name__}"
+        except UpstreamClosedError as exc:
+            why = f"engine {name} died mid-stream: {exc}"
         else:
             if tail.rstrip().endswith(b"[DONE]"):
-                self._finish_ok(ticket, res, usage_from_tail(tail), name, loop.time())
+                self._finish_ok(ticket, res, usage_from_tail(tail), name, own_hit)
                 m.requests.inc((endpoint, "200"))
-                await resp.write_eof()
-                return resp
+                try:
+                    await down.end()
+                except ConnectionError:
+                    pass
+                return
             why = f"engine {name} ended the stream without [DONE]"
         ticket.finish(None, why)
         m.upstream_errors.inc((name, "midstream"))
-        m.requests.inc((endpoint, "502"))
         self._eject(ticket.target, why)
-        try:
-            await resp.write(protocol.sse(protocol.error_body(why, 502)))
-            await resp.write(protocol.SSE_DONE)
-            await resp.write_eof()
-        except ConnectionError:
-            pass
-        return resp
+        await self._fail(down, EngineError(why), endpoint, headers)
 
-    async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.model, "object": "model", "owned_by": "gpuhit", "root": self.model, "parent": None,
-                "max_model_len": self.max_model_len}
-        return web.json_response({"object": "list", "data": [card]})
+    # ------------------------------------------------------------------------------ GET endpoints
 
-    async def health_handler(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+    def get(self, path: str) -> tuple[int, str, bytes] | None:
+        """(status, content type, body) of a GET endpoint, None for an unknown path."""
+        if path == "/health":
+            return 200, "text/plain", b""
+        if path == "/v1/models":
+            card = {"id": self.model, "object": "model", "owned_by": "gpuhit", "root": self.model, "parent": None,
+                    "max_model_len": self.max_model_len}
+            return 200, "application/json", orjson.dumps({"object": "list", "data": [card]})
+        if path == "/ready":
+            router = self.router
+            ok = router is not None and any(router.healthy(i) for i in range(len(self.engines)))
+            return (200 if ok else 503), "application/json", orjson.dumps({"ready": ok})
+        if path == "/metrics":
+            return 200, "text/plain; version=0.0.4", self.metrics.render().encode()
+        if path == "/debug/state":
+            return 200, "application/json", orjson.dumps(self.debug_state())
+        return None
 
-    async def ready(self, request: web.Request) -> web.Response:
-        router = self.router
-        ok = router is not None and any(router.healthy(i) for i in range(len(self.engines)))
-        return web.json_response({"ready": ok}, status=200 if ok else 503)
-
-    async def metrics_handler(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(), content_type="text/plain")
-
-    async def debug_state(self, request: web.Request) -> web.Response:
+    def debug_state(self) -> dict[str, Any]:
         router = self.router
         assert router is not None
         counters = router.counters()
@@ -555,32 +728,30 @@ class Gateway:
                 ],
             }
             instances.append(inst)
-        return web.json_response({
-            "policy": self.policy_name, "index": self.cfg.index, "model": self.model,
-            "block_size": self.cfg.block_size, "instances": instances, "bindings": len(router.bindings),
-            "router": router.stats.as_dict(), "hash_cache_blocks_hashed": self.hash_cache.blocks_hashed,
-        })
+        return {
+            "policy": self.policy_name, "index": self.cfg.index, "transport": self.cfg.transport,
+            "model": self.model, "block_size": self.cfg.block_size, "instances": instances,
+            "bindings": len(router.bindings), "router": router.stats.as_dict(),
+            "hash_cache_blocks_hashed": self.hash_cache.blocks_hashed,
+        }
 
 
 _CLEARED = KVEventBatch(ts=0.0, events=(AllBlocksCleared(),))
 
 
 async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
-    """Run the gateway until cancelled (used by ``gpuhit serve``)."""
+    """Run the gateway until SIGINT/SIGTERM (used by ``gpuhit serve``)."""
     tracer = tracing.setup("gpuhit-gateway", cfg.otel)
     gw = Gateway(cfg, tracer)
-    runner = web.AppRunner(gw.app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
-    await site.start()
-    print(f"gpuhit serve: listening on http://{cfg.host}:{runner.addresses[0][1]} "
-          f"({len(cfg.engines)} engines, policy {gw.policy_name}, {cfg.index} index)", flush=True)
-    if ready is not None:
-        ready.set()
     try:
+        port = await gw.listen()
+        print(f"gpuhit serve: listening on http://{cfg.host}:{port} ({len(cfg.engines)} engines, policy "
+              f"{gw.policy_name}, {cfg.index} index, {cfg.transport} transport)", flush=True)
+        if ready is not None:
+            ready.set()
         await _until_signalled()
     finally:
-        await runner.cleanup()
+        await gw.shutdown()
         tracing.shutdown()
 
 

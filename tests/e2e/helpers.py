@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
-
-from aiohttp import web
 
 from engines.emulated.server import EmulatedServer
 from gateway.config import EngineEntry, GatewayConfig
@@ -38,18 +37,26 @@ async def servers(engines: Sequence[Any], model: str = "m", **kw: Any) -> AsyncI
             await srv.close()
 
 
+TRANSPORT_ENV = "GPUHIT_GATEWAY_TRANSPORT"
+
+
 @contextlib.asynccontextmanager
-async def gateway(urls: Sequence[str], tracer: Any = None, **kw: Any) -> AsyncIterator[tuple[Gateway, str]]:
-    cfg = GatewayConfig(engines=tuple(EngineEntry(u, f"e{i}") for i, u in enumerate(urls)), **kw).validate()
+async def gateway(urls: Sequence[str], tracer: Any = None, roles: Sequence[str] | None = None,
+                  **kw: Any) -> AsyncIterator[tuple[Gateway, str]]:
+    """A gateway on a free loopback port in front of ``urls`` (engines e0, e1, ...). The transport
+    is ``kw["transport"]``, else $GPUHIT_GATEWAY_TRANSPORT (run every live test against either
+    implementation), else the config's default."""
+    roles = roles or ["both"] * len(urls)
+    if "transport" not in kw and os.environ.get(TRANSPORT_ENV):
+        kw["transport"] = os.environ[TRANSPORT_ENV]
+    cfg = GatewayConfig(engines=tuple(EngineEntry(u, f"e{i}", role=r) for i, (u, r) in enumerate(zip(urls, roles))),
+                        **kw).validate()
     gw = Gateway(cfg, tracer)
-    runner = web.AppRunner(gw.app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     try:
-        yield gw, f"http://127.0.0.1:{runner.addresses[0][1]}"
+        port = await gw.listen("127.0.0.1", 0)
+        yield gw, f"http://127.0.0.1:{port}"
     finally:
-        await runner.cleanup()
+        await gw.shutdown()
 
 
 class Proc:
@@ -89,3 +96,30 @@ async def spawn_emulator(*extra: str, env: dict[str, str] | None = None) -> tupl
     p = await spawn(["-m", "gpuhit.cli", "emulate", "--port", "0", "--model", "m", *extra], env=env)
     url = p.first_line.split(" on ", 1)[1].split(" ", 1)[0]
     return p, url
+
+
+def zero_cost_profile(name: str = "qwen3-coder-30b-a3b@h20"):
+    """The profile with every step / frontend / transfer cost at 0 s (live tests and benchmarks:
+    the engine answers as fast as its HTTP server can)."""
+    import dataclasses
+
+    from engines.emulated.profile import load_profile
+
+    p = load_profile(name)
+    zero = {f.name: 0.0 for f in dataclasses.fields(p)
+            if f.name.endswith("_s") and isinstance(getattr(p, f.name), float)}
+    return dataclasses.replace(p, **zero)
+
+
+@contextlib.asynccontextmanager
+async def emulated(names: Sequence[str], num_gpu_blocks: int = 512, **kw: Any) -> AsyncIterator[list[Any]]:
+    """Zero-cost in-process ``EmulatedEngine`` s (closed on exit)."""
+    from engines.emulated.engine import EmulatedEngine
+
+    engines = [EmulatedEngine(n, zero_cost_profile(), num_gpu_blocks=num_gpu_blocks, model_name="m", **kw)
+               for n in names]
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            await e.close()

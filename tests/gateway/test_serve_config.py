@@ -88,7 +88,8 @@ def test_vllm_cmd_lines():
     assert second[:2] == ["CUDA_VISIBLE_DEVICES=1", "VLLM_MOONCAKE_BOOTSTRAP_PORT=8999"]
     assert json.loads(second[second.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:5559"
     assert lines[2] == ("gpuhit serve --port 8080 --policy lpwl --index precise --block-size 16 "
-                        "--engine http://127.0.0.1:8000 --engine http://127.0.0.1:8001")
+                        "--engine http://127.0.0.1:8000 --engine http://127.0.0.1:8001 "
+                        "--bootstrap http://127.0.0.1:8998 --bootstrap http://127.0.0.1:8999")
 
 
 def test_vllm_cmd_shared_gpu_splits_memory(capsys):

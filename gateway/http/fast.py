@@ -1,0 +1,574 @@
+"""The ``fast`` transport (default): HTTP/1.1 straight on asyncio protocols, parsed by httptools.
+
+Why: with aiohttp on both sides the gateway spent ~0.6-1.2 CPU-ms per request, most of it in
+aiohttp's request / response objects, multidicts, stream readers and client machinery, not in
+routing. Here each side is one ``asyncio.Protocol`` fed by httptools' C parser (llhttp):
+
+* :class:`FastServer` / ``_ServerConn``: keep-alive (HTTP/1.1 default, ``Connection: close``
+  honoured), pipelined requests answered in order, ``Content-Length`` or chunked request bodies,
+  ``Expect: 100-continue`` answered (or 413 at once when the announced body is over the limit;
+  other expectations get 417), bodies over ``max_body_bytes`` -> 413 and the connection closed,
+  a client's FIN is taken as its disconnect (no half-closed connections: that is what lets a
+  client that leaves cancel its request at once),
+  malformed requests -> 400 and closed, unknown paths 404, wrong methods 405. Streams go out
+  chunked; writes wait while the client's socket buffer is full. A client that disconnects
+  cancels its request's task, which closes the upstream connection (the engine aborts).
+* :class:`FastUpstream`: a pool of keep-alive connections per engine (TCP_NODELAY), the body
+  bytes written untouched in one ``write`` with the head, the answer relayed as it arrives
+  (every chunk already received is handed over in one piece), the engine's socket paused while
+  the client lags. A connection read to the end of its response goes back to the pool; any
+  other is closed. A request on a reused connection that the engine had closed meanwhile (no
+  byte of answer) is retried once on a fresh one, as HTTP clients do for keep-alive races.
+
+The request logic is not here: both call :meth:`gateway.http.app.Gateway.handle`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import httptools
+
+from gateway.http.app import CHAT, COMPLETIONS
+from gateway.http.transport import UpstreamClosedError, UpstreamConnectError
+from gpuhit.errors import BadRequestError, ConfigError, GpuhitError, NotFoundError
+
+if TYPE_CHECKING:
+    from gateway.http.app import Gateway
+
+_REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
+            413: b"Payload Too Large", 417: b"Expectation Failed", 500: b"Internal Server Error",
+            502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout"}
+_GET_PATHS = ("/v1/models", "/health", "/ready", "/metrics", "/debug/state")
+_POST_PATHS = (COMPLETIONS, CHAT)
+_HIGH_WATER = 1 << 20  # bytes of upstream answer buffered before the engine's socket is paused
+_PIPELINE_MAX = 8  # queued pipelined requests before the client's socket is paused
+
+
+def _nodelay(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _status_line(status: int) -> bytes:
+    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Status"))
+
+
+class MethodNotAllowedError(GpuhitError):
+    code = "method_not_allowed"
+    http_status = 405
+
+
+class ExpectationFailedError(BadRequestError):
+    code = "expectation_failed"
+    http_status = 417
+
+
+# ------------------------------------------------------------------------------------ server
+
+
+class _Request:
+    __slots__ = ("body", "headers", "keep_alive", "method", "path", "reject")
+
+    def __init__(self, method: bytes, path: str, headers: dict[str, str], body: bytes, keep_alive: bool,
+                 reject: GpuhitError | None = None):
+        self.method = method
+        self.path = path
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.reject = reject  # answer with this error, then close the connection
+
+
+class _Downstream:
+    """:class:`~gateway.http.transport.Downstream` of one request on a ``_ServerConn``."""
+
+    __slots__ = ("conn", "keep_alive", "started")
+
+    def __init__(self, conn: _ServerConn, keep_alive: bool):
+        self.conn = conn
+        self.keep_alive = keep_alive
+        self.started = False
+
+    def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> list[bytes]:
+        out = [_status_line(status), extra]
+        for k, v in headers.items():
+            out.append(f"{k}: {v}\r\n".encode("latin-1", "replace"))
+        if not self.keep_alive:
+            out.append(b"connection: close\r\n")
+        out.append(b"\r\n")
+        return out
+
+    async def respond(self, status: int, headers: Mapping[str, str], body: bytes, content_type: str) -> None:
+        extra = b"content-type: %s\r\ncontent-length: %d\r\n" % (content_type.encode("latin-1"), len(body))
+        head = self._head(status, headers, extra)
+        head.append(body)
+        self.conn.write(b"".join(head))
+
+    async def start_stream(self, headers: Mapping[str, str]) -> None:
+        self.started = True
+        self.conn.write(b"".join(self._head(200, headers, b"content-type: text/event-stream\r\n"
+                                                         b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n")))
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            conn = self.conn
+            conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+            if conn.paused:
+                await conn.drain()
+
+    async def end(self) -> None:
+        self.conn.write(b"0\r\n\r\n")
+
+
+class _ServerConn(asyncio.Protocol):
+    """One client connection (see the module docstring)."""
+
+    def __init__(self, server: FastServer):
+        self.server = server
+        self.gw = server.gw
+        self.limit = server.max_body_bytes
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.paused = False
+        self._drain: asyncio.Future | None = None
+        self._queue: deque[_Request] = deque()
+        self._task: asyncio.Task | None = None
+        self._reading_paused = False
+        self._stop_parsing = False
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._size = 0
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
+        _nodelay(transport)
+        self.server.conns.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.conns.discard(self)
+        d = self._drain
+        if d is not None and not d.done():
+            d.set_exception(ConnectionResetError("the client closed the connection"))
+        if self._task is not None:
+            self._task.cancel()  # stops the request: the upstream connection is closed, the engine aborts
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        d = self._drain
+        if d is not None and not d.done():
+            d.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self._stop_parsing:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reject(BadRequestError("protocol upgrades are not supported"))
+        except httptools.HttpParserError as exc:
+            if not self._stop_parsing:  # not a rejection raised from one of our callbacks
+                self._reject(BadRequestError(f"malformed HTTP request: {exc}"))
+
+    # -- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = {}
+        self._body = []
+        self._size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        v = value.decode("latin-1")
+        old = self._headers.get(key)
+        self._headers[key] = v if old is None else f"{old}, {v}"
+
+    def on_headers_complete(self) -> None:
+        h = self._headers
+        cl = h.get("content-length")
+        if cl is not None and cl.isdigit() and int(cl) > self.limit:
+            self._reject(self.gw.body_limit_error(int(cl)))
+            raise httptools.HttpParserCallbackError("body too large")
+        expect = h.get("expect")
+        if expect is not None:
+            if expect.lower() != "100-continue":
+                self._reject(ExpectationFailedError(f"unsupported Expect: {expect!r} (only 100-continue)"))
+                raise httptools.HttpParserCallbackError("expectation failed")
+            if not self._queue and self._task is None and self.transport is not None:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size > self.limit:
+            self._reject(self.gw.body_limit_error(None))
+            raise httptools.HttpParserCallbackError("body too large")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        url = self._url
+        q = url.find(b"?")
+        path = (url if q < 0 else url[:q]).decode("latin-1")
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._enqueue(_Request(self.parser.get_method(), path, self._headers, body, self.parser.should_keep_alive()))
+
+    # -- request processing
+
+    def _reject(self, err: GpuhitError) -> None:
+        """Answer ``err`` after the requests already queued, then close: the rest of this
+        connection's bytes cannot be trusted to frame requests."""
+        self._stop_parsing = True
+        path = self._url.split(b"?", 1)[0].decode("latin-1") or "-"
+        self._enqueue(_Request(b"", path, self._headers, b"", False, reject=err))
+
+    def _enqueue(self, req: _Request) -> None:
+        self._queue.append(req)
+        if self._task is None:
+            self._task = self.server.loop.create_task(self._run())
+        elif len(self._queue) > _PIPELINE_MAX and self.transport is not None and not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    async def _run(self) -> None:
+        try:
+            while self._queue and not self.closed:
+                req = self._queue.popleft()
+                if self._reading_paused and len(self._queue) <= 1 and self.transport is not None:
+                    self._reading_paused = False
+                    self.transport.resume_reading()
+                await self._dispatch(req)
+                if not req.keep_alive:
+                    self.close()
+                    return
+        except asyncio.CancelledError:
+            pass  # connection lost: Gateway.handle has already accounted for its request
+        finally:
+            self._task = None
+
+    async def _dispatch(self, req: _Request) -> None:
+        gw = self.gw
+        down = _Downstream(self, req.keep_alive)
+        path = req.path
+        if req.reject is not None:
+            status, data = gw.error_payload(req.reject, path)
+            return await down.respond(status, {}, data, "application/json")
+        method = req.method
+        if method == b"POST" and path in _POST_PATHS:
+            return await gw.handle(path, req.headers, req.body, down)
+        if method in (b"GET", b"HEAD") and (out := gw.get(path)) is not None:
+            status, ctype, data = out
+            await down.respond(status, {}, data, ctype)
+            return
+        if path in _POST_PATHS or path in _GET_PATHS:
+            err: GpuhitError = MethodNotAllowedError(f"method {method.decode('latin-1')} is not allowed on {path}")
+        else:
+            err = NotFoundError(f"no such endpoint: {path}")
+        status, data = gw.error_payload(err, path if path in _POST_PATHS else "other")
+        await down.respond(status, {}, data, "application/json")
+
+    # -- writing
+
+    def write(self, data: bytes) -> None:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("the client closed the connection")
+        if self._drain is None or self._drain.done():
+            self._drain = self.server.loop.create_future()
+        await self._drain
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+
+class FastServer:
+    """The listening side of the fast transport for one :class:`~gateway.http.app.Gateway`."""
+
+    def __init__(self, gw: Gateway, max_body_bytes: int):
+        self.gw = gw
+        self.max_body_bytes = max_body_bytes
+        self.conns: set[_ServerConn] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
+
+    async def start(self, host: str, port: int) -> int:
+        loop = self.loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _ServerConn(self), host, port, backlog=1024,
+                                                reuse_address=True)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for c in list(self.conns):
+            c.close()
+        await self._server.wait_closed()
+        self._server = None
+
+
+# ------------------------------------------------------------------------------------ upstream
+
+
+class FastUpstreamResponse:
+    """One answer on an ``_UpConn`` (the :class:`~gateway.http.transport.UpstreamResponse`)."""
+
+    __slots__ = ("_chunks", "_conn", "_error", "_released", "_size", "_waiter", "complete", "content_type",
+                 "head_done", "keep_alive", "received", "status", "streaming")
+
+    def __init__(self, conn: _UpConn):
+        self._conn = conn
+        self.status = 0
+        self.content_type = "application/json"
+        self.keep_alive = True
+        self.head_done = False
+        self.complete = False
+        self.received = False  # any byte of the answer arrived (no retry after that)
+        self.streaming = False  # read by chunks(): the engine's socket may be paused while the client lags
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._error: UpstreamClosedError | None = None
+        self._waiter: asyncio.Future | None = None
+        self._released = False
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = self._conn.loop.create_future()
+        await self._waiter
+        self._waiter = None
+
+    async def head(self) -> None:
+        while not self.head_done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    async def read(self) -> bytes:
+        while not self.complete:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        chunks = self._chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        self.streaming = True
+        while True:
+            chunks = self._chunks
+            if chunks:
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                self._chunks = []
+                self._size = 0
+                conn.resume()
+                yield data
+            elif self.complete:
+                return
+            elif self._error is not None:
+                raise self._error
+            else:
+                await self._wait()
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        conn = self._conn
+        conn.resp = None
+        if self.complete and self.keep_alive and not conn.closed:
+            conn.resume()
+            conn.pool.put(conn)
+        else:
+            conn.close()
+
+
+class _UpConn(asyncio.Protocol):
+    """One keep-alive connection to an engine."""
+
+    def __init__(self, pool: _Pool, loop: asyncio.AbstractEventLoop):
+        self.pool = pool
+        self.loop = loop
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.resp: FastUpstreamResponse | None = None
+        self.closed = False
+        self._paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
+        _nodelay(transport)
+        self.pool.all.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.all.discard(self)
+        r = self.resp
+        if r is not None and not r.complete:
+            r._error = UpstreamClosedError(
+                f"connection lost {'mid-answer' if r.received else 'before any answer'}"
+                f"{f': {exc}' if exc else ''}")
+            r._wake()
+
+    def data_received(self, data: bytes) -> None:
+        r = self.resp
+        if r is None:
+            self.close()  # bytes nobody asked for: this connection's framing is lost
+            return
+        r.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            r._error = UpstreamClosedError(f"malformed HTTP answer: {exc}")
+            r._wake()
+            self.close()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-type" and self.resp is not None:
+            self.resp.content_type = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        r = self.resp
+        assert r is not None
+        r.status = self.parser.get_status_code()
+        r.keep_alive = self.parser.should_keep_alive()
+        r.head_done = True
+        r._wake()
+
+    def on_body(self, body: bytes) -> None:
+        r = self.resp
+        assert r is not None
+        r._chunks.append(body)
+        r._size += len(body)
+        if r.streaming and r._size > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        r._wake()
+
+    def on_message_complete(self) -> None:
+        r = self.resp
+        assert r is not None
+        r.complete = True
+        r._wake()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def send(self, data: bytes) -> FastUpstreamResponse:
+        assert self.transport is not None
+        self.resp = FastUpstreamResponse(self)
+        self.transport.write(data)
+        return self.resp
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+
+class _Pool:
+    __slots__ = ("all", "host", "host_header", "idle", "port", "prefix")
+
+    def __init__(self, url: str):
+        u = urlsplit(url)
+        if u.scheme != "http" or not u.hostname:
+            raise ConfigError(f"the fast transport speaks plain http://host:port to engines, got {url!r}; "
+                              "use transport = \"aiohttp\" for https")
+        self.host = u.hostname
+        self.port = u.port or 80
+        self.prefix = u.path.rstrip("/").encode()
+        self.host_header = (u.netloc).encode("latin-1")
+        self.idle: list[_UpConn] = []
+        self.all: set[_UpConn] = set()
+
+    def put(self, conn: _UpConn) -> None:
+        self.idle.append(conn)
+
+    def take(self) -> _UpConn | None:
+        idle = self.idle
+        while idle:
+            c = idle.pop()  # most recently used first: warmest, least likely closed by the engine
+            if not c.closed and c.transport is not None and not c.transport.is_closing():
+                return c
+        return None
+
+
+class FastUpstream:
+    """Pooled keep-alive HTTP/1.1 client to the engines (see the module docstring)."""
+
+    def __init__(self, base_urls: Sequence[str], connect_timeout: float = 5.0):
+        self.pools = [_Pool(u) for u in base_urls]
+        self.connect_timeout = connect_timeout
+
+    async def _connect(self, pool: _Pool) -> _UpConn:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(lambda: _UpConn(pool, loop), pool.host, pool.port)
+        except TimeoutError:
+            raise UpstreamConnectError(f"connect to {pool.host}:{pool.port} timed out") from None
+        except OSError as exc:
+            raise UpstreamConnectError(f"cannot connect to {pool.host}:{pool.port}: {exc}") from None
+        return conn
+
+    async def post(self, i: int, path: str, body: bytes, headers: Mapping[str, str]) -> FastUpstreamResponse:
+        pool = self.pools[i]
+        head = [b"POST %b%b HTTP/1.1\r\nhost: %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                % (pool.prefix, path.encode("latin-1"), pool.host_header, len(body))]
+        for k, v in headers.items():
+            head.append(f"{k}: {v}\r\n".encode("latin-1", "replace"))
+        head.append(b"\r\n")
+        head.append(body)
+        data = b"".join(head)
+        conn = pool.take()
+        for attempt in (0, 1):
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(pool)
+            resp = conn.send(data)
+            try:
+                await resp.head()
+            except UpstreamClosedError:
+                conn.close()
+                if reused and not resp.received and attempt == 0:
+                    conn = None  # the engine closed this idle connection meanwhile: once more, fresh
+                    continue
+                raise
+            except BaseException:
+                conn.close()  # cancelled (client gone, timeout): the engine sees the abort
+                raise
+            return resp
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        for pool in self.pools:
+            for c in list(pool.all):
+                c.close()
+            pool.idle.clear()
+

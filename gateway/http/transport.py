@@ -1,0 +1,119 @@
+"""What the gateway's request logic needs from an HTTP implementation, and the aiohttp one.
+
+The request logic (:class:`gateway.http.app.Gateway`: parse -> route -> producer step -> forward ->
+stream -> finish accounting, errors, ejection, tracing) is written once against two small
+interfaces, so the transport is the only thing that differs between ``--transport aiohttp`` and
+the default ``fast`` one (:mod:`gateway.http.fast`):
+
+* :class:`Downstream`: the client's side of one request (a full response, or a chunked SSE
+  stream whose ``write`` raises ``ConnectionError`` once the client is gone).
+* :class:`Upstream`: keep-alive POSTs to engine ``i``, answering an :class:`UpstreamResponse`
+  whose body is read whole or chunk by chunk and which is ``release()``-d when done: back to the
+  pool if it was read to the end, else the connection is closed, which is how an engine learns the
+  client went away (vLLM aborts the request).
+
+Transport failures become two :class:`~gpuhit.errors.EngineError` subclasses: the engine could
+not be reached (connect) or the connection broke after the request was sent (closed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Protocol
+
+import aiohttp
+
+from gpuhit.errors import EngineError
+
+
+class UpstreamConnectError(EngineError):
+    """The engine could not be reached (refused, unroutable, DNS)."""
+
+
+class UpstreamClosedError(EngineError):
+    """The engine's connection broke after the request was sent (crash, reset, truncated body)."""
+
+
+class Downstream(Protocol):
+    started: bool  # a streamed response's head went out: errors can only travel as SSE events now
+
+    async def respond(self, status: int, headers: Mapping[str, str], body: bytes, content_type: str) -> None: ...
+
+    async def start_stream(self, headers: Mapping[str, str]) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None: ...
+
+
+class UpstreamResponse(Protocol):
+    status: int
+    content_type: str
+
+    async def read(self) -> bytes: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    def release(self) -> None: ...
+
+
+class Upstream(Protocol):
+    async def post(self, i: int, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse: ...
+
+    async def close(self) -> None: ...
+
+
+# ------------------------------------------------------------------------------------ aiohttp
+
+_CLOSED = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionResetError)
+
+
+class AioUpstreamResponse:
+    __slots__ = ("_resp", "content_type", "status")
+
+    def __init__(self, resp: aiohttp.ClientResponse):
+        self._resp = resp
+        self.status = resp.status
+        self.content_type = resp.content_type or "application/json"
+
+    async def read(self) -> bytes:
+        try:
+            return await self._resp.read()
+        except _CLOSED as exc:
+            raise UpstreamClosedError(f"connection lost: {exc or type(exc).__name__}") from None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except _CLOSED as exc:
+            raise UpstreamClosedError(f"{exc or type(exc).__name__}") from None
+
+    def release(self) -> None:
+        # release() keeps the connection when the body was read to its end; close() drops it.
+        if self._resp.content.at_eof():
+            self._resp.release()
+        else:
+            self._resp.close()
+
+
+class AioUpstream:
+    """Upstream over one shared aiohttp ``ClientSession`` (keep-alive pool; aiohttp sets
+    TCP_NODELAY on every connection it makes)."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_urls: Sequence[str]):
+        self.session = session
+        self.base_urls = list(base_urls)
+
+    async def post(self, i: int, path: str, body: bytes, headers: Mapping[str, str]) -> AioUpstreamResponse:
+        url = self.base_urls[i] + path
+        try:
+            resp = await self.session.post(url, data=body, headers={"Content-Type": "application/json", **headers})
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamConnectError(f"{exc.os_error or exc}") from None
+        except _CLOSED as exc:
+            raise UpstreamClosedError(f"{exc or type(exc).__name__}") from None
+        return AioUpstreamResponse(resp)
+
+    async def close(self) -> None:
+        pass  # the session belongs to the gateway

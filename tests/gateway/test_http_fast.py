@@ -1,0 +1,153 @@
+"""The fast transport's HTTP/1.1 edges, on raw loopback sockets: keep-alive, pipelining, chunked
+request bodies, Expect: 100-continue, body limits, malformed requests, unknown paths / methods,
+and a client that disconnects mid-stream (the engine's request is aborted)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from engines.fake import FakeEngine
+from tests.e2e.helpers import gateway, servers, wait_until
+
+
+def urls(srvs):
+    return [f"http://127.0.0.1:{s.port}" for s in srvs]
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response (Content-Length or chunked) from ``reader``."""
+    status_line = await reader.readline()
+    status = int(status_line.split()[1])
+    headers: dict[str, str] = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        k, v = line.decode().split(":", 1)
+        headers[k.strip().lower()] = v.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readline()).strip(), 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            body += chunk[:-2]
+        return status, headers, body
+    return status, headers, await reader.readexactly(int(headers.get("content-length", "0")))
+
+
+def request(body: bytes, path: str = "/v1/completions", extra: str = "", method: str = "POST") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+
+
+def completion(prompt, max_tokens=2, stream=False) -> bytes:
+    b = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+    if stream:
+        b["stream_options"] = {"include_usage": True}
+    return json.dumps(b).encode()
+
+
+def test_keep_alive_pipelining_chunked_bodies_and_expect_continue():
+    async def main():
+        async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport="fast") as (gw, url):
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            # Two pipelined requests on one keep-alive connection: answered in order.
+            writer.write(request(completion([1] * 20)) + request(completion([2] * 20, stream=True)))
+            s1, h1, b1 = await read_response(reader)
+            s2, h2, b2 = await read_response(reader)
+            assert (s1, s2) == (200, 200)
+            assert json.loads(b1)["usage"]["prompt_tokens"] == 20
+            assert h2["content-type"] == "text/event-stream" and b2.rstrip().endswith(b"data: [DONE]")
+            assert h1["x-gpuhit-instance"] == "e0"
+            # A chunked request body.
+            raw = completion([3] * 20)
+            chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       + b"%x\r\n%b\r\n" % (10, raw[:10]) + b"%x\r\n%b\r\n" % (len(raw) - 10, raw[10:]) + b"0\r\n\r\n")
+            writer.write(chunked)
+            s, _, b = await read_response(reader)
+            assert s == 200 and json.loads(b)["usage"]["prompt_tokens"] == 20
+            # Expect: 100-continue: the interim answer comes before the body is sent.
+            raw = completion([4] * 20)
+            writer.write(request(b"", extra="Expect: 100-continue\r\n").replace(b"Content-Length: 0",
+                                                                               b"Content-Length: %d" % len(raw)))
+            assert await reader.readline() == b"HTTP/1.1 100 Continue\r\n"
+            assert await reader.readline() == b"\r\n"
+            writer.write(raw)
+            s, _, b = await read_response(reader)
+            assert s == 200
+            # GET endpoints and errors on the same connection.
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await read_response(reader))[0] == 200
+            writer.write(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
+            s, _, b = await read_response(reader)
+            assert s == 404 and "no such endpoint: /nope" in json.loads(b)["error"]["message"]
+            writer.write(b"GET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await read_response(reader))[0] == 405
+            # Connection: close is honoured.
+            writer.write(request(completion([5] * 20), extra="Connection: close\r\n"))
+            s, h, _ = await read_response(reader)
+            assert s == 200 and h["connection"] == "close"
+            assert await reader.read() == b""
+            writer.close()
+            assert gw.router.stats.finished == 5
+
+    asyncio.run(main())
+
+
+def test_oversize_malformed_and_unsupported_expect_are_rejected_and_closed():
+    async def main():
+        async with servers([FakeEngine("a")]) as srvs, \
+                gateway(urls(srvs), transport="fast", max_body_bytes=1000) as (gw, url):
+            port = int(url.rsplit(":", 1)[1])
+
+            async def one(data: bytes) -> tuple[int, dict, bytes, bytes]:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(data)
+                s, h, b = await read_response(reader)
+                rest = await reader.read()  # the gateway closes the connection
+                writer.close()
+                return s, h, b, rest
+
+            s, _, b, rest = await one(request(b"x" * 2000))
+            assert s == 413 and "body of 2000 bytes exceeds the 1000-byte limit" in json.loads(b)["error"]["message"]
+            assert rest == b""
+            big = b"x" * 1500
+            s, _, b, _ = await one(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                   + b"%x\r\n%b\r\n0\r\n\r\n" % (len(big), big))
+            assert s == 413 and "exceeds the 1000-byte limit" in json.loads(b)["error"]["message"]
+            s, _, b, _ = await one(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3000\r\n"
+                                   b"Expect: 100-continue\r\n\r\n")
+            assert s == 413  # refused before the client sends the body
+            s, _, b, _ = await one(request(b"{}", extra="Expect: something-else\r\n"))
+            assert s == 417
+            s, _, b, _ = await one(b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n")
+            assert s == 400 and "malformed HTTP request" in json.loads(b)["error"]["message"]
+            s, _, b, _ = await one(b"NOT HTTP AT ALL\r\n\r\n")
+            assert s == 400
+            assert gw.router.stats.decisions == 0
+
+    asyncio.run(main())
+
+
+def test_client_disconnect_mid_stream_aborts_the_engine_request():
+    async def main():
+        eng = FakeEngine("a", decode_s_per_token=5.0)  # 100 tokens would take minutes: it must be aborted
+        async with servers([eng]) as srvs, gateway(urls(srvs), transport="fast") as (gw, url):
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request(completion([1] * 40, max_tokens=100, stream=True)))
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            while (await reader.readline()).strip() != b"":
+                pass
+            first = await reader.readline()  # chunk size line of the first event
+            assert int(first.strip(), 16) > 0
+            assert eng.running == 1
+            writer.close()
+            await wait_until(lambda: eng.running == 0, what="the engine's request aborted")
+            await wait_until(lambda: gw.router.stats.finished == 1, what="the gateway accounting the request")
+            assert gw.router.counters()[0]["in_flight"] == 0
+            assert gw.metrics.requests.get(("/v1/completions", "499")) == 1
+
+    asyncio.run(main())
+
