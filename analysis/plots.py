@@ -1,0 +1,117 @@
+"""Comparison plots as PNG files (matplotlib, Agg backend: no display needed).
+
+- :func:`plot_latency_cdfs`: request latency CDF, one line per policy.
+- :func:`plot_worker_ttft`: TTFT p90 of every worker, grouped bars per policy (hot-pinning shows as
+  one tall bar).
+- :func:`plot_utilization`: GPU utilization over time, one panel per policy, one thin line per worker
+  and the mean over workers in bold.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: files only, never a window
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def _save(fig, path: str | os.PathLike[str]) -> pathlib.Path:
+    p = pathlib.Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return p
+
+
+def plot_latency_cdfs(latencies: Mapping[str, Sequence[float]], path: str | os.PathLike[str], *,
+                      title: str = "Request latency CDF") -> pathlib.Path:
+    """``latencies``: policy -> request latencies (s) of its ok requests (pooled over seeds)."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for policy, vals in latencies.items():
+        v = np.sort(np.asarray(vals, dtype=float))
+        v = v[~np.isnan(v)]
+        if v.size == 0:
+            continue
+        ax.plot(v, np.arange(1, v.size + 1) / v.size, label=policy, lw=1.4)
+    ax.set_xscale("log")
+    ax.set_xlabel("request latency (s, log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.0)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, path)
+
+
+def plot_worker_ttft(per_worker: Mapping[str, Mapping[str, float]], path: str | os.PathLike[str], *,
+                     title: str = "TTFT p90 per worker") -> pathlib.Path:
+    """``per_worker``: policy -> {worker: TTFT p90 in s}."""
+    policies = list(per_worker)
+    workers = sorted({w for d in per_worker.values() for w in d})
+    fig, ax = plt.subplots(figsize=(max(7.5, 0.9 * len(policies) + 2), 4.5))
+    n_w = max(len(workers), 1)
+    width = 0.8 / n_w
+    x = np.arange(len(policies))
+    cmap = plt.get_cmap("viridis", n_w)
+    for j, w in enumerate(workers):
+        vals = [per_worker[p].get(w, math.nan) for p in policies]
+        ax.bar(x - 0.4 + (j + 0.5) * width, vals, width, label=w, color=cmap(j))
+    ax.set_xticks(x, policies, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("TTFT p90 (s)")
+    ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    if len(workers) <= 16:
+        ax.legend(fontsize=6, ncol=2, title="worker", title_fontsize=7)
+    return _save(fig, path)
+
+
+def _rebin(t: np.ndarray, u: np.ndarray, max_points: int) -> tuple[np.ndarray, np.ndarray]:
+    """Average consecutive bins so at most ``max_points`` remain (a readable curve, same mean)."""
+    if t.size <= max_points:
+        return t, u
+    k = math.ceil(t.size / max_points)
+    n = (t.size // k) * k
+    tt = t[:n].reshape(-1, k)[:, 0]
+    uu = u[:n].reshape(-1, k).mean(axis=1)
+    return tt, uu
+
+
+def plot_utilization(series: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
+                     path: str | os.PathLike[str], *, title: str = "GPU utilization over time",
+                     max_points: int = 120) -> pathlib.Path:
+    """``series``: policy -> {worker: (bin start times s, busy fraction 0..1 per bin)}; each curve is
+    averaged down to at most ``max_points`` bins."""
+    policies = list(series)
+    n = max(len(policies), 1)
+    cols = 2 if n > 1 else 1
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 2.4 * rows), squeeze=False, sharey=True)
+    for k, policy in enumerate(policies):
+        ax = axes[k // cols][k % cols]
+        curves = []
+        for _, (t, u) in sorted(series[policy].items()):
+            t, u = _rebin(np.asarray(t, dtype=float), np.asarray(u, dtype=float), max_points)
+            ax.plot(t, 100 * u, lw=0.5, alpha=0.45)
+            curves.append((t, u))
+        if curves:
+            L = min(len(c[0]) for c in curves)
+            if L:
+                mean = np.mean([c[1][:L] for c in curves], axis=0)
+                ax.plot(curves[0][0][:L], 100 * mean, lw=1.8, color="black", label="mean")
+        ax.set_title(policy, fontsize=9)
+        ax.set_ylim(0, 105)
+        ax.grid(True, alpha=0.3)
+        ax.set_ylabel("busy %")
+    for k in range(n, rows * cols):
+        axes[k // cols][k % cols].axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("replay time (s)")
+    fig.suptitle(title)
+    fig.subplots_adjust(hspace=0.5)
+    return _save(fig, path)

@@ -1,0 +1,77 @@
+"""A one-line progress display on stderr: requests done/total, replay clock, sim/wall ratio, ETA.
+
+Redrawn at most ``max_hz`` times per second (the check is one wall-clock read per update, so it is
+cheap enough to call per request). Off when stderr is not a TTY unless ``force=True``, so logs and
+test output stay clean. No dependency beyond the standard library.
+
+This is the one place in the replayer that reads the wall clock on purpose: the display is about
+real elapsed time, and nothing it computes feeds back into the simulation.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import TextIO
+
+
+def _fmt_secs(s: float) -> str:
+    if math.isnan(s) or math.isinf(s):  # unknown
+        return "?"
+    s = round(s)
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+class Progress:
+    """``update(done, sim_time)`` per finished request; ``close()`` at the end."""
+
+    def __init__(self, total: int, *, label: str = "", enabled: bool | None = None, force: bool = False,
+                 stream: TextIO | None = None, max_hz: float = 4.0):
+        self.total = max(int(total), 0)
+        self.label = label
+        self.stream = stream or sys.stderr
+        if enabled is None:
+            enabled = force or bool(getattr(self.stream, "isatty", lambda: False)())
+        self.enabled = enabled
+        self._interval = 1.0 / max_hz if max_hz > 0 else 0.0
+        self._wall0 = time.monotonic()
+        self._last_draw = -1e18
+        self._done = 0
+        self._sim = 0.0
+        self._width = 0
+
+    def line(self, done: int, sim_time: float, wall: float) -> str:
+        """The text of the progress line (pure: exposed for tests)."""
+        pct = 100.0 * done / self.total if self.total else 100.0
+        ratio = sim_time / wall if wall > 0 else float("inf")
+        eta = wall * (self.total - done) / done if done else float("nan")
+        ratio_s = f"{ratio:,.0f}x" if ratio != float("inf") else "-"
+        head = f"{self.label}: " if self.label else ""
+        return (f"{head}{done}/{self.total} requests ({pct:5.1f}%)  sim {_fmt_secs(sim_time)}  "
+                f"wall {_fmt_secs(wall)}  sim/wall {ratio_s}  ETA {_fmt_secs(eta)}")
+
+    def update(self, done: int, sim_time: float) -> None:
+        self._done, self._sim = done, sim_time
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last_draw < self._interval and done < self.total:
+            return
+        self._last_draw = now
+        self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        text = self.line(self._done, self._sim, now - self._wall0)
+        pad = max(self._width - len(text), 0)
+        self._width = len(text)
+        self.stream.write("\r" + text + " " * pad)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(time.monotonic())
+            self.stream.write("\n")
+            self.stream.flush()
