@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import datetime as _dt
-import inspect
 import json
 import math
 import multiprocessing as mp
@@ -53,7 +52,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpuhit.errors import ConfigError, UnavailableError
+from gpuhit.errors import ConfigError
 
 DEFAULT_INSTANCES = 8
 DEFAULT_SESSION_RATE = 1.0 / 60.0  # sessions per second (one new conversation a minute on average)
@@ -502,17 +501,12 @@ def _plots(out: pathlib.Path, results: Sequence[dict[str, Any] | None]) -> list[
 
 def _live(args: argparse.Namespace) -> int:
     """Closed-loop replay against a running gateway over HTTP (one run, the gateway's policy)."""
-    try:
-        from replayer.live import HttpTarget  # written by the live-serving work (issue 5)
-    except ModuleNotFoundError as exc:
-        if exc.name in ("replayer.live",):
-            raise UnavailableError("live replay (--gateway) needs replayer/live.py, which this build does not have") from None
-        raise
     from analysis.compare import to_json
     from analysis.summary import summarize
     from gpuhit import vtime
     from replayer.arrivals import ArrivalConfig
     from replayer.driver import DriverConfig, count_requests, replay
+    from replayer.live import HttpTarget
     from replayer.progress import Progress
     from replayer.records import RecordWriter, read_records
     from replayer.synth import TokenSynthesizer
@@ -532,11 +526,9 @@ def _live(args: argparse.Namespace) -> int:
     path = out / "records" / f"live-seed{seed}.csv"
     total = count_requests(trace, args.max_sessions)
     synth = TokenSynthesizer(seed=seed)
-    params = inspect.signature(HttpTarget).parameters
-    kw = {"synth": synth} if "synth" in params else {}
 
     async def go() -> Any:
-        target = HttpTarget(args.gateway, **kw)
+        target = HttpTarget(args.gateway, synth)
         bar = Progress(total, label="live", force=args.progress)
         loop = __import__("asyncio").get_running_loop()
         t0 = loop.time()
@@ -547,14 +539,8 @@ def _live(args: argparse.Namespace) -> int:
             bar.update(n[0], loop.time() - t0)
 
         try:
-            if hasattr(target, "__aenter__"):
-                async with target:
-                    res = await replay(trace, target, dcfg, sink=w.write, skip=w.done, on_record=on_record)
-            else:
+            async with target:
                 res = await replay(trace, target, dcfg, sink=w.write, skip=w.done, on_record=on_record)
-                close = getattr(target, "aclose", None) or getattr(target, "close", None)
-                if close is not None and inspect.isawaitable(r := close()):
-                    await r
         finally:
             bar.close()
         return res

@@ -146,9 +146,18 @@ class _Replay:
         self.deadline = self.t0 + cfg.duration if cfg.duration is not None else math.inf
         self.last_finish = self.t0
         self._reported: set[str] = set()
+        # Set once nothing more may be sent (request budget spent, or the duration is over), so
+        # sessions waiting for their start or a think time stop at once instead of sleeping on:
+        # in live mode a trace's later arrivals would otherwise hold the replay for its whole span.
+        self._stop = asyncio.Event()
+        self._deadline_timer = (
+            self.loop.call_at(self.deadline, self._stop.set) if math.isfinite(self.deadline) else None
+        )
 
     # -- bounds ---------------------------------------------------------------------------------
     def _may_send(self) -> bool:
+        if self._stop.is_set():
+            return False
         if self.cfg.max_requests is not None and self.sent >= self.cfg.max_requests:
             return False
         return self.loop.time() <= self.deadline
@@ -189,6 +198,8 @@ class _Replay:
         implied = self._implied(s, turn)
         req = TurnRequest(f"{s.session_id}#{k}", s, k, implied)
         self.sent += 1
+        if self.cfg.max_requests is not None and self.sent >= self.cfg.max_requests:
+            self._stop.set()
         sent_at = self.loop.time()
         try:
             rec = await self.target.submit(req)
@@ -215,10 +226,17 @@ class _Replay:
         self._emit(self._stamp(rec, s, k, 0))
 
     # -- sessions -------------------------------------------------------------------------------
+    async def _pause(self, delay: float) -> None:
+        """Sleep ``delay`` seconds of replay clock, or less if the replay stops sending meanwhile."""
+        if delay <= 0 or self._stop.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._stop.wait(), delay)
+        except TimeoutError:
+            pass
+
     async def _sleep_until(self, t: float) -> None:
-        delay = t - self.loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        await self._pause(t - self.loop.time())
 
     async def _session(self, s: Session) -> None:
         start = self.loop.time()
@@ -248,7 +266,7 @@ class _Replay:
                 self.seen.setdefault(s.namespace, set()).update(turn.hash_ids)
                 continue
             if k > 0 and turn.think_time > 0:
-                await asyncio.sleep(min(turn.think_time * self.think_scale, self.max_think))
+                await self._pause(min(turn.think_time * self.think_scale, self.max_think))
             if not self._may_send():
                 return
             ok = await self._send(s, k)
@@ -299,6 +317,8 @@ class _Replay:
                 await self._session(s)
 
             await asyncio.gather(*(at(s, t) for s, t in zip(rs, starts)))
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
         total = count_requests(self.trace, self.cfg.max_sessions)
         return ReplayOutcome(self.records, self.t0, self.last_finish, self.sessions_started, self.sent, total)
 

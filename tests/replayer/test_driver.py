@@ -188,3 +188,22 @@ def test_count_requests_includes_subagents():
     tr = trace(session("p", [turn(), turn()]), session("c", [turn()], parent="p"), session("q", [turn()], arrival=1))
     assert count_requests(tr) == 4
     assert count_requests(tr, max_sessions=1) == 3
+
+
+def test_spent_budget_stops_waiting_sessions_at_once():
+    # 20 sessions arriving one per 1000 s; with max_requests=2 the replay must not wait for the
+    # remaining arrivals (a live replay would otherwise sit idle for the trace's whole span).
+    tr = trace(*(session(f"s{i}", [turn(), turn(think=500.0)], arrival=1000.0 * i) for i in range(20)))
+    t = DelayTarget(ttft=1.0, tail=0.0)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        out = await replay(tr, t, DriverConfig(max_requests=2))
+        return out, loop.time() - t0
+
+    out, elapsed = vtime.run(go())
+    assert out.requests_sent == 2
+    # s0#0 runs 0..1 s, s0#1 is sent after its 500 s think time and ends at 502 s; without the stop
+    # the replay would sleep until the last session's arrival at 19,000 s
+    assert elapsed == 502.0
