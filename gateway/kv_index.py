@@ -17,12 +17,20 @@ hope: each set tracks its *orphans*, stored blocks whose parent is not stored. A
 searched range implies an orphan in it, so when a set has no orphans the binary search is exact;
 when it has some, the answer is verified by a linear scan (rare: it needs a parent evicted before
 its child).
+
+The precise index uses :class:`_ChainSet` instead, because it sees every block every engine stores
+or evicts (tens of millions per simulated run, one ``BlockRemoved`` per evicted block): it keeps
+no per-block bookkeeping, so events apply with C-level dict operations, and exactness comes from
+verifying the binary search's answer with one C-level membership pass over the hit (the search
+ends on a present block followed by an absent one, so the first hole, if any, lies inside the
+verified range).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from itertools import chain, repeat
 from typing import Protocol
 
 from engines.kv_events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -130,6 +138,85 @@ class _BlockSet:
         return lo - start
 
 
+class _ChainSet:
+    """Blocks of one instance in one medium for the precise index: ``blocks`` maps hash -> parent.
+
+    Same interface and answers as :class:`_BlockSet`, with bulk updates and no running orphan
+    count (see the module docstring): ``orphans`` is computed on demand (diagnostics, O(n)).
+    """
+
+    __slots__ = ("blocks",)
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, int | None] = {}
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def orphans(self) -> int:
+        """Stored blocks whose parent is not stored (O(n): tests and debugging only)."""
+        blocks = self.blocks
+        return sum(1 for p in blocks.values() if p is not None and p not in blocks)
+
+    def add(self, h: int, parent: int | None) -> bool:
+        """Store ``h`` (child of ``parent``); False if it was already stored."""
+        if h in self.blocks:
+            return False
+        self.blocks[h] = parent
+        return True
+
+    def remove(self, h: int) -> bool:
+        return self.blocks.pop(h, _MISSING) is not _MISSING
+
+    def add_chain(self, hashes: Sequence[int], parent: int | None) -> None:
+        """:meth:`add` each hash as the child of the one before it (one BlockStored event)."""
+        blocks = self.blocks
+        if blocks.keys().isdisjoint(hashes):
+            new = dict(zip(hashes, chain((parent,), hashes)))
+            if len(new) == len(hashes):  # no hash twice in the run: one C-level update
+                blocks.update(new)
+                return
+        for h in hashes:  # some already stored (kept with their parent) or repeated
+            if h not in blocks:
+                blocks[h] = parent
+            parent = h
+
+    def remove_many(self, hashes: Iterable[int]) -> None:
+        """:meth:`remove` each hash (absent ones ignored), in C."""
+        deque(map(self.blocks.pop, hashes, repeat(None)), maxlen=0)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+    def prefix_hit(self, hashes: Sequence[int], start: int = 0) -> int:
+        """Length of the run of ``hashes[start:]`` present here, counted from ``start``."""
+        blocks = self.blocks
+        n = len(hashes)
+        if start >= n or hashes[start] not in blocks:
+            return 0
+        if hashes[n - 1] in blocks:
+            lo = n
+        else:
+            # invariant: hashes[lo - 1] present, hashes[hi] absent
+            lo, hi = start + 1, n - 1
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if hashes[mid - 1] in blocks:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        # hashes[lo] (if any) is absent, so the first absent position is <= lo: verify below it
+        if lo - start > 1:
+            present = list(map(blocks.__contains__, hashes[start + 1 : lo]))
+            if not all(present):
+                return present.index(False) + 1
+        return lo - start
+
+
+_MISSING = object()
+
+
 class _BaseIndex:
     __slots__ = ("_cpu", "_gpu", "num_instances")
 
@@ -171,30 +258,50 @@ class PreciseKVIndex(_BaseIndex):
 
     __slots__ = ()
 
+    def __init__(self, num_instances: int):
+        super().__init__(num_instances)
+        self._gpu = [_ChainSet() for _ in range(num_instances)]  # type: ignore[misc]
+        self._cpu = [_ChainSet() for _ in range(num_instances)]  # type: ignore[misc]
+
     def on_kv_event(self, instance: int, batch: KVEventBatch) -> None:
         self._check(instance)
+        gpu = self._gpu[instance]
+        cpu = self._cpu[instance]
+        # Engines publish one BlockRemoved per evicted block, so a batch is mostly long runs of
+        # single-hash removals: a run on one medium is collected and applied in one call.
+        run: list[int] = []
+        extend = run.extend
+        run_target = None
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                target = self._tier(instance, ev.medium)
+            t = type(ev)
+            if t is BlockRemoved or (t is not BlockStored and isinstance(ev, BlockRemoved)):
+                m = ev.medium
+                target = gpu if (m == GPU or m is None) else cpu if m == CPU else None
                 if target is None:
                     continue
-                parent = ev.parent_block_hash
-                for h in ev.block_hashes:
-                    target.add(h, parent)
-                    parent = h
-            elif isinstance(ev, BlockRemoved):
+                if target is not run_target:
+                    if run:
+                        run_target.remove_many(run)  # type: ignore[union-attr]
+                        run.clear()
+                    run_target = target
+                extend(ev.block_hashes)
+                continue
+            if run:
+                run_target.remove_many(run)  # type: ignore[union-attr]
+                run.clear()
+            if t is BlockStored or isinstance(ev, BlockStored):
                 target = self._tier(instance, ev.medium)
-                if target is None:
-                    continue
-                for h in ev.block_hashes:
-                    target.remove(h)
+                if target is not None:
+                    target.add_chain(ev.block_hashes, ev.parent_block_hash)  # type: ignore[union-attr]
             elif isinstance(ev, AllBlocksCleared):
                 if ev.medium in (None, GPU):
-                    self._gpu[instance].clear()
+                    gpu.clear()
                 if ev.medium in (None, CPU):
-                    self._cpu[instance].clear()
+                    cpu.clear()
             else:  # the decoder only produces the three types; anything else is a bug upstream
                 raise ConfigError(f"unknown KV event {type(ev).__name__}")
+        if run:
+            run_target.remove_many(run)  # type: ignore[union-attr]
 
     def on_routed(self, instance: int, block_hashes: Sequence[int]) -> None:
         """Nothing to learn: the engine's events are the truth."""

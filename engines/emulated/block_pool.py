@@ -13,6 +13,12 @@ events that follow. vLLM's semantics, kept exactly because routers read them thr
 * Reusing a cached block for a new allocation evicts it: its hash leaves the hash map and a
   ``BlockRemoved`` is queued. vLLM does not de-duplicate: two requests computing the same block at
   once both cache it; lookups return the first one cached.
+
+Watch (speed, no behaviour): the KV manager may *watch* one set of cached blocks (a waiting
+request's prefix hit that could not be allocated, which vLLM looks up again every step). The pool
+raises ``watch_dirty`` whenever something happens that could change that lookup's answer or its
+count of evictable blocks: a watched block evicted, or its reference count crossing zero (touch /
+free). A new block cached right after the hit is checked by the manager itself.
 """
 
 from __future__ import annotations
@@ -122,6 +128,9 @@ class BlockPool:
         self.enable_events = enable_events
         self.events: list[KVEvent] = []
         self.on_evict = on_evict
+        # see "Watch" in the module docstring; None = nothing watched (the hot paths skip the checks)
+        self.watch: set[KVBlock] | None = None
+        self.watch_dirty = False
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -142,6 +151,15 @@ class BlockPool:
     def cached_hashes(self) -> set[int]:
         return set(self._cached)
 
+    def reset_cache(self) -> None:
+        """Forget every cached hash (vLLM's prefix-cache reset); the caller checked nothing is in use."""
+        for b in self.blocks:
+            b.block_hash = None
+            b.parent_hash = None
+        self._cached.clear()
+        self._dups.clear()
+        self.watch_dirty = True
+
     def take_events(self) -> list[KVEvent]:
         ev = self.events
         self.events = []
@@ -149,20 +167,52 @@ class BlockPool:
 
     # ---- allocation ----------------------------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Pop ``n`` blocks from the head of the free queue, evicting cached ones; ref count 1."""
-        if n > self.free_queue.num_free:
+        """Pop ``n`` blocks from the head of the free queue, evicting cached ones; ref count 1.
+
+        Hot path (every computed block passes here, and in a full cache nearly every one evicts):
+        the ``n`` blocks are unlinked in one walk and the common eviction (no duplicate of the
+        hash) is inlined; order of evictions, events and ``on_evict`` calls is the popping order.
+        """
+        q = self.free_queue
+        if n > q.num_free:
             raise ValueError(f"cannot get {n} free blocks from the pool")
-        out = []
-        popleft = self.free_queue.popleft
+        out: list[KVBlock] = []
+        if n <= 0:
+            return out
+        append = out.append
+        cached = self._cached
+        dups = self._dups
+        events = self.events if self.enable_events else None
+        on_evict = self.on_evict
+        watch = self.watch
+        head = q._head
+        b = head.next
         for _ in range(n):
-            b = popleft()
-            if b.block_hash is not None:
-                self._evict(b)
+            h = b.block_hash
+            if h is not None:
+                if watch and b in watch:
+                    self.watch_dirty = True
+                if dups or on_evict is not None:
+                    self._evict(b)
+                else:
+                    # no duplicates anywhere: b is the block the hash maps to
+                    del cached[h]
+                    if events is not None:
+                        events.append(BlockRemoved((h,), GPU))
+                    b.block_hash = None
+                    b.parent_hash = None
             b.ref_cnt = 1
-            out.append(b)
+            append(b)
+            nxt = b.next
+            b.prev = b.next = None
+            b = nxt
+        head.next = b
+        b.prev = head
+        q.num_free -= n
         return out
 
     def _evict(self, b: KVBlock) -> None:
+        """General eviction (duplicates, an ``on_evict`` tier); the caller handled the watch."""
         h = b.block_hash
         assert h is not None
         if self._cached.get(h) is b:
@@ -179,7 +229,7 @@ class BlockPool:
             if not dups:
                 del self._dups[h]
         if self.enable_events:
-            self.events.append(BlockRemoved(block_hashes=(h,), medium=GPU))
+            self.events.append(BlockRemoved((h,), GPU))
         if self.on_evict is not None:
             self.on_evict(h, b.parent_hash)
         b.block_hash = None
@@ -189,6 +239,15 @@ class BlockPool:
         """A prefix hit: take ref-0 cached blocks out of the free queue and count the new user."""
         # FreeBlockQueue.remove inlined: this loop runs once per hit block (thousands per long prompt)
         q = self.free_queue
+        watch = self.watch
+        if watch and not self.watch_dirty:
+            if not isinstance(blocks, (list, tuple)):
+                blocks = list(blocks)
+            # a watched block leaving ref count 0 changes the watcher's evictable count
+            for b in watch.intersection(blocks):
+                if b.ref_cnt == 0:
+                    self.watch_dirty = True
+                    break
         removed = 0
         for b in blocks:
             if b.ref_cnt == 0:
@@ -203,6 +262,9 @@ class BlockPool:
     def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the free queue tail in this order."""
         q = self.free_queue
+        watch = self.watch
+        if watch and not self.watch_dirty and not isinstance(ordered, (list, tuple)):
+            ordered = list(ordered)
         tail = q._tail
         last = tail.prev
         added = 0
@@ -216,6 +278,12 @@ class BlockPool:
         last.next = tail
         tail.prev = last
         q.num_free += added
+        if watch and not self.watch_dirty:
+            # a watched block reaching ref count 0 (it only can by this call) joins the evictables
+            for b in watch.intersection(ordered):
+                if b.ref_cnt == 0:
+                    self.watch_dirty = True
+                    break
 
     def cache_full_blocks(
         self,

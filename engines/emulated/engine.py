@@ -281,11 +281,7 @@ class EmulatedEngine:
         """vLLM's ``/reset_prefix_cache``: drop every cached GPU block; refused while blocks are in use."""
         if self.pool.num_free() != self.pool.num_usable:
             return False
-        for b in self.pool.blocks:
-            b.block_hash = None
-            b.parent_hash = None
-        self.pool._cached.clear()
-        self.pool._dups.clear()
+        self.pool.reset_cache()
         if self.pool.enable_events:
             self.pool.events.append(AllBlocksCleared())
         self._publish(self._last_time)

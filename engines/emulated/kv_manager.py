@@ -10,6 +10,7 @@ unknown to the emulator (a later turn's prompt brings its own hashes for them).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from engines.emulated.block_pool import BlockPool, KVBlock
 from engines.emulated.request import EmuRequest
@@ -33,6 +34,9 @@ class PrefixCacheStats:
             self.requests += 1
             self.queries += num_tokens
             self.hits += num_hits
+
+
+_REF_CNT = attrgetter("ref_cnt")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -61,30 +65,111 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        # Blocked-lookup memo (speed only; see get_computed_blocks): the request whose prefix hit
+        # could not be allocated, its max_blocks, hit blocks and evictable count. Armed only while
+        # the pool watches those blocks; pool.watch_dirty means "look up again".
+        self._memo_req: EmuRequest | None = None
+        self._memo_max = -1
+        self._memo_blocks: list[KVBlock] = []
+        self._memo_evictable = 0
+        self._last_req: EmuRequest | None = None  # the latest lookup (to arm the memo on failure)
+        self._last_blocks: list[KVBlock] = []
+        self._last_max = -1
+        self.memo_hits = 0  # lookups answered by the memo (speed diagnostics, tests)
 
     # ---- lookups -------------------------------------------------------------------------------
     def longest_hit(self, hashes: Sequence[int], max_blocks: int) -> list[KVBlock]:
-        """Cached blocks of the longest prefix of ``hashes`` (at most ``max_blocks``)."""
+        """Cached blocks of the longest prefix of ``hashes`` (at most ``max_blocks``).
+
+        Why not a plain scan: a waiting request that cannot get blocks repeats this lookup every
+        step, over ~6,500 blocks for an agentic prompt. Chain positions are binary-searched
+        instead (vLLM frees a request's blocks tail first, so a chain's cached blocks are almost
+        always a prefix), then the blocks are fetched in one C-level ``map``. Exactness does not
+        rest on prefix-closedness: the search ends at a position ``k`` whose block is cached and
+        whose successor is not, so the first miss is at most ``k``; a miss inside ``[0, k)`` (a
+        hole, or hashes that are not chained) shows up as a ``None`` and cuts the answer there,
+        which is what the scan would return.
+        """
+        n = min(len(hashes), max_blocks)
+        if n <= 0:
+            return []
+        cached = self.pool._cached
+        if hashes[0] not in cached:
+            return []
+        if hashes[n - 1] in cached:
+            k = n
+        else:
+            # invariant: hashes[lo - 1] cached, hashes[hi] not cached
+            lo, hi = 1, n - 1
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if hashes[mid - 1] in cached:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        out = list(map(cached.get, hashes[:k] if k < len(hashes) else hashes))
+        if not all(out):  # a hole below k (KVBlock has no __bool__/__len__: only None is falsy)
+            del out[out.index(None):]
+        return out
+
+    def longest_hit_scan(self, hashes: Sequence[int], max_blocks: int) -> list[KVBlock]:
+        """Reference linear scan (the definition :meth:`longest_hit` must match; tests)."""
         get = self.pool._cached.get
         out: list[KVBlock] = []
-        append = out.append
         for h in hashes[:max_blocks] if max_blocks < len(hashes) else hashes:
             b = get(h)
             if b is None:
                 break
-            append(b)
+            out.append(b)
         return out
 
     def get_computed_blocks(self, req: EmuRequest) -> tuple[list[KVBlock], int]:
         """Local prefix hit of a request about to be scheduled: (blocks, tokens).
 
         At most ``num_tokens - 1`` tokens: even a full hit recomputes the last token to get logits.
+
+        Why a memo: a waiting request that cannot get blocks stays at the queue head and vLLM
+        looks its prefix up again on every step (each lookup counts in the stats, as in vLLM);
+        for agentic prompts that is thousands of blocks per step. The answer is reused while
+        nothing could have changed it: the same request and ``max_blocks``, no watched block
+        evicted or crossing ref count zero (the pool's ``watch_dirty``), and the hash after the
+        hit still not cached. Under those conditions the scan would return the same blocks.
         """
         max_blocks = (req.num_tokens - 1) // self.block_size
-        blocks = self.longest_hit(req.block_hashes, max_blocks)
+        if (
+            self._memo_req is req
+            and self._memo_max == max_blocks
+            and not self.pool.watch_dirty
+            and self._memo_boundary_holds(req.block_hashes, max_blocks)
+        ):
+            blocks = self._memo_blocks
+            self.memo_hits += 1
+        else:
+            if self._memo_req is not None:
+                self._disarm()
+            blocks = self.longest_hit(req.block_hashes, max_blocks)
+        self._last_req, self._last_blocks, self._last_max = req, blocks, max_blocks
         n = len(blocks) * self.block_size
         self.stats.record(req.num_tokens, n, req.num_preemptions > 0)
         return blocks, n
+
+    def _memo_boundary_holds(self, hashes: Sequence[int], max_blocks: int) -> bool:
+        """The block after the memoized hit is still not cached (else the hit would be longer)."""
+        k = len(self._memo_blocks)
+        return k >= max_blocks or k >= len(hashes) or hashes[k] not in self.pool._cached
+
+    def _arm(self, req: EmuRequest, blocks: list[KVBlock], evictable: int) -> None:
+        self._memo_req, self._memo_max = req, self._last_max
+        self._memo_blocks, self._memo_evictable = blocks, evictable
+        self.pool.watch = set(blocks) if blocks else None  # an empty hit: only the boundary to check
+        self.pool.watch_dirty = False
+
+    def _disarm(self) -> None:
+        self._memo_req = None
+        self._memo_blocks = []
+        self.pool.watch = None
+        self.pool.watch_dirty = False
 
     # ---- allocation ----------------------------------------------------------------------------
     def allocate_slots(
@@ -107,12 +192,20 @@ class KVCacheManager:
         need_tokens = num_computed + num_new_tokens
         n_new = cdiv(need_tokens, self.block_size) - len(new_computed_blocks) - n_held
         n_new = max(n_new, 0)
-        evictable = 0
-        for b in new_computed_blocks:
-            if b.ref_cnt == 0:
-                evictable += 1
+        # hit blocks with ref count 0 sit in the free queue: taking them reduces the free count.
+        # C-level count: a blocked waiting request repeats this every step over thousands of blocks.
+        memo = self._memo_req is req and new_computed_blocks is self._memo_blocks and not self.pool.watch_dirty
+        if memo:
+            evictable = self._memo_evictable
+        else:
+            evictable = list(map(_REF_CNT, new_computed_blocks)).count(0) if new_computed_blocks else 0
         if n_new + evictable > self.pool.free_queue.num_free:
+            if not memo and req is self._last_req and new_computed_blocks is self._last_blocks:
+                # blocked at the head of the queue: it will look the same prefix up next step
+                self._arm(req, self._last_blocks, evictable)
             return None
+        if self._memo_req is req:
+            self._disarm()
         if held is None:
             held = self.req_blocks[rid] = []
             self.num_cached_blocks[rid] = 0
@@ -150,10 +243,12 @@ class KVCacheManager:
 
     def free(self, req: EmuRequest) -> None:
         """Release the request's blocks, tail first (so the tail is evicted before the prefix)."""
+        if self._memo_req is req:
+            self._disarm()
         blocks = self.req_blocks.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(blocks[::-1])
 
     def block_ids(self, req: EmuRequest) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
