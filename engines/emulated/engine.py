@@ -380,7 +380,15 @@ class EmulatedEngine:
                 if out.started_loads:
                     self._start_loads(out.started_loads, now)
                 if out.empty:
+                    if out.preempted:
+                        # The only running request was its own preemption victim: the step schedules
+                        # nothing, but the next one differs (it admits from the waiting queue). vLLM's
+                        # engine core steps again at once; waiting for a wake-up here could be forever.
+                        continue
                     # nothing can run now (every waiting request loading, or blocked on pinned blocks)
+                    if not sched.running and not sched.num_loading() and not self._has_pinned_blocks():
+                        self._fail_stuck_head(now)
+                        continue
                     self._update_gauges()
                     self._publish(now)
                     await self._wait(None)
@@ -411,6 +419,28 @@ class EmulatedEngine:
             except Exception as exc:  # noqa: BLE001 - never leave a request hanging on an engine bug
                 self.last_error = exc
                 self._fail_all(exc)
+
+    def _has_pinned_blocks(self) -> bool:
+        """Whether finished PD producers still hold blocks here (registered, leased, or claimed by a
+        consumer whose load is in flight). They come back by themselves, on the consumer's load
+        timer or the registry's expiry timer, and wake the step loop when they do."""
+        live = self._requests
+        return any(rid not in live for rid in self.kv.req_blocks)
+
+    def _fail_stuck_head(self, now: float) -> None:
+        """Last line of defence against a hang: nothing runs, loads or is pinned, yet the head of
+        the queue cannot be scheduled, so no event will ever change that (arrivals queue behind
+        it). The scheduler is built so this cannot happen (every request fits the empty pool; see
+        ``Scheduler._unblock``); if it does, the head finishes with an error instead of waiting
+        forever, and the next one gets its turn."""
+        head = self.scheduler.waiting[0]
+        self.scheduler.remove(head)
+        self._finish(head, now, (
+            f"emulated engine {self.name!r} could not schedule request {head.request_id!r} "
+            f"({head.prompt_len} prompt tokens, {self.pool.free_queue.num_free} of {self.pool.num_usable} "
+            "KV blocks free, nothing running): failed instead of waiting forever"))
+        self._update_gauges()
+        self._publish(now)
 
     @staticmethod
     def _all_decode(out: SchedulerOutput) -> bool:

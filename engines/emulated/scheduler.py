@@ -13,6 +13,14 @@ One call to :meth:`Scheduler.schedule` decides one engine step, exactly as vLLM'
    external hit only reserves blocks and waits for the load (status LOADING), like vLLM's
    WAITING_FOR_REMOTE_KVS. The first waiting request that cannot get blocks stops the loop.
 
+One departure from vLLM, for liveness only: a request whose external KV has landed keeps its
+blocks while it waits for its turn, so with strict FCFS a head request that needs those blocks
+(a preempted or fresh request queued ahead of it) waits for them forever while the holder waits
+for the head: nothing runs and nothing will (a PD decode instance hung this way). When the head
+cannot get blocks *and nothing is running*, :meth:`Scheduler._unblock` lets a landed holder go
+first (or, if the head is itself a holder short of a block, frees another holder's blocks as a
+preemption). With anything running, FCFS is kept exactly: finishing requests free blocks.
+
 Token bookkeeping (``num_computed_tokens`` += scheduled, a sampled token when the prompt is fully
 computed) happens in the engine after the step's duration has elapsed.
 """
@@ -154,6 +162,8 @@ class Scheduler:
             new_blocks = kv.allocate_slots(req, alloc_tokens, n_local, hit_blocks,
                                            delay_cache_blocks=ext is not None)
             if new_blocks is None:
+                if not running and self._unblock(req, out):
+                    continue
                 break
             waiting.popleft()
             if not req.admitted:
@@ -179,6 +189,36 @@ class Scheduler:
         if skipped:
             waiting.extendleft(reversed(skipped))
         return out
+
+    def _unblock(self, head: EmuRequest, out: SchedulerOutput) -> bool:
+        """``head`` cannot get blocks and nothing runs: break the wait on landed KV (see the module
+        docstring). True if the queue changed and scheduling should retry.
+
+        Every request fits the empty pool (the engine validates that), so with nothing running
+        the blocks ``head`` lacks are held by loads in flight (they land by themselves) or by
+        landed requests waiting behind it. A head holding nothing lets the first landed holder go
+        first (it needs at most one more block: its KV is there); a head that is itself a landed
+        holder short of a block frees the *last* other holder's blocks (vLLM's victim order), which
+        stay cached, so that request gets them back as a local hit. Terminates: promoting happens
+        only for a head holding nothing and is followed by a holder at the head; freeing removes a
+        holder each time.
+        """
+        waiting = self.waiting
+        holders = [r for r in waiting if r is not head and r.status == WAITING and r.num_computed_tokens > 0]
+        if not holders:
+            return False
+        if head.num_computed_tokens == 0:
+            first = holders[0]
+            waiting.remove(first)
+            waiting.appendleft(first)
+            return True
+        victim = holders[-1]
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0  # keeps its place in the queue, recomputes from its local hit
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        return True
 
     def remove(self, req: EmuRequest) -> None:
         """Take a request out of the queues (finished, aborted or failed); frees nothing."""
