@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,3 +93,73 @@ class BlockHasher:
 
     def event_ints(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[int]:
         return [to_event_int(d) for d in self.hash_blocks(token_ids, parent)]
+
+
+class _Entry:
+    __slots__ = ("digests", "ints", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = b""  # the session's last prompt (full blocks) as packed uint64s
+        self.digests: list[bytes] = []
+        self.ints: list[int] = []
+
+
+class SessionHashCache:
+    """Exact block hashes of token-id prompts, computed incrementally per session (LRU of sessions).
+
+    Prompts are compared as packed ``array('Q')`` bytes: finding the common prefix with the
+    session's previous prompt is a few C ``memcmp`` calls (binary search over blocks), never a
+    Python loop over tokens.
+    """
+
+    def __init__(self, hasher: BlockHasher, max_sessions: int = 4096):
+        self.hasher = hasher
+        self.max_sessions = max_sessions
+        self._entries: OrderedDict[Any, _Entry] = OrderedDict()
+        self.blocks_hashed = 0  # work counter (tests and benchmarks)
+
+    def hashes(self, token_ids: Sequence[int], session: str | None = None, packed: array | None = None) -> list[int]:
+        """Event-int hashes of every full block. ``packed`` = ``array('Q', token_ids)`` if the
+        caller already has it (the gateway builds it to validate the ids)."""
+        bs = self.hasher.block_size
+        nfull = len(token_ids) // bs
+        if nfull == 0:
+            return []
+        key: Any = session if session is not None else tuple(token_ids[:bs])
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = _Entry()
+            self._entries[key] = entry
+            if len(self._entries) > self.max_sessions:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        if packed is None:
+            packed = array("Q", token_ids)
+        new = packed.tobytes()[: nfull * bs * 8]
+        old = entry.tokens
+        step = bs * 8
+        m = min(len(entry.digests), nfull)
+        if m and new[: m * step] != old[: m * step]:
+            lo, hi = 0, m - 1  # largest k < m whose first k blocks are equal
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if new[: mid * step] == old[: mid * step]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            m = lo
+        digests = entry.digests[:m]
+        ints = entry.ints[:m]
+        parent = digests[-1] if digests else None
+        hash_block = self.hasher.hash_block
+        for start in range(m * bs, nfull * bs, bs):
+            parent = hash_block(parent, token_ids[start : start + bs])
+            digests.append(parent)
+            ints.append(to_event_int(parent))
+        self.blocks_hashed += nfull - m
+        # The session's latest prompt is the best predictor of its next one.
+        entry.tokens = new
+        entry.digests = digests
+        entry.ints = ints
+        return ints

@@ -32,7 +32,7 @@ class _NonBlockingSelector(selectors.BaseSelector):
     # POLL_EVERY iterations so the pipe is drained; poll every time once other fds are registered.
     POLL_EVERY = 64
 
-    def __init__(self, loop: "VirtualTimeLoop"):
+    def __init__(self, loop: VirtualTimeLoop):
         self._real = selectors.DefaultSelector()
         self._loop = loop
         self._skipped = 0
@@ -88,7 +88,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         # Timers due within this resolution run together; keep it tiny but non-zero.
         self._clock_resolution = 1e-9
 
-    def time(self) -> float:  # noqa: D401 - asyncio API
+    def time(self) -> float:
         return self._now
 
     def _advance_to_next_timer(self, timeout: float) -> None:

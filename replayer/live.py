@@ -12,7 +12,7 @@ GPU utilization per engine (:class:`UtilizationSampler`) comes from, per engine,
 ``dcgm:URL`` (a DCGM exporter's ``DCGM_FI_DEV_GPU_UTIL`` at ``URL``, optionally ``#gpu=N``), or
 ``nvml:N`` (NVML on this host, GPU index N; needs ``nvidia-ml-py``).
 
-Tracing (optional tracer from :func:`gateway.tracing.setup`): a ``session`` span per session
+Tracing (optional tracer from :func:`gpuhit.tracing.setup`): a ``session`` span per session
 (ended after its last turn) and a ``turn`` span per request whose ``traceparent`` the gateway continues.
 """
 
@@ -29,6 +29,7 @@ import aiohttp
 from engines.vllm import protocol
 from engines.vllm.client import iter_sse
 from engines.vllm.metrics_scrape import BUSY, DCGM_UTIL, UtilizationMeter
+from gpuhit.aio import cancel_and_wait
 from gpuhit.errors import ConfigError, UnavailableError
 from replayer.driver import TurnRequest
 from replayer.records import RequestRecord
@@ -138,7 +139,7 @@ class HttpTarget:
     def _turn_span(self, req: TurnRequest, headers: dict[str, str]) -> Any:
         from opentelemetry import trace
 
-        from gateway import tracing
+        from gpuhit import tracing
 
         sid = req.session_id
         parent = self._session_spans.get(sid)
@@ -230,10 +231,5 @@ class UtilizationSampler:
         self._task = asyncio.get_running_loop().create_task(run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

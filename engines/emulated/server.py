@@ -130,7 +130,7 @@ class EmulatedServer:
         hash_name: str = "sha256",
         kv_transfer: bool | None = None,
     ):
-        from gateway.http.prompt import SessionHashCache
+        from engines.hashing import SessionHashCache
 
         self.engine = engine
         st = engine.stats()
@@ -325,7 +325,7 @@ class EmulatedServer:
         )
         span = None
         if self.tracer is not None:
-            from gateway.tracing import start_engine_span
+            from gpuhit.tracing import start_engine_span
 
             span = start_engine_span(self.tracer, request.headers, rid, self.model, len(ids), max_tokens)
         try:
@@ -352,7 +352,7 @@ class EmulatedServer:
     def _finish_span(self, span: Any, res: GenerateResult) -> None:
         if span is None:
             return
-        from gateway.tracing import finish_engine_span
+        from gpuhit.tracing import finish_engine_span
 
         finish_engine_span(span, res)
 

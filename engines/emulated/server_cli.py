@@ -58,7 +58,7 @@ def build_engine(args: argparse.Namespace):
 
 async def serve(args: argparse.Namespace) -> None:
     from engines.emulated.server import EmulatedServer
-    from gateway import tracing
+    from gpuhit import tracing
 
     engine = build_engine(args)
     if args.no_kv_events:

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 
 import aiohttp
 
+from gpuhit.aio import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 
@@ -94,10 +96,5 @@ class HealthMonitor:
             await asyncio.sleep(self.interval)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

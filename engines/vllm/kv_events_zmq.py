@@ -38,6 +38,7 @@ from engines.kv_event_codec import (
     encode_seq,
 )
 from engines.kv_events import AllBlocksCleared, KVEventBatch
+from gpuhit.aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -243,13 +244,8 @@ class KVEventSubscriber:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-sub-{self.name}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._sub is not None:
             self._sub.close(0)
             self._sub = None

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 import aiohttp
 
 from engines.base import EngineStats
+from gpuhit.aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +142,8 @@ class MetricsScraper:
             await asyncio.sleep(self.interval)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
 
 class UtilizationMeter:

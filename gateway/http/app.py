@@ -51,16 +51,14 @@ import orjson
 from aiohttp import web
 
 from engines.base import GenerateResult
-from engines.hashing import BlockHasher
+from engines.hashing import BlockHasher, SessionHashCache
 from engines.kv_events import AllBlocksCleared, KVEventBatch
 from engines.vllm import protocol
 from engines.vllm.client import VLLMEngine
 from engines.vllm.health import HealthMonitor
-from gateway import tracing
 from gateway.config import GatewayConfig
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
-    SessionHashCache,
     chat_text,
     load_tokenizer,
     text_chunk_hashes,
@@ -76,6 +74,7 @@ from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router, RouteRequest, Ticket
 from gateway.snapshot import FORWARD
+from gpuhit import tracing
 from gpuhit.errors import (
     BadRequestError,
     CapacityError,

@@ -2,7 +2,7 @@
 
 * **Token-id prompts** (the replayer, any client sending ids): exact vLLM block hashes through
   :class:`engines.hashing.BlockHasher`, memoized per session. Agentic turn k+1 extends turn k, so
-  :class:`SessionHashCache` keeps each session's last prompt and digests and hashes only the new
+  :class:`engines.hashing.SessionHashCache` keeps each session's last prompt and digests and hashes only the new
   blocks (a 100k-token prompt is never re-hashed). The session key is the ``x-session-id`` header
   when sent, else the first block's tokens (so two sessions with a shared system prompt share an
   entry; the longest-common-prefix check keeps that correct, just less effective).
@@ -17,85 +17,12 @@
 from __future__ import annotations
 
 import hashlib
-from array import array
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engines.hashing import BlockHasher, to_event_int
 from gpuhit.errors import BadRequestError, ConfigError, UnavailableError
 
 CHARS_PER_TOKEN = 4
-
-
-class _Entry:
-    __slots__ = ("digests", "ints", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens = b""  # the session's last prompt (full blocks) as packed uint64s
-        self.digests: list[bytes] = []
-        self.ints: list[int] = []
-
-
-class SessionHashCache:
-    """Exact block hashes of token-id prompts, computed incrementally per session (LRU of sessions).
-
-    Prompts are compared as packed ``array('Q')`` bytes: finding the common prefix with the
-    session's previous prompt is a few C ``memcmp`` calls (binary search over blocks), never a
-    Python loop over tokens.
-    """
-
-    def __init__(self, hasher: BlockHasher, max_sessions: int = 4096):
-        self.hasher = hasher
-        self.max_sessions = max_sessions
-        self._entries: OrderedDict[Any, _Entry] = OrderedDict()
-        self.blocks_hashed = 0  # work counter (tests and benchmarks)
-
-    def hashes(self, token_ids: Sequence[int], session: str | None = None, packed: array | None = None) -> list[int]:
-        """Event-int hashes of every full block. ``packed`` = ``array('Q', token_ids)`` if the
-        caller already has it (the gateway builds it to validate the ids)."""
-        bs = self.hasher.block_size
-        nfull = len(token_ids) // bs
-        if nfull == 0:
-            return []
-        key: Any = session if session is not None else tuple(token_ids[:bs])
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = _Entry()
-            self._entries[key] = entry
-            if len(self._entries) > self.max_sessions:
-                self._entries.popitem(last=False)
-        else:
-            self._entries.move_to_end(key)
-        if packed is None:
-            packed = array("Q", token_ids)
-        new = packed.tobytes()[: nfull * bs * 8]
-        old = entry.tokens
-        step = bs * 8
-        m = min(len(entry.digests), nfull)
-        if m and new[: m * step] != old[: m * step]:
-            lo, hi = 0, m - 1  # largest k < m whose first k blocks are equal
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if new[: mid * step] == old[: mid * step]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            m = lo
-        digests = entry.digests[:m]
-        ints = entry.ints[:m]
-        parent = digests[-1] if digests else None
-        hash_block = self.hasher.hash_block
-        for start in range(m * bs, nfull * bs, bs):
-            parent = hash_block(parent, token_ids[start : start + bs])
-            digests.append(parent)
-            ints.append(to_event_int(parent))
-        self.blocks_hashed += nfull - m
-        # The session's latest prompt is the best predictor of its next one.
-        entry.tokens = new
-        entry.digests = digests
-        entry.ints = ints
-        return ints
 
 
 def text_chunk_hashes(text: str, chunk_chars: int) -> list[int]:

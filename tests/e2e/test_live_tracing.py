@@ -9,7 +9,7 @@ import pathlib
 
 import aiohttp
 
-from gateway import tracing
+from gpuhit import tracing
 from replayer.driver import TurnRequest
 from replayer.live import HttpTarget
 from replayer.synth import TokenSynthesizer

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engines.hashing import BlockHasher
-from gateway.http.prompt import SessionHashCache, chat_text, text_chunk_hashes
+from engines.hashing import BlockHasher, SessionHashCache
+from gateway.http.prompt import chat_text, text_chunk_hashes
 
 
 def test_reference_vector_and_incremental_reuse():
