@@ -47,6 +47,8 @@ async def gateway(urls: Sequence[str], tracer: Any = None, roles: Sequence[str] 
     is ``kw["transport"]``, else $GPUHIT_GATEWAY_TRANSPORT (run every live test against either
     implementation), else the config's default."""
     roles = roles or ["both"] * len(urls)
+    # No live test may hang on a stuck upstream: fail (or fall back) clearly after a minute.
+    kw.setdefault("timeout", 60.0)
     if "transport" not in kw and os.environ.get(TRANSPORT_ENV):
         kw["transport"] = os.environ[TRANSPORT_ENV]
     cfg = GatewayConfig(engines=tuple(EngineEntry(u, f"e{i}", role=r) for i, (u, r) in enumerate(zip(urls, roles))),

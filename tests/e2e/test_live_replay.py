@@ -43,7 +43,20 @@ def test_replay_through_gateway_precise_index_matches_engines():
         async with servers(engines, model="m") as srvs:
             urls = [f"http://127.0.0.1:{s.port}" for s in srvs]
             async with gateway(urls, policy="lpwl") as (gw, url), aiohttp.ClientSession() as http:
-                target = HttpTarget(url, TokenSynthesizer(seed=1), http)
+                inner = HttpTarget(url, TokenSynthesizer(seed=1), http)
+
+                class SyncedTarget:
+                    """Routes each turn only once the gateway's index has caught up with the
+                    engines' KV events: the events travel asynchronously over ZMQ, so without this
+                    a loaded machine could route turn k+1 before turn k's blocks are indexed."""
+
+                    async def submit(self, req):
+                        for i, eng in enumerate(engines):
+                            await wait_until(lambda i=i, eng=eng: gw.router.index.cached(i) == eng.cached_block_hashes(),
+                                             what=f"index of e{i} to catch up")
+                        return await inner.submit(req)
+
+                target = SyncedTarget()
                 sampler = UtilizationSampler([(f"e{i}", make_meter(f"busy:{u}", http)) for i, u in enumerate(urls)])
                 await sampler.sample_once()
                 out = await replay(small_trace(), target, DriverConfig(arrival=ArrivalConfig(time_scale=0.0)))
