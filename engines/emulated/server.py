@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import re
 import zlib
@@ -48,7 +47,7 @@ from engines.kv_event_codec import CURRENT
 from engines.kv_events import KVEventBatch
 from engines.vllm import protocol
 from engines.vllm.kv_events_zmq import KVEventPublisher
-from gpuhit.errors import BadRequestError, CapacityError, GpuhitError, NotFoundError
+from gpuhit.errors import CapacityError, GpuhitError
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +74,7 @@ def chat_template(messages: list[Mapping[str, Any]]) -> str:
     return "".join(parts)
 
 
-def _bad(message: str, param: str | None = None) -> BadRequestError:
-    err = BadRequestError(message)
-    err.param = param  # type: ignore[attr-defined]
-    return err
+_bad = protocol.bad_request
 
 
 def _int_field(body: Mapping[str, Any], name: str, default: int | None, minimum: int) -> int | None:
@@ -237,16 +233,7 @@ class EmulatedServer:
         return web.json_response(body, status=status)
 
     async def _json(self, request: web.Request) -> Mapping[str, Any]:
-        try:
-            body = json.loads(await request.read())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise _bad(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise _bad("request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model:
-            raise NotFoundError(f"The model `{model}` does not exist.")
-        return body
+        return protocol.parse_body(await request.read(), self.model)
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):

@@ -12,7 +12,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gpuhit.errors import GpuhitError
+import orjson
+
+from gpuhit.errors import BadRequestError, GpuhitError, NotFoundError
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -93,4 +95,27 @@ def completion_request(
         body["stream_options"] = {"include_usage": True}
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = dict(kv_transfer_params)
+    return body
+
+
+def bad_request(message: str, param: str | None = None) -> BadRequestError:
+    """A 400 error carrying vLLM's ``param`` field (the offending request field, if any)."""
+    err = BadRequestError(message)
+    err.param = param  # type: ignore[attr-defined]
+    return err
+
+
+def parse_body(raw: bytes, served_model: str, unknown_model_hint: str = "") -> dict[str, Any]:
+    """The JSON object of an OpenAI request body, checked the way vLLM checks it: valid JSON, an
+    object, and a ``model`` (when given) equal to the served one (else 404, vLLM's message plus
+    ``unknown_model_hint``)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise NotFoundError(f"The model `{model}` does not exist.{unknown_model_hint}")
     return body

@@ -76,12 +76,10 @@ from gateway.router import Router, RouteRequest, Ticket
 from gateway.snapshot import FORWARD
 from gpuhit import tracing
 from gpuhit.errors import (
-    BadRequestError,
     CapacityError,
     ConfigError,
     EngineError,
     GpuhitError,
-    NotFoundError,
     PayloadTooLargeError,
     UnauthorizedError,
 )
@@ -94,10 +92,7 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 
-def _bad(msg: str, param: str | None = None) -> BadRequestError:
-    e = BadRequestError(msg)
-    e.param = param  # type: ignore[attr-defined]
-    return e
+_bad = protocol.bad_request
 
 
 def _pack_token_ids(prompt: list[Any]) -> array | None:
@@ -338,16 +333,7 @@ class Gateway:
         key = self.cfg.api_key
         if key is not None and headers.get("authorization") != f"Bearer {key}":
             raise UnauthorizedError("missing or wrong API key (send 'Authorization: Bearer <key>')")
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise _bad(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise _bad("request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model:
-            raise NotFoundError(f"The model `{model}` does not exist. Served: `{self.model}`.")
-        return body
+        return protocol.parse_body(raw, self.model, f" Served: `{self.model}`.")
 
     def _common(self, body: Mapping[str, Any], chat: bool) -> tuple[int, bool]:
         name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
