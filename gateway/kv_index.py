@@ -19,7 +19,7 @@ when it has some, the answer is verified by a linear scan (rare: it needs a pare
 its child).
 
 The precise index uses :class:`_ChainSet` instead, because it sees every block every engine stores
-or evicts (tens of millions per simulated run, one ``BlockRemoved`` per evicted block): it keeps
+or evicts (tens of millions per simulated run; vLLM sends one ``BlockRemoved`` per evicted block): it keeps
 no per-block bookkeeping, so events apply with C-level dict operations, and exactness comes from
 verifying the binary search's answer with one C-level membership pass over the hit (the search
 ends on a present block followed by an absent one, so the first hole, if any, lies inside the
@@ -267,8 +267,8 @@ class PreciseKVIndex(_BaseIndex):
         self._check(instance)
         gpu = self._gpu[instance]
         cpu = self._cpu[instance]
-        # Engines publish one BlockRemoved per evicted block, so a batch is mostly long runs of
-        # single-hash removals: a run on one medium is collected and applied in one call.
+        # vLLM publishes one BlockRemoved per evicted block (the emulator one per allocation), so a
+        # batch is mostly long runs of removals: a run on one medium is collected and applied in one call.
         run: list[int] = []
         extend = run.extend
         run_target = None

@@ -11,7 +11,8 @@ Pieces:
 - Transports: :class:`InProcessTransport` (optionally through the byte codec, to test the bf16 wire),
   :class:`MooncakeQueryTransport` + :class:`MooncakeHolderService` (one-sided writes over Mooncake's
   transfer engine with a doorbell word, the put-with-signal pattern of NVSHMEM), and
-  :class:`NvshmemQueryTransport` (availability check only; see its docstring).
+  :class:`NvshmemQueryTransport` + :class:`NvshmemHolderService` (nvshmem4py put-with-signal into
+  symmetric per-peer slots; in :mod:`engines.attention.nvshmem_transport`, re-exported here).
 
 Mooncake's engine is one-sided (no RPC), so a routed request is: requester writes the request into
 the holder's inbox, then bumps the inbox doorbell (a second write, ordered after the first because
@@ -24,14 +25,14 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engines.attention._torch import require_torch
 from engines.attention.merge import merge_partial_stats
 from engines.attention.partial import Partial, empty_partial, partial_attention
 from engines.transfer.base import KVTransfer
-from gpuhit.errors import BadRequestError, NotFoundError, TransferError, UnavailableError
+from gpuhit.errors import BadRequestError, NotFoundError, TransferError
 
 # ------------------------------------------------------------------------------------------------
 # holder
@@ -377,31 +378,16 @@ class MooncakeQueryTransport:
 
 
 # ------------------------------------------------------------------------------------------------
-# NVSHMEM
+# NVSHMEM: lives in engines.attention.nvshmem_transport (it imports this module, so the names are
+# re-exported lazily, PEP 562, rather than imported here, which would be circular)
 # ------------------------------------------------------------------------------------------------
 
+_NVSHMEM_NAMES = ("NvshmemHolderService", "NvshmemPE", "NvshmemQueryTransport")
 
-@dataclass(slots=True)
-class NvshmemQueryTransport:
-    """Device-initiated transport over NVSHMEM (nvshmem4py), seed 000's IBGDA / NVLink substrate.
 
-    Only the availability check is implemented: on a machine without a CUDA GPU or without
-    ``nvshmem4py`` construction raises :class:`UnavailableError` with the reason. The symmetric-heap
-    put-with-signal data path needs a multi-GPU launch (one PE per GPU) that this project's single-GPU
-    device could not exercise, so it raises :class:`UnavailableError` too rather than pretending.
-    """
+def __getattr__(name: str) -> Any:
+    if name in _NVSHMEM_NAMES:
+        from engines.attention import nvshmem_transport
 
-    holders: Mapping[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        torch = require_torch()
-        if not torch.cuda.is_available():
-            raise UnavailableError("the NVSHMEM transport needs a CUDA GPU (torch.cuda.is_available() is False)")
-        try:
-            import nvshmem.core  # noqa: F401  (nvshmem4py)
-        except ImportError as exc:
-            raise UnavailableError(f"the NVSHMEM transport needs nvshmem4py ({exc}); pip install nvshmem4py-cu12") from exc
-        raise UnavailableError("the NVSHMEM data path is not implemented yet (needs >= 2 PEs to test)")
-
-    def route(self, holder: str, req: RouteRequest) -> Partial:  # pragma: no cover - unreachable
-        raise UnavailableError("NVSHMEM transport unavailable")
+        return getattr(nvshmem_transport, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,9 +10,15 @@ events that follow. vLLM's semantics, kept exactly because routers read them thr
   the tail of a prompt is evicted before its head). A cached block whose ref count drops to 0
   stays in the free queue with its hash: it is an eviction candidate and still a prefix hit;
   a hit "touches" it out of the queue in O(1).
-* Reusing a cached block for a new allocation evicts it: its hash leaves the hash map and a
-  ``BlockRemoved`` is queued. vLLM does not de-duplicate: two requests computing the same block at
-  once both cache it; lookups return the first one cached.
+* Reusing a cached block for a new allocation evicts it: its hash leaves the hash map and is
+  reported in a ``BlockRemoved``. vLLM does not de-duplicate: two requests computing the same block
+  at once both cache it; lookups return the first one cached.
+
+Events: vLLM queues one ``BlockRemoved`` per evicted block. Here the evictions of one allocation
+(consecutive in the event stream anyway) share one ``BlockRemoved`` listing their hashes in
+eviction order: the same information in vLLM's format (``block_hashes`` is a list), and the same
+index state for any consumer, but one event object instead of thousands. Building those per-block
+event objects was a fifth of a saturated simulation's time.
 
 Watch (speed, no behaviour): the KV manager may *watch* one set of cached blocks (a waiting
 request's prefix hit that could not be allocated, which vLLM looks up again every step). The pool
@@ -185,6 +191,9 @@ class BlockPool:
         events = self.events if self.enable_events else None
         on_evict = self.on_evict
         watch = self.watch
+        removed: list[int] = []  # evicted hashes, in eviction order (one BlockRemoved)
+        evicted = removed.append
+        general = bool(dups) or on_evict is not None
         head = q._head
         b = head.next
         for _ in range(n):
@@ -192,27 +201,28 @@ class BlockPool:
             if h is not None:
                 if watch and b in watch:
                     self.watch_dirty = True
-                if dups or on_evict is not None:
+                if general:
                     self._evict(b)
                 else:
-                    # no duplicates anywhere: b is the block the hash maps to
+                    # no duplicates anywhere: b is the block the hash maps to. parent_hash is
+                    # left stale: it is only read while block_hash is set, and caching rewrites it.
                     del cached[h]
-                    if events is not None:
-                        events.append(BlockRemoved((h,), GPU))
                     b.block_hash = None
-                    b.parent_hash = None
+                evicted(h)
             b.ref_cnt = 1
             append(b)
-            nxt = b.next
-            b.prev = b.next = None
-            b = nxt
+            # prev/next are left stale: only free-queue members (ref count 0) have theirs read
+            b = b.next
         head.next = b
         b.prev = head
         q.num_free -= n
+        if removed and events is not None:
+            events.append(BlockRemoved(tuple(removed), GPU))
         return out
 
     def _evict(self, b: KVBlock) -> None:
-        """General eviction (duplicates, an ``on_evict`` tier); the caller handled the watch."""
+        """General eviction (duplicates, an ``on_evict`` tier); the caller handled the watch and
+        reports the hash in its ``BlockRemoved``."""
         h = b.block_hash
         assert h is not None
         if self._cached.get(h) is b:
@@ -228,8 +238,6 @@ class BlockPool:
             dups.remove(b)
             if not dups:
                 del self._dups[h]
-        if self.enable_events:
-            self.events.append(BlockRemoved((h,), GPU))
         if self.on_evict is not None:
             self.on_evict(h, b.parent_hash)
         b.block_hash = None
