@@ -61,6 +61,24 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> _S31)
 
 
+def _common_prefix(a: tuple, b: tuple, n: int) -> int:
+    """Length of the common prefix of ``a`` and ``b`` within their first ``n`` items.
+
+    Binary search over C-level tuple-slice comparisons: O(n log n) item compares in C rather than
+    n steps of Python (agentic turns share thousands of leading ids with the previous turn).
+    """
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1  # invariant: a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _ids_u64(ids: tuple[int, ...]) -> np.ndarray:
     try:
         return np.fromiter(ids, dtype=np.int64, count=len(ids)).view(np.uint64)
@@ -100,6 +118,11 @@ class TokenSynthesizer:
         self._store = np.empty(0, dtype=np.uint64)
         self._used = 0
         self.hashed_blocks = 0  # engine blocks actually hashed (for cost reports and tests)
+        # Per-session resume point (speed only): the latest turn's memoized walk, so the next turn,
+        # which extends it, starts where the two diverge instead of at the root. (namespace,
+        # session id) -> (root key, hash ids walked, trie node after each of them (path[0] =
+        # root), their engine-block hashes as one tuple).
+        self._resume: dict[tuple[str, str], tuple[tuple, tuple[int, ...], list[int], tuple[int, ...]]] = {}
 
     # ---------------------------------------------------------------- tokens
 
@@ -213,17 +236,33 @@ class TokenSynthesizer:
         if node is None:
             node = self._new_node(0, 0, None)
             self._roots[root_key] = node
+        # Resume from this session's previous walk where the ids agree: the trie maps equal id
+        # prefixes to equal nodes, so the first c blocks' node and hashes are the recorded ones.
+        skey = (session.namespace, session.session_id)
+        prev = self._resume.get(skey)
+        k = 0
+        head: tuple[int, ...] = ()
+        path = [node]
+        if prev is not None and prev[0] == root_key:
+            _, p_ids, p_path, p_out = prev
+            c = _common_prefix(ids, p_ids, min(m, len(p_ids)))
+            if c:
+                k = c
+                node = p_path[c]
+                path = p_path[: c + 1]
+                head = p_out[: (c * bs) // es]
         # Walk the memoized part, collecting the store ranges of its hashes; nodes created together
         # sit next to each other in the store, so a chain is usually a handful of ranges.
         children, starts, ends = self._children, self._node_start, self._node_end
         ranges: list[list[int]] = []
         last_end = -1
-        k = 0
+        add_path = path.append
         while k < m:
             child = children.get((node, ids[k]))
             if child is None:
                 break
             node = child
+            add_path(child)
             lo, hi = starts[child], ends[child]
             if lo == last_end:
                 ranges[-1][1] = hi
@@ -251,6 +290,7 @@ class TokenSynthesizer:
                 child = self._new_node(node_lo, first + len(new), digest)
                 children[(node, ids[kk])] = child
                 node = child
+                add_path(child)
             self._append(new)
             self.hashed_blocks += len(new)
             if new:
@@ -259,16 +299,20 @@ class TokenSynthesizer:
                 else:
                     ranges.append([first, first + len(new)])
         store = self._store
-        out = np.concatenate([store[lo:hi] for lo, hi in ranges]).tolist() if ranges else []
+        if ranges:
+            head += tuple(np.concatenate([store[lo:hi] for lo, hi in ranges]).tolist())
+        self._resume[skey] = (root_key, ids[:m], path, head)
         # uncached remainder: engine blocks that reach past the last memoizable trace block
         done = (m * bs) // es
         total = n_in // es
-        if done < total:
-            tokens = self._tokens_at(session, turn_index, done * es, total * es).tolist()
-            for off in range(0, len(tokens), es):
-                digest = hash_fn((digest or root, tuple(tokens[off : off + es]), extra))
-                out.append(int.from_bytes(digest[-8:], "big"))
-            self.hashed_blocks += total - done
+        if done >= total:
+            return head
+        out = list(head)
+        tokens = self._tokens_at(session, turn_index, done * es, total * es).tolist()
+        for off in range(0, len(tokens), es):
+            digest = hash_fn((digest or root, tuple(tokens[off : off + es]), extra))
+            out.append(int.from_bytes(digest[-8:], "big"))
+        self.hashed_blocks += total - done
         return tuple(out)
 
     def _new_node(self, start: int, end: int, digest: bytes | None) -> int:
@@ -300,3 +344,4 @@ class TokenSynthesizer:
         self._node_digest.clear()
         self._store = np.empty(0, dtype=np.uint64)
         self._used = 0
+        self._resume.clear()

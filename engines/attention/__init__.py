@@ -6,6 +6,11 @@ instances). This package holds the primitive (:mod:`.partial`, :mod:`.merge`), t
 (:mod:`.shapes`) and the transports that ship query rows to a holder and partials back
 (:mod:`.transports`). The route/fetch/local *decision* lives in :mod:`policies.costmodel`.
 
+The NVSHMEM transport (:mod:`.nvshmem_transport`) puts requests and partials into symmetric per-peer
+slots with nvshmem4py's ``put_signal`` and polls the signal words from the host; every library call
+sits in one adapter, and :mod:`.fake_nvshmem` runs the same protocol with several PEs in one process
+(a test double, not a transport) so it is tested without GPUs.
+
 torch is imported lazily: importing this package never needs it; calling the primitive without
 torch raises :class:`gpuhit.errors.UnavailableError`.
 """

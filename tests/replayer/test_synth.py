@@ -118,6 +118,29 @@ def test_extension_hashes_only_new_blocks():
     assert synth.block_hashes(s, 1) == second and synth.hashed_blocks == 320
 
 
+def test_resume_from_previous_turn_matches_direct_in_any_order():
+    """The per-session resume point must give the trie walk's answer whatever the previous turn was:
+    an extension, a divergence mid-way (compaction rewrites the history), a shorter turn, another
+    model's turn (other root), or an interleaved session."""
+    base = tuple(range(1, 31))
+    turns = (
+        Turn(20 * 64, 1, base[:20]),
+        Turn(30 * 64 + 7, 1, base),  # extends turn 0
+        Turn(25 * 64, 1, base[:12] + tuple(range(100, 113))),  # diverges at block 12
+        Turn(10 * 64, 1, base[:10]),  # shorter than anything before
+        Turn(30 * 64, 1, base, model="haiku"),  # another model: no system prompt, another root
+        Turn(31 * 64, 1, base + (200,)),
+    )
+    s = Session("s", turns, 64, "ns", model="opus", system_tokens=100)
+    other = Session("t", (Turn(30 * 64, 1, base), Turn(26 * 64, 1, base[:12] + tuple(range(100, 114)))), 64, "ns")
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4], [2, 2, 1, 4, 5, 0, 3]):
+        synth = TokenSynthesizer()
+        for j, k in enumerate(order):
+            assert synth.block_hashes(s, k) == _direct(synth, s, k), (order, k)
+            kk = j % 2  # interleave another session sharing the same ids
+            assert synth.block_hashes(other, kk) == _direct(synth, other, kk)
+
+
 def test_partial_last_block_is_not_memoized_under_the_full_key():
     # Mooncake style: the last id covers a partial block; a later turn with the same id and a longer
     # cut must hash that block's actual (longer) tokens
