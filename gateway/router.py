@@ -365,6 +365,9 @@ class Router:
         self._seq = itertools.count()
         self._xfer = itertools.count()
         self._progress_ok = [self._accepts_on_progress(e) for e in engines]
+        # engines that may hold KV events back (an emulated engine inside a decode jump) and
+        # publish what is due when asked: asked before every index read, so decisions see them
+        self._flushers = [f for f in (getattr(e, "flush_kv_events", None) for e in engines) if callable(f)]
         for i, eng in enumerate(engines):
             eng.subscribe_kv_events(self._kv_callback(i))
 
@@ -393,8 +396,14 @@ class Router:
         except RuntimeError:
             raise ConfigError("Router.decide outside an event loop needs an injected clock") from None
 
+    def _match(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """The index's per-instance hits, after the engines have published what is due."""
+        for flush in self._flushers:
+            flush()
+        return self.index.match(block_hashes)
+
     def _hit_tokens_of(self, i: int, req: RouteRequest) -> int:
-        g, _ = self.index.match(req.block_hashes)[i] if req.block_hashes else (0, 0)
+        g, _ = self._match(req.block_hashes)[i] if req.block_hashes else (0, 0)
         return min(g * self.block_size, max(req.prompt_len - 1, 0))
 
     def _note_error(self, i: int, reason: str) -> None:
@@ -438,7 +447,7 @@ class Router:
             )
         if not any(self._healthy):
             raise NoInstanceError("no healthy instance: every engine is marked unhealthy")
-        hits = self.index.match(req.block_hashes)
+        hits = self._match(req.block_hashes)
         use_stats = self.use_engine_stats
         states = []
         for i, eng in enumerate(self.engines):

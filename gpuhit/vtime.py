@@ -14,6 +14,8 @@ hanging forever the loop raises :class:`gpuhit.errors.DeadlockError`.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import selectors
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -74,6 +76,25 @@ class _NonBlockingSelector(selectors.BaseSelector):
         return []
 
 
+class _FifoTimerHandle(asyncio.TimerHandle):
+    """A timer that sorts by (deadline, creation order): timers due at the same instant run in
+    the order they were set.
+
+    Why: asyncio orders its timer heap by deadline alone, so equal deadlines pop in an order that
+    depends on the heap's shape, i.e. on every other timer pending. In virtual time equal deadlines
+    are common (sessions released together, zero think times), and a simulation must not route
+    them differently because an unrelated engine happened to set more timers (a decode jump sets
+    fewer than stepping does).
+    """
+
+    __slots__ = ("_seq",)
+
+    def __lt__(self, other: object) -> bool:
+        if isinstance(other, _FifoTimerHandle):
+            return (self._when, self._seq) < (other._when, other._seq)
+        return super().__lt__(other)  # type: ignore[operator]
+
+
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     """Event loop whose ``time()`` is virtual and jumps forward instead of sleeping.
 
@@ -83,6 +104,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def __init__(self, start: float = 0.0, idle_grace: float = 0.5):
         self._now = float(start)
+        self._timer_seq = itertools.count()
         self.idle_grace = idle_grace
         super().__init__(selector=_NonBlockingSelector(self))
         # Timers due within this resolution run together; keep it tiny but non-zero.
@@ -90,6 +112,20 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._now
+
+    def call_at(self, when, callback, *args, context=None):  # type: ignore[override]
+        """``BaseEventLoop.call_at`` with a FIFO tie-break between equal deadlines (see
+        :class:`_FifoTimerHandle`)."""
+        if when is None:
+            raise TypeError("when cannot be None")
+        self._check_closed()
+        timer = _FifoTimerHandle(when, callback, args, self, context)
+        timer._seq = next(self._timer_seq)
+        if timer._source_traceback:
+            del timer._source_traceback[-1]
+        heapq.heappush(self._scheduled, timer)
+        timer._scheduled = True
+        return timer
 
     def _advance_to_next_timer(self, timeout: float) -> None:
         scheduled = self._scheduled  # heap of TimerHandle, owned by BaseEventLoop

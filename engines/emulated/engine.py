@@ -6,7 +6,7 @@ sleep until the step's end on the running loop's clock -> apply (tokens, complet
 Time is read only from ``asyncio.get_running_loop().time()``, so the same engine runs in real time
 (live HTTP wrapper) and on :mod:`gpuhit.vtime`'s virtual clock (simulation).
 
-Decode-only stretches (every running request decoding, nothing waiting or loading) are advanced in
+Decode-only stretches (every running request decoding, nothing admitted) are advanced in
 one jump to the first completion: the batch is fixed, so step ``j`` lasts
 ``step_time(n, 0, sum_ctx + n*(j-1))`` and all step ends are known up front. The jump is
 interrupted by anything that changes the queues (an arrival, an abort): at time ``t`` the engine
@@ -15,6 +15,15 @@ jump gives the same per-request token times as stepping (``jump_decode=False``) 
 Block allocations inside a jump are replayed in vLLM's order (step, then running order), and a
 jump stops before the first step whose allocation could fail, so preemption happens as stepping
 would do it.
+
+Requests may wait during a stretch (under load they nearly always do: the head of the queue is
+short of KV blocks): the jump plans, from the free queue, the step at which the head would be
+admitted and stops before it, and counts the head's per-step lookups as vLLM would
+(:meth:`EmulatedEngine._blocked_plan`). Observers see the stretch as if stepped:
+:meth:`EmulatedEngine.flush_kv_events` (called by the router before it reads its KV index)
+publishes the events of the steps that have ended. A whole simulated replay gives the same records
+with and without jumps (``tests/replayer/test_jump_equivalence.py``); on a saturated cluster the
+jumps cut the steps executed one by one about twelvefold.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from engines.base import EngineStats, GenerateRequest, GenerateResult
 from engines.emulated.block_pool import BlockPool
-from engines.emulated.kv_manager import KVCacheManager, cdiv
+from engines.emulated.kv_manager import _REF_CNT, KVCacheManager, cdiv
 from engines.emulated.kv_transfer import TransferRegistry
 from engines.emulated.metrics import EngineMetrics
 from engines.emulated.profile import Profile, load_profile
@@ -121,6 +130,8 @@ class EmulatedEngine:
         self._closed = False
         self._pending_aborts: list[EmuRequest] = []
         self.last_error: BaseException | None = None
+        # the decode jump in flight: (requests, allocations, step ends, start, allocations applied)
+        self._jump_state: list | None = None
         self.num_jumps = 0  # decode stretches advanced in one jump (speed diagnostics, tests)
         self.num_interrupted_jumps = 0
 
@@ -248,6 +259,38 @@ class EmulatedEngine:
         self.pool.enable_events = True
         if self.cpu is not None:
             self.cpu.enable_events = True
+
+    def flush_kv_events(self) -> None:
+        """Bring a decode jump in flight up to the present for observers (the router calls this
+        before it reads the KV index): make the block allocations of the steps that have ended and
+        publish their KV events, as stepping would have by now.
+
+        Why: a jump applies its steps at its end, so without this a router deciding mid-jump would
+        see the index as of the jump's start; the evictions that the decodes' new blocks cause
+        would reach it late and routing would differ from a step-by-step run. Timing is untouched:
+        only state that stepping would already have published is changed earlier. (Stepping makes
+        a step's allocations when the step starts; nothing reads them before it ends, except the
+        KV-usage gauge, which lags here by at most one step.)
+        """
+        js = self._jump_state
+        if js is None:
+            return
+        reqs, allocs, ends, _, done = js
+        try:
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:
+            return
+        ended = bisect.bisect_right(ends, now)  # steps 1..ended are over
+        if not ended:
+            return
+        n_alloc = len(allocs)
+        kv = self.kv
+        while done < n_alloc and allocs[done][0] <= ended:
+            kv.append_block(reqs[allocs[done][1]])
+            done += 1
+        js[4] = done
+        if self.pool.events:  # step 1's allocations (made when it was scheduled) and the above
+            self._publish(ends[ended - 1])
 
     def abort(self, request_id: str) -> bool:
         """Abort an in-flight request (handled at the next step boundary); False if unknown."""
@@ -397,9 +440,9 @@ class EmulatedEngine:
                     self.jump_decode
                     and not out.preempted
                     and not out.started_loads
-                    and not sched.waiting
                     and len(out.reqs) == len(sched.running)
                     and self._all_decode(out)
+                    and (not sched.waiting or self._waiting_is_predictable())
                 ):
                     await self._jump(out, now)
                     continue
@@ -441,6 +484,84 @@ class EmulatedEngine:
             "KV blocks free, nothing running): failed instead of waiting forever"))
         self._update_gauges()
         self._publish(now)
+
+    def _waiting_is_predictable(self) -> bool:
+        """Whether a decode stretch can be jumped over with requests waiting (see ``_blocked_plan``).
+
+        The waiting head's fate must depend only on this pool: no CPU tier or remote store (whose
+        contents change without notice as evictions land there) and no consumer whose PD transfer
+        is still to be looked up (the registry changes without notice too). LOADING requests are
+        passed over by the scheduler; their landing wakes the step loop, which ends the jump.
+        """
+        if self.cpu is not None or self.remote is not None:
+            return False
+        head = self.scheduler.blocked_head()
+        if head is None:
+            return True
+        params = head.kv_transfer_params
+        return not (params and params.get("do_remote_prefill") and not head.transfer_tried)
+
+    def _blocked_plan(self, n_decodes: int, allocs: list[tuple[int, int]], k: int
+                      ) -> tuple[int, tuple[EmuRequest, list[int]] | None]:
+        """How many steps of a decode stretch the waiting head stays blocked, and its lookups' hits.
+
+        Stepping, each step of the stretch would first allocate the decodes' blocks, then look the
+        head's prefix up (vLLM counts every lookup in its prefix-cache stats) and fail to allocate
+        it. Nothing frees blocks during the stretch (a completion ends it, a release or an abort
+        wakes the loop), so only the decodes' allocations change the head's outlook: the a-th one
+        pops the a-th block of the free queue, which may be one of the head's cached prefix blocks
+        and cut its hit there. Walking those blocks gives, per step j, the hit and whether
+        ``new blocks + evictable hit blocks > free blocks`` still holds (the same test as
+        :meth:`KVCacheManager.allocate_slots`). A shorter hit can let a *chunked* prefill fit
+        (its new blocks are capped by the budget while fewer hit blocks count as evictable), so
+        the stretch ends before the first step where the head would be admitted. Returns
+        ``(k', (head, hits))``: ``hits[j - 2]`` is the hit in tokens of the head's lookup in step j,
+        for j = 2..k'; None instead of the pair when the head is not looked up (max_num_seqs
+        reached, no budget, a landed head).
+        """
+        sched = self.scheduler
+        budget = self.max_num_batched_tokens - n_decodes
+        head = sched.blocked_head()
+        if head is None or len(sched.running) >= self.max_num_seqs or budget <= 0:
+            return k, None
+        if head.num_computed_tokens != 0:
+            # landed KV: no lookup, a fixed number of new blocks, and free blocks only shrink
+            return k, None
+        kv = self.kv
+        bs = self.block_size
+        hit = kv._last_blocks if kv._last_req is head else kv.longest_hit(head.block_hashes, (head.num_tokens - 1) // bs)
+        n_hit = len(hit)
+        refs = list(map(_REF_CNT, hit))
+        evictable = refs.count(0)
+        in_hit = set(hit) if evictable else None
+        free0 = self.pool.free_queue.num_free
+        dups = self.pool._dups
+        num_tokens = head.num_tokens
+        node = self.pool.free_queue._head
+        popped = 0
+        a = 0  # index into allocs: allocations of steps < j done
+        hits: list[int] = []
+        for j in range(2, k + 1):
+            while a < len(allocs) and allocs[a][0] <= j:
+                a += 1
+            while popped < a:  # the decodes' allocations of step j pop these blocks
+                node = node.next
+                popped += 1
+                if in_hit is not None and node in in_hit:
+                    if node.block_hash in dups:
+                        # a duplicate takes over the hash and the hit goes on with another block,
+                        # whose reference count this plan does not follow: step from here instead
+                        return j - 1, (head, hits)
+                    i = hit.index(node)
+                    if i < n_hit:
+                        n_hit = i
+                        evictable = refs[:i].count(0)
+            n_local = n_hit * bs
+            n_new = cdiv(n_local + min(num_tokens - n_local, budget), bs) - n_hit
+            if n_new + evictable <= free0 - a:
+                return j - 1, (head, hits)  # the head would be admitted at step j: stop before it
+            hits.append(n_local)
+        return k, (head, hits)
 
     @staticmethod
     def _all_decode(out: SchedulerOutput) -> bool:
@@ -509,6 +630,9 @@ class EmulatedEngine:
         free = self.pool.free_queue.num_free
         if len(allocs) > free:
             k = allocs[free][0] - 1
+        lookups = None
+        if k >= 2 and self.scheduler.waiting:
+            k, lookups = self._blocked_plan(n, allocs, k)
         if k < 2:
             # nothing to jump over: one ordinary step
             dsum = sum(out.contexts)
@@ -523,7 +647,12 @@ class EmulatedEngine:
         for j in range(k):
             t = t + prof.step_time(n, 0.0, s + n * j)
             ends.append(t)
-        interrupted = await self._wait(ends[-1])
+        self._jump_state = [reqs, allocs, ends, start, 0]
+        try:
+            interrupted = await self._wait(ends[-1])
+        except BaseException:
+            self._jump_state = None
+            raise
         self.num_jumps += 1
         m = k
         if interrupted:
@@ -534,11 +663,21 @@ class EmulatedEngine:
                 if ends[m - 1] > now:
                     await self._sleep_until(ends[m - 1])
         self._apply_jump(reqs, m, ends, start, allocs)
+        if lookups is not None:
+            # the waiting head's lookups in steps 2..m, as stepping would have counted them
+            head, hits = lookups
+            record, preempted = self.kv.stats.record, head.num_preemptions > 0
+            for hit in hits[: m - 1]:
+                record(head.num_tokens, hit, preempted)
 
     def _apply_jump(self, reqs: list[EmuRequest], m: int, ends: list[float], start: float,
                     allocs: list[tuple[int, int]]) -> None:
         kv = self.kv
-        for j, idx in allocs:
+        done = 0
+        if self._jump_state is not None:
+            done = self._jump_state[4]  # allocations a catch-up already made
+            self._jump_state = None
+        for j, idx in allocs[done:]:
             if j > m:
                 break
             kv.append_block(reqs[idx])

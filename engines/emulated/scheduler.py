@@ -190,6 +190,13 @@ class Scheduler:
             waiting.extendleft(reversed(skipped))
         return out
 
+    def blocked_head(self) -> EmuRequest | None:
+        """The waiting request a schedule would try first (LOADING ones are passed over)."""
+        for r in self.waiting:
+            if r.status != LOADING:
+                return r
+        return None
+
     def _unblock(self, head: EmuRequest, out: SchedulerOutput) -> bool:
         """``head`` cannot get blocks and nothing runs: break the wait on landed KV (see the module
         docstring). True if the queue changed and scheduling should retry.

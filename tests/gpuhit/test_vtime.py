@@ -51,3 +51,21 @@ def test_thread_can_wake_the_loop():
         return await fut
 
     assert vtime.run(main()) == 42
+
+
+def test_timers_due_at_the_same_instant_run_in_the_order_they_were_set():
+    """asyncio's heap alone orders equal deadlines by heap shape; the virtual loop breaks ties FIFO,
+    whatever other timers are pending (many unrelated ones here, set before and in between)."""
+    order: list[int] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for i in range(200):
+            loop.call_at(5.0 + (i % 7) * 0.25, lambda: None)  # unrelated timers shaping the heap
+            loop.call_at(3.0, order.append, i)
+            if i % 3 == 0:
+                loop.call_at(1.0 + i * 0.01, lambda: None)
+        await asyncio.sleep(10)
+
+    vtime.run(main())
+    assert order == list(range(200))
