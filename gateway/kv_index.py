@@ -208,9 +208,9 @@ class _ChainSet:
                     hi = mid - 1
         # hashes[lo] (if any) is absent, so the first absent position is <= lo: verify below it
         if lo - start > 1:
-            present = list(map(blocks.__contains__, hashes[start + 1 : lo]))
-            if not all(present):
-                return present.index(False) + 1
+            inner = hashes[start + 1 : lo]
+            if not all(map(blocks.__contains__, inner)):  # C-level, no list: holes are rare
+                return list(map(blocks.__contains__, inner)).index(False) + 1
         return lo - start
 
 
