@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "engines.emulated.server_cli",  # gpuhit emulate
     "gateway.cli",  # gpuhit serve, gpuhit vllm-cmd
     "engines.attention.cli",  # gpuhit attention ...
+    "analysis.cli_compare",  # gpuhit compare
 )
 
 

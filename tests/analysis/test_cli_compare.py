@@ -1,0 +1,72 @@
+"""`gpuhit compare`: seeds run into separate folders pooled into one table (real replays, tiny trace)."""
+
+import json
+import pathlib
+
+import pytest
+
+from analysis.cli_compare import merge
+from gpuhit.cli import main
+from gpuhit.errors import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONV = [str(ROOT / "traces" / "weka_cc" / "trace_0008.json.gz"), str(ROOT / "traces" / "weka_cc" / "trace_0024.json.gz")]
+TRACE_ARGS = ["--trace", CONV[0], "--trace", CONV[1]]
+
+
+def _replay(out: pathlib.Path, seed: int, capsys, *extra: str) -> pathlib.Path:
+    rc = main(["replay", *TRACE_ARGS, "--policies", "lpwl,round_robin", "--instances", "2",
+               "--seeds", str(seed), "--out", str(out), "--no-plots", "--jobs", "1", *extra])
+    capsys.readouterr()
+    assert rc == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cmp")
+    made = []
+    for seed in (0, 1):
+        out = base / f"s{seed}"
+        rc = main(["replay", *TRACE_ARGS, "--policies", "lpwl,round_robin", "--instances", "2",
+                   "--seeds", str(seed), "--out", str(out), "--no-plots", "--jobs", "1", "--json"])
+        assert rc == 0
+        made.append(out)
+    return made
+
+
+def test_compare_pools_seeds_from_folders(folders, tmp_path, capsys):
+    out = tmp_path / "pooled"
+    rc = main(["compare", *map(str, folders), "--out", str(out), "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["comparison"]["policies"] == ["lpwl", "round_robin"]
+    assert doc["comparison"]["seeds"] == {"lpwl": [0, 1], "round_robin": [0, 1]}
+    cell = doc["comparison"]["table"]["lpwl"]["latency_p90"]
+    per_seed = [r["latency_p90"] for r in doc["runs"] if r["policy"] == "lpwl"]
+    assert cell["n"] == 2 and cell["mean"] == pytest.approx(sum(per_seed) / 2)
+    assert per_seed[0] != per_seed[1]  # the seeds really differ
+    assert doc["meta"]["runs"] == 4 and len(doc["meta"]["commands"]) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["comparison.json", "comparison.txt", "report.html", "summary.json"]
+    assert "seeds per policy: 2" in (out / "comparison.txt").read_text()
+
+
+def test_compare_text_output(folders, capsys):
+    assert main(["compare", *map(str, folders)]) == 0
+    text = capsys.readouterr().out
+    assert "4 runs from 2 folders" in text and "±" in text
+
+
+def test_compare_refuses_mixed_experiments_and_duplicates(folders, tmp_path, capsys):
+    other = _replay(tmp_path / "rate", 2, capsys, "--session-rate", "0.5")
+    with pytest.raises(ConfigError, match="different experiment.*session_rate"):
+        merge([folders[0], other])
+    with pytest.raises(ConfigError, match="lpwl seed 0 appears in both"):
+        merge([folders[0], folders[0]])
+    assert main(["compare", str(tmp_path / "nowhere")]) == 2
+    assert "no summary.json" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "summary.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        merge([bad])
