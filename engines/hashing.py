@@ -60,6 +60,31 @@ def to_event_int(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 
+def common_prefix_len(a: Sequence[Any], b: Sequence[Any], start: int = 0, stop: int | None = None) -> int:
+    """How many items ``a`` and ``b`` agree on from ``start`` (up to ``stop``, default the shorter).
+
+    Block-hash chains of one conversation agree on thousands of leading blocks, so the answer is
+    found with C-level slice comparisons (all equal in one compare, else a binary search over
+    prefix lengths) instead of a Python loop per item. Lists and tuples may be mixed.
+    """
+    end = min(len(a), len(b)) if stop is None else min(stop, len(a), len(b))
+    if end <= start:
+        return 0
+    sa, sb = a[start:end], b[start:end]
+    if type(sa) is not type(sb):
+        sa, sb = tuple(sa), tuple(sb)
+    if sa == sb:
+        return end - start
+    lo, hi = 0, end - start - 1  # sa[:lo] == sb[:lo]; sa[:hi + 1] != sb[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if sa[:mid] == sb[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class BlockHasher:
     """Hashes token sequences into vLLM block hashes.
 

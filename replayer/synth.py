@@ -41,7 +41,7 @@ import hashlib
 
 import numpy as np
 
-from engines.hashing import BlockHasher
+from engines.hashing import BlockHasher, common_prefix_len
 from gpuhit.errors import ConfigError
 from replayer.trace import Session
 
@@ -59,24 +59,6 @@ def _mix(z: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> _S30)) * _M1
     z = (z ^ (z >> _S27)) * _M2
     return z ^ (z >> _S31)
-
-
-def _common_prefix(a: tuple, b: tuple, n: int) -> int:
-    """Length of the common prefix of ``a`` and ``b`` within their first ``n`` items.
-
-    Binary search over C-level tuple-slice comparisons: O(n log n) item compares in C rather than
-    n steps of Python (agentic turns share thousands of leading ids with the previous turn).
-    """
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n - 1  # invariant: a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1]
-    while lo < hi:
-        mid = (lo + hi + 1) >> 1
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _ids_u64(ids: tuple[int, ...]) -> np.ndarray:
@@ -245,7 +227,7 @@ class TokenSynthesizer:
         path = [node]
         if prev is not None and prev[0] == root_key:
             _, p_ids, p_path, p_out = prev
-            c = _common_prefix(ids, p_ids, min(m, len(p_ids)))
+            c = common_prefix_len(ids, p_ids, 0, m)
             if c:
                 k = c
                 node = p_path[c]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import operator
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ from engines.emulated.profile import Profile, load_profile
 from engines.emulated.request import FINISHED, LOADING, WAITING, EmuRequest
 from engines.emulated.scheduler import ExternalHit, Scheduler, SchedulerOutput
 from engines.emulated.tiers import CPUTier, RemoteStore
-from engines.hashing import BlockHasher
+from engines.hashing import BlockHasher, common_prefix_len
 from engines.kv_events import CPU, GPU, STORAGE, AllBlocksCleared, KVEventBatch
 from gpuhit.errors import BadRequestError, CapacityError, ConfigError
 
@@ -753,7 +754,7 @@ class EmulatedEngine:
         params: Mapping[str, Any] = r.kv_transfer_params or {}
         tid = str(params["transfer_id"])
         blocks = self.kv.req_blocks.get(r.request_id, [])
-        ids = tuple(b.block_id for b in blocks)
+        ids = tuple(map(_BLOCK_ID, blocks))
         n_full = min(r.prompt_len // self.block_size, len(r.block_hashes))
         hashes = tuple(r.block_hashes[:n_full])
 
@@ -829,12 +830,7 @@ class EmulatedEngine:
                 self.metrics.kv_transfer_failures += 1
                 tid = None
             else:
-                theirs = entry.block_hashes
-                stop = min(max_blocks, len(theirs))
-                i = pos
-                while i < stop and theirs[i] == hashes[i]:
-                    i += 1
-                transfer_n = i - pos
+                transfer_n = common_prefix_len(entry.block_hashes, hashes, pos, max_blocks)
                 if transfer_n == 0:  # nothing to pull: hand the producer its blocks back now
                     req.transfer_tried = True
                     claimed = self.registry.claim(tid)
@@ -921,6 +917,9 @@ class EmulatedEngine:
     def _deliver(self, batch: KVEventBatch) -> None:
         for cb in self._subscribers:
             cb(batch)
+
+
+_BLOCK_ID = operator.attrgetter("block_id")
 
 
 def _set_false(fut: asyncio.Future) -> None:

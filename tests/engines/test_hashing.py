@@ -62,3 +62,26 @@ def test_bad_hash_name_and_block_size():
         BlockHasher(16, "md5")
     with pytest.raises(ConfigError, match="block_size must be positive"):
         BlockHasher(0)
+
+
+def test_common_prefix_len_matches_a_plain_scan():
+    import random
+
+    from engines.hashing import common_prefix_len
+
+    def naive(a, b, start, stop):
+        end = min(len(a), len(b)) if stop is None else min(stop, len(a), len(b))
+        i = start
+        while i < end and a[i] == b[i]:
+            i += 1
+        return max(i - start, 0)
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        n = rng.randint(0, 40)
+        a = [rng.randint(0, 3) for _ in range(n)]
+        b = a[: rng.randint(0, n)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 10))]
+        start = rng.randint(0, 45)
+        stop = rng.choice((None, rng.randint(0, 50)))
+        for x, y in ((a, b), (tuple(a), b), (b, tuple(a))):  # lists and tuples mixed
+            assert common_prefix_len(x, y, start, stop) == naive(list(x), list(y), start, stop)
