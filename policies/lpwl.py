@@ -55,12 +55,19 @@ class LPWLMigrate:
 
     Defaults: ``t_hot_tokens`` 32768 (~1.6 s of queued prefill at 50 us/token), ``t_cool_s`` 30 s
     (several agentic turns: the inter-turn gap p50 is 1.6 s). Scores: LPWL's prefill work.
+
+    ``min_gain_tokens`` (default 0: the rule above) also asks the destination to have at least that
+    many fewer pending prefill tokens than the host. Why: under overload every host is "hot" and
+    the fewest-pending destination is barely lighter, so the absolute trigger moves sessions (NIC
+    time, and evictions of the destination's cache) for no queueing gain; on full ``weka_cc`` at
+    0.008 sessions/s that made lpwl_migrate the worst colocated policy (``analysis/results``).
     """
 
     name: str = "lpwl_migrate"
     type: str = "lpwl_migrate"
     t_hot_tokens: int = 32768
     t_cool_s: float = 30.0
+    min_gain_tokens: int = 0
 
     def decide(self, snapshot: Snapshot) -> Decision:
         target, scores = lpwl_choice(snapshot)
@@ -74,7 +81,8 @@ class LPWLMigrate:
                 others = [s for s in insts if s.healthy and s.index != h]
                 if others:
                     dest = min(others, key=lambda s: (s.pending_prefill_tokens, s.in_flight, s.index))
-                    if dest.pending_prefill_tokens < host.pending_prefill_tokens:
+                    gain = host.pending_prefill_tokens - dest.pending_prefill_tokens
+                    if gain > 0 and gain >= self.min_gain_tokens:
                         return Decision(
                             MIGRATE, dest.index,
                             f"lpwl_migrate: host {h} hot (pending {host.pending_prefill_tokens} > "
@@ -106,6 +114,7 @@ def _lpwl_migrate(name: str, params: Mapping[str, Any]) -> LPWLMigrate:
         {
             "t_hot_tokens": Param("int", 32768, lambda v: v >= 0, ">= 0 tokens"),
             "t_cool_s": Param("float", 30.0, lambda v: v >= 0, ">= 0 seconds"),
+            "min_gain_tokens": Param("int", 0, lambda v: v >= 0, ">= 0 tokens"),
         },
     )
     return LPWLMigrate(name=name, **p)

@@ -157,6 +157,21 @@ def test_lpwl_migrate_trigger_cooldown_and_target():
     assert (d.action, d.target) == (FORWARD, 0)  # not hot: lpwl stays
 
 
+def test_lpwl_migrate_min_gain_keeps_sessions_when_every_host_is_hot():
+    overloaded = [inst(0, pending_prefill_tokens=90_000, gpu_hit_blocks=4000),
+                  inst(1, pending_prefill_tokens=80_000), inst(2, pending_prefill_tokens=85_000)]
+    spec = build({"type": "lpwl_migrate", "params": {"t_hot_tokens": 32768}})
+    assert spec.decide(snap(overloaded, binding=0, input_tokens=64_000)).action == MIGRATE  # spec: 10k lighter is enough
+    gated = build({"type": "lpwl_migrate", "params": {"t_hot_tokens": 32768, "min_gain_tokens": 32768}})
+    d = gated.decide(snap(overloaded, binding=0, input_tokens=64_000))
+    assert (d.action, d.target) == (FORWARD, 0)  # LPWL: 90000 + 0 new < 80000 + 64000
+    relief = [overloaded[0], inst(1, pending_prefill_tokens=20_000), overloaded[2]]
+    d = gated.decide(snap(relief, binding=0, input_tokens=64_000))
+    assert (d.action, d.source, d.target) == (MIGRATE, 0, 1)  # 70k lighter: worth the move
+    with pytest.raises(ConfigError):
+        build({"type": "lpwl_migrate", "params": {"min_gain_tokens": -1}})
+
+
 def test_route_query_stay_fetch_recompute():
     # Holder 0 has the 16000-token prefix but 200k tokens queued (10 s at 50 us/token).
     insts = [inst(0, pending_prefill_tokens=200_000, gpu_hit_blocks=1000), inst(1)]
