@@ -64,6 +64,7 @@ from engines.attention._torch import require_torch
 from engines.attention.partial import Partial
 from engines.attention.transports import (
     Holder,
+    PolledRoute,
     RouteRequest,
     RouteStats,
     decode_partial,
@@ -305,7 +306,7 @@ class NvshmemHolderService:
             self.served += 1
 
 
-class NvshmemQueryTransport:
+class NvshmemQueryTransport(PolledRoute):
     """Requester side over NVSHMEM: ``route`` = :meth:`send`, ``pump()``, :meth:`receive` (like Mooncake's).
 
     ``holders`` maps holder names to PE numbers (this PE included: route-to-self works). Give either
@@ -395,19 +396,12 @@ class NvshmemQueryTransport:
             raise TransferError(f"holder PE {h} could not answer request {seq}: {raw.decode(errors='replace')}")
         return decode_partial(raw)
 
-    def route(self, holder: str, req: RouteRequest) -> Partial:
-        seq = self.send(holder, req)
-        for _ in range(self.max_pumps):
-            got = self.receive(seq)
-            if got is not None:
-                return got
-            if self.pump is not None:
-                self.pump()
+    def _abandon(self, seq: int) -> None:
         # give the slot up: a late reply carries this seq, which no later receive waits for
         self._forget(seq)
-        self.stats.failures += 1
-        raise TransferError(f"no reply from holder {holder!r} (PE {self.holders[holder]}) for request {seq} "
-                            f"after {self.max_pumps} polls")
+
+    def _holder_label(self, holder: str) -> str:
+        return f"{holder!r} (PE {self.holders[holder]})"
 
     def _forget(self, seq: int) -> None:
         h = self._seq_pe.pop(seq)

@@ -305,7 +305,43 @@ class MooncakeHolderService:
         return True
 
 
-class MooncakeQueryTransport:
+class PolledRoute:
+    """``route`` for requester transports that post a request and poll for its reply: :meth:`send`,
+    then :meth:`receive` until the reply lands, calling ``pump()`` (the holder side's turn) between
+    polls, at most ``max_pumps`` times. Subclasses set ``pump``, ``max_pumps`` and ``stats`` and
+    may override :meth:`_abandon` (give up a request's slot) and :meth:`_holder_label`."""
+
+    pump: Callable[[], object] | None
+    max_pumps: int
+    stats: RouteStats
+
+    def send(self, holder: str, req: RouteRequest) -> int:
+        raise NotImplementedError
+
+    def receive(self, seq: int) -> Partial | None:
+        raise NotImplementedError
+
+    def route(self, holder: str, req: RouteRequest) -> Partial:
+        seq = self.send(holder, req)
+        for _ in range(self.max_pumps):
+            got = self.receive(seq)
+            if got is not None:
+                return got
+            if self.pump is not None:
+                self.pump()
+        self._abandon(seq)
+        self.stats.failures += 1
+        raise TransferError(f"no reply from holder {self._holder_label(holder)} for request {seq} "
+                            f"after {self.max_pumps} polls")
+
+    def _abandon(self, seq: int) -> None:
+        """Forget request ``seq`` after its polls ran out (nothing to do by default)."""
+
+    def _holder_label(self, holder: str) -> str:
+        return repr(holder)
+
+
+class MooncakeQueryTransport(PolledRoute):
     """Requester side. ``route`` = :meth:`send`, ``pump()`` (the holder side runs), :meth:`receive`.
 
     ``holders`` maps holder names to their :class:`HolderEndpoint`. ``pump`` is called between send
@@ -364,17 +400,6 @@ class MooncakeQueryTransport:
         raw = self.transfer.read_local(self._reply.addr + _BELL.size, length)
         self.stats.bytes_received += _BELL.size + length
         return decode_partial(raw)
-
-    def route(self, holder: str, req: RouteRequest) -> Partial:
-        seq = self.send(holder, req)
-        for _ in range(self.max_pumps):
-            got = self.receive(seq)
-            if got is not None:
-                return got
-            if self.pump is not None:
-                self.pump()
-        self.stats.failures += 1
-        raise TransferError(f"no reply from holder {holder!r} for request {seq} after {self.max_pumps} polls")
 
 
 # ------------------------------------------------------------------------------------------------
