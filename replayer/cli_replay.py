@@ -397,7 +397,10 @@ def _simulated(args: argparse.Namespace) -> int:
                 _note_done(results[j["index"]], show)
         else:
             with cf.ProcessPoolExecutor(max_workers=n_jobs, mp_context=ctx) as pool:
-                futs = {pool.submit(_run_one, j): j["index"] for j in jobs}
+                # Longest first, so the slowest run does not start last and leave a core idle at the
+                # end: PD runs are the slowest (two steps per request, a jammed pool's long queues).
+                ordered = sorted(jobs, key=lambda j: (j["spec"].roles is None, j["index"]))
+                futs = {pool.submit(_run_one, j): j["index"] for j in ordered}
                 for f in cf.as_completed(futs):
                     results[futs[f]] = f.result()
                     _note_done(results[futs[f]], show)
