@@ -309,22 +309,33 @@ class BlockPool:
             return
         parent = hashes[start - 1] if start > 0 else None
         cached = self._cached
-        p = parent
-        for i in range(start, end):
-            b = blocks[i]
-            h = hashes[i]
-            assert b.block_hash is None, "block already cached"
-            b.block_hash = h
-            b.parent_hash = p
-            p = h
-            if h in cached:
-                self._dups.setdefault(h, []).append(b)
-            else:
-                cached[h] = b
+        seg = blocks[start:end]
+        hs = tuple(hashes[start:end])
+        # Hot path (every computed block passes here): the hashes are new and distinct, so the
+        # hash map is updated in one C-level call and the loop only labels the blocks.
+        new = dict(zip(hs, seg)) if cached.keys().isdisjoint(hs) else None
+        if new is not None and len(new) == len(hs):
+            p = parent
+            for b, h in zip(seg, hs):
+                b.block_hash = h
+                b.parent_hash = p
+                p = h
+            cached.update(new)
+        else:  # a hash cached already (or twice in this run): vLLM keeps the duplicate blocks
+            p = parent
+            for b, h in zip(seg, hs):
+                assert b.block_hash is None, "block already cached"
+                b.block_hash = h
+                b.parent_hash = p
+                p = h
+                if h in cached:
+                    self._dups.setdefault(h, []).append(b)
+                else:
+                    cached[h] = b
         if self.enable_events:
             self.events.append(
                 BlockStored(
-                    block_hashes=tuple(hashes[start:end]),
+                    block_hashes=hs,
                     parent_block_hash=parent,
                     token_ids=token_ids,
                     block_size=self.block_size,
