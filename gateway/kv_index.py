@@ -20,7 +20,7 @@ its child).
 
 The precise index uses :class:`_ChainSet` instead, because it sees every block every engine stores
 or evicts (tens of millions per simulated run; vLLM sends one ``BlockRemoved`` per evicted block): it keeps
-no per-block bookkeeping, so events apply with C-level dict operations, and exactness comes from
+no per-block bookkeeping (a plain set of hashes), so events apply as single C-level set updates, and exactness comes from
 verifying the binary search's answer with one C-level membership pass over the hit (the search
 ends on a present block followed by an absent one, so the first hole, if any, lies inside the
 verified range).
@@ -28,9 +28,8 @@ verified range).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from itertools import chain, repeat
 from typing import Protocol
 
 from engines.kv_events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -139,52 +138,41 @@ class _BlockSet:
 
 
 class _ChainSet:
-    """Blocks of one instance in one medium for the precise index: ``blocks`` maps hash -> parent.
+    """Blocks of one instance in one medium for the precise index: ``blocks`` is a set of hashes.
 
-    Same interface and answers as :class:`_BlockSet`, with bulk updates and no running orphan
-    count (see the module docstring): ``orphans`` is computed on demand (diagnostics, O(n)).
+    Same lookups and answers as :class:`_BlockSet`, without parents: a chained hash determines its
+    parent, and nothing here reads it (exactness comes from verifying the search, see the module
+    docstring), so events apply as single C-level set updates.
     """
 
     __slots__ = ("blocks",)
 
     def __init__(self) -> None:
-        self.blocks: dict[int, int | None] = {}
+        self.blocks: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.blocks)
 
-    @property
-    def orphans(self) -> int:
-        """Stored blocks whose parent is not stored (O(n): tests and debugging only)."""
-        blocks = self.blocks
-        return sum(1 for p in blocks.values() if p is not None and p not in blocks)
-
-    def add(self, h: int, parent: int | None) -> bool:
-        """Store ``h`` (child of ``parent``); False if it was already stored."""
+    def add(self, h: int, parent: int | None = None) -> bool:
+        """Store ``h``; False if it was already stored (``parent`` is accepted for symmetry)."""
         if h in self.blocks:
             return False
-        self.blocks[h] = parent
+        self.blocks.add(h)
         return True
 
     def remove(self, h: int) -> bool:
-        return self.blocks.pop(h, _MISSING) is not _MISSING
+        if h in self.blocks:
+            self.blocks.remove(h)
+            return True
+        return False
 
     def add_chain(self, hashes: Sequence[int], parent: int | None) -> None:
-        """:meth:`add` each hash as the child of the one before it (one BlockStored event)."""
-        blocks = self.blocks
-        if blocks.keys().isdisjoint(hashes):
-            new = dict(zip(hashes, chain((parent,), hashes)))
-            if len(new) == len(hashes):  # no hash twice in the run: one C-level update
-                blocks.update(new)
-                return
-        for h in hashes:  # some already stored (kept with their parent) or repeated
-            if h not in blocks:
-                blocks[h] = parent
-            parent = h
+        """Store every hash of one ``BlockStored`` (its ``parent`` is implied by the chain)."""
+        self.blocks.update(hashes)
 
     def remove_many(self, hashes: Iterable[int]) -> None:
         """:meth:`remove` each hash (absent ones ignored), in C."""
-        deque(map(self.blocks.pop, hashes, repeat(None)), maxlen=0)
+        self.blocks.difference_update(hashes)
 
     def clear(self) -> None:
         self.blocks.clear()
@@ -213,8 +201,6 @@ class _ChainSet:
                 return list(map(blocks.__contains__, inner)).index(False) + 1
         return lo - start
 
-
-_MISSING = object()
 
 
 class _BaseIndex:

@@ -61,6 +61,7 @@ DEFAULT_PD = "pd_disagg"
 
 _TRACE: Any = None  # set in the parent before forking workers (inherited, never pickled)
 _PROGRESS_Q: Any = None
+_SYNTHS: dict[tuple[int, int], Any] = {}  # this process's synthesizers, see _synth
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -264,6 +265,21 @@ def _safe(label: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)
 
 
+def _synth(seed: int, block_size: int) -> Any:
+    """This process's token synthesizer for (seed, block size), shared by the runs it does.
+
+    Why: hashing a trace's prompts cold is ~2 s of a 10-20 s run of the bundled slice, and every
+    policy's run of one seed hashes the same prompts; a worker's later runs reuse the memo.
+    """
+    from replayer.synth import TokenSynthesizer
+
+    key = (seed, block_size)
+    synth = _SYNTHS.get(key)
+    if synth is None:
+        synth = _SYNTHS[key] = TokenSynthesizer(seed=seed, engine_block_size=block_size)
+    return synth
+
+
 def _run_one(job: dict[str, Any]) -> dict[str, Any]:
     """One simulation (in a worker process, or inline). Returns JSON-able results for the parent."""
     from replayer.records import RecordWriter
@@ -289,6 +305,7 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
             roles=spec.roles, index=job["index_kind"], max_requests=job["max_requests"],
             max_sessions=job["max_sessions"], open_loop=job["open_loop"], progress=progress,
             sink=w.write, label=spec.label, block_size=job["block_size"],
+            synth=_synth(spec.seed, job["block_size"]),
             engine_kwargs={"block_size": job["block_size"]}, **job["arrival"],
         )
     summary = res.summary()
@@ -411,6 +428,7 @@ def _simulated(args: argparse.Namespace) -> int:
         if pthread is not None:
             pthread.join(timeout=2.0)
         _TRACE, _PROGRESS_Q = None, None
+        _SYNTHS.clear()
     wall = time.perf_counter() - wall0
 
     summaries = [dict(r["summary"], policy=r["summary"]["label"]) for r in results if r is not None]

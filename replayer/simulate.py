@@ -254,6 +254,7 @@ def simulate(
     util_interval: float | None = None,
     block_size: int = 16,
     label: str | None = None,
+    synth: Any = None,
 ) -> RunResult:
     """Replay ``trace`` on ``instances`` simulated engines under ``policy`` in virtual time.
 
@@ -265,6 +266,9 @@ def simulate(
     ``(done, total, sim_time)`` called per finished request.
     ``util_interval``: simulated seconds per utilization bin (default: makespan estimate / 300,
     at least 1 s, fixed up front from the trace span).
+    ``synth``: a :class:`~replayer.synth.TokenSynthesizer` for ``seed`` and ``block_size`` to reuse
+    (its memoized block hashes are pure functions of the trace, seed and block size, so runs of
+    several policies share them; default: a new one).
     """
     from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
     from gateway.router import Router
@@ -296,7 +300,11 @@ def simulate(
         util_interval = max(1.0, (span if not math.isnan(span) and span > 0 else 3600.0) / 300.0)
 
     factory = engine_factory or emulated_factory(profile, engine_kwargs, util_interval)
-    synth = TokenSynthesizer(seed=seed, engine_block_size=block_size)
+    if synth is None:
+        synth = TokenSynthesizer(seed=seed, engine_block_size=block_size)
+    elif synth.seed != seed or synth.engine_block_size != block_size:
+        raise ConfigError(f"the synthesizer given is for seed {synth.seed}, block size {synth.engine_block_size}; "
+                          f"this run has seed {seed}, block size {block_size}")
 
     async def main() -> tuple[ReplayOutcome, dict[str, float], dict[str, tuple[list[float], list[float]]], Any]:
         registry = _new_registry() if engine_factory is None else None

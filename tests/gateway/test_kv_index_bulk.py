@@ -71,7 +71,7 @@ def test_bulk_event_path_matches_per_hash_semantics(seed):
         idx.on_kv_event(1, KVEventBatch(ts=0.0, events=tuple(events)))
         _reference_apply(gpu, cpu, events)
         for mine, ref in ((idx._gpu[1], gpu), (idx._cpu[1], cpu)):
-            assert dict(mine.blocks) == dict(ref.blocks)  # same hashes, same parents
+            assert mine.blocks == set(ref.blocks)  # same hashes
         query = [rng.randint(0, 15) for _ in range(rng.randint(1, 8))]
         g = _linear(gpu, query, 0)
         assert idx.match(query)[1] == (g, _linear(cpu, query, g))
