@@ -195,9 +195,9 @@ class _ChainSet:
                 else:
                     hi = mid - 1
         # hashes[lo] (if any) is absent, so the first absent position is <= lo: verify below it
-        if lo - start > 1:
-            inner = hashes[start + 1 : lo]
-            if not all(map(blocks.__contains__, inner)):  # C-level, no list: holes are rare
+        if lo - start > 2:
+            inner = hashes[start + 1 : lo - 1]  # hashes[lo - 1] was seen present
+            if not blocks.issuperset(inner):  # one C loop of set probes: holes are rare
                 return list(map(blocks.__contains__, inner)).index(False) + 1
         return lo - start
 

@@ -311,27 +311,25 @@ class BlockPool:
         cached = self._cached
         seg = blocks[start:end]
         hs = tuple(hashes[start:end])
-        # Hot path (every computed block passes here): the hashes are new and distinct, so the
-        # hash map is updated in one C-level call and the loop only labels the blocks.
-        new = dict(zip(hs, seg)) if cached.keys().isdisjoint(hs) else None
-        if new is not None and len(new) == len(hs):
+        # Hot path (every computed block passes here): one C-level pass maps each new hash to its
+        # block; ``setdefault`` hands back the block already cached under a hash, so a duplicate
+        # (a recomputed last block, a hash twice in the run) shows up as a mismatch with ``seg``.
+        got = list(map(cached.setdefault, hs, seg))
+        if got != seg:  # identity comparison: KVBlock has no __eq__
+            dups = self._dups
+            for b, h, c in zip(seg, hs, got):
+                if c is not b:  # vLLM keeps the duplicate blocks, first cached one in the map
+                    dups.setdefault(h, []).append(b)
+        if self.on_evict is None:
+            # parent_hash is read only by on_evict (the CPU tier's BlockStored), so it is left stale
+            for b, h in zip(seg, hs):
+                b.block_hash = h
+        else:
             p = parent
             for b, h in zip(seg, hs):
                 b.block_hash = h
                 b.parent_hash = p
                 p = h
-            cached.update(new)
-        else:  # a hash cached already (or twice in this run): vLLM keeps the duplicate blocks
-            p = parent
-            for b, h in zip(seg, hs):
-                assert b.block_hash is None, "block already cached"
-                b.block_hash = h
-                b.parent_hash = p
-                p = h
-                if h in cached:
-                    self._dups.setdefault(h, []).append(b)
-                else:
-                    cached[h] = b
         if self.enable_events:
             self.events.append(
                 BlockStored(
