@@ -38,6 +38,7 @@ tokens on every call.
 from __future__ import annotations
 
 import hashlib
+from itertools import chain
 
 import numpy as np
 
@@ -93,12 +94,13 @@ class TokenSynthesizer:
         # the memo trie: node ids index the parallel lists
         self._roots: dict[tuple, int] = {}
         self._children: dict[tuple[int, int], int] = {}
-        # node n's event ints are _store[_node_start[n]:_node_end[n]] (8 bytes per engine block)
+        # node n's event ints are _store[_node_start[n]:_node_end[n]]. A list of int objects, not
+        # an array: every turn then hands out the *same* int objects for a hash, so the engines'
+        # and the index's hash tables compare keys by identity (half the cost of equal new ints).
         self._node_start: list[int] = []
         self._node_end: list[int] = []
         self._node_digest: list[bytes | None] = []
-        self._store = np.empty(0, dtype=np.uint64)
-        self._used = 0
+        self._store: list[int] = []
         self.hashed_blocks = 0  # engine blocks actually hashed (for cost reports and tests)
         # Per-session resume point (speed only): the latest turn's memoized walk, so the next turn,
         # which extends it, starts where the two diverge instead of at the root. (namespace,
@@ -259,7 +261,7 @@ class TokenSynthesizer:
             done = (k * bs) // es  # engine blocks complete before trace block k
             tokens = self._tokens_at(session, turn_index, done * es, ((m * bs) // es) * es).tolist()
             new: list[int] = []
-            first = self._used
+            first = len(self._store)
             j = done
             for kk in range(k, m):
                 end_j = ((kk + 1) * bs) // es
@@ -273,7 +275,7 @@ class TokenSynthesizer:
                 children[(node, ids[kk])] = child
                 node = child
                 add_path(child)
-            self._append(new)
+            self._store.extend(new)
             self.hashed_blocks += len(new)
             if new:
                 if first == last_end:
@@ -282,7 +284,7 @@ class TokenSynthesizer:
                     ranges.append([first, first + len(new)])
         store = self._store
         if ranges:
-            head += tuple(np.concatenate([store[lo:hi] for lo, hi in ranges]).tolist())
+            head += tuple(chain.from_iterable(store[lo:hi] for lo, hi in ranges))
         self._resume[skey] = (root_key, ids[:m], path, head)
         # uncached remainder: engine blocks that reach past the last memoizable trace block
         done = (m * bs) // es
@@ -298,24 +300,15 @@ class TokenSynthesizer:
         return tuple(out)
 
     def _new_node(self, start: int, end: int, digest: bytes | None) -> int:
-        """A trie node whose engine-block hashes are ``_store[start:end]`` (written by _append)."""
+        """A trie node whose engine-block hashes are ``_store[start:end]``."""
         self._node_start.append(start)
         self._node_end.append(end)
         self._node_digest.append(digest)
         return len(self._node_end) - 1
 
-    def _append(self, ints: list[int]) -> None:
-        n = len(ints)
-        if self._used + n > self._store.size:
-            grown = np.empty(max(2 * self._store.size, self._used + n, 1024), dtype=np.uint64)
-            grown[: self._used] = self._store[: self._used]
-            self._store = grown
-        self._store[self._used : self._used + n] = ints
-        self._used += n
-
     def cache_info(self) -> dict[str, int]:
         """Memo size: trie nodes and the engine-block hashes they hold; blocks hashed so far."""
-        return {"nodes": len(self._node_end), "cached_blocks": self._used, "hashed_blocks": self.hashed_blocks}
+        return {"nodes": len(self._node_end), "cached_blocks": len(self._store), "hashed_blocks": self.hashed_blocks}
 
     def clear(self) -> None:
         """Drop the memo (a long sweep over many traces can bound its memory this way)."""
@@ -324,6 +317,5 @@ class TokenSynthesizer:
         self._node_start.clear()
         self._node_end.clear()
         self._node_digest.clear()
-        self._store = np.empty(0, dtype=np.uint64)
-        self._used = 0
+        self._store.clear()
         self._resume.clear()
