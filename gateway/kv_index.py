@@ -45,6 +45,10 @@ class KVIndex(Protocol):
         """Per instance: (GPU prefix-hit blocks, CPU-tier blocks continuing the prefix beyond it)."""
         ...
 
+    def match_one(self, instance: int, block_hashes: Sequence[int]) -> tuple[int, int]:
+        """``match(block_hashes)[instance]``, without looking at the other instances."""
+        ...
+
     def on_kv_event(self, instance: int, batch: KVEventBatch) -> None: ...
 
     def on_routed(self, instance: int, block_hashes: Sequence[int]) -> None: ...
@@ -226,6 +230,14 @@ class _BaseIndex:
             c = c_set.prefix_hit(block_hashes, g) if c_set.blocks else 0
             out.append((g, c))
         return out
+
+    def match_one(self, instance: int, block_hashes: Sequence[int]) -> tuple[int, int]:
+        self._check(instance)
+        if not block_hashes:
+            return (0, 0)
+        g_set, c_set = self._gpu[instance], self._cpu[instance]
+        g = g_set.prefix_hit(block_hashes) if g_set.blocks else 0
+        return (g, c_set.prefix_hit(block_hashes, g) if c_set.blocks else 0)
 
     def cached(self, instance: int, medium: str = GPU) -> set[int]:
         self._check(instance)

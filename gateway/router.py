@@ -29,7 +29,7 @@ import asyncio
 import inspect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engines.base import EngineClient, GenerateRequest, GenerateResult
@@ -344,6 +344,10 @@ class Router:
         self.engines = tuple(engines)
         self.policy = policy
         self.policy_name = str(getattr(policy, "name", type(policy).__name__))
+        # A policy that never reads prefix hits (round robin, least request, sticky) gets a snapshot
+        # without them; only the chosen instances' hits are looked up, for the accounting. Matching
+        # every instance is the costliest part of a snapshot when sessions are spread out.
+        self._reads_hits = bool(getattr(policy, "reads_prefix_hits", True))
         self.index = index
         self.block_size = block_size
         self.roles = roles
@@ -402,8 +406,14 @@ class Router:
             flush()
         return self.index.match(block_hashes)
 
+    def _match_one(self, i: int, block_hashes: Sequence[int]) -> tuple[int, int]:
+        """:meth:`_match` for instance ``i`` only."""
+        for flush in self._flushers:
+            flush()
+        return self.index.match_one(i, block_hashes)
+
     def _hit_tokens_of(self, i: int, req: RouteRequest) -> int:
-        g, _ = self._match(req.block_hashes)[i] if req.block_hashes else (0, 0)
+        g, _ = self._match_one(i, req.block_hashes) if req.block_hashes else (0, 0)
         return min(g * self.block_size, max(req.prompt_len - 1, 0))
 
     def _note_error(self, i: int, reason: str) -> None:
@@ -435,8 +445,12 @@ class Router:
 
     # -- deciding ----------------------------------------------------------------------------------
 
-    def snapshot(self, req: RouteRequest) -> Snapshot:
-        """The frozen view the policy decides on (also used by debug endpoints)."""
+    def snapshot(self, req: RouteRequest, with_hits: bool = True) -> Snapshot:
+        """The frozen view the policy decides on (also used by debug endpoints).
+
+        ``with_hits=False``: every instance's prefix hit is left 0 (for policies that do not read
+        them, see ``reads_prefix_hits``).
+        """
         if req.prompt_len <= 0 or req.max_tokens < 0:
             raise ConfigError(f"request {req.request_id}: prompt_len must be > 0 and max_tokens >= 0")
         bs = self.block_size
@@ -447,7 +461,7 @@ class Router:
             )
         if not any(self._healthy):
             raise NoInstanceError("no healthy instance: every engine is marked unhealthy")
-        hits = self._match(req.block_hashes)
+        hits = self._match(req.block_hashes) if with_hits else [(0, 0)] * len(self.engines)
         use_stats = self.use_engine_stats
         states = []
         for i, eng in enumerate(self.engines):
@@ -490,9 +504,16 @@ class Router:
         return self._decide(req)[1]
 
     def _decide(self, req: RouteRequest) -> tuple[Snapshot, Decision]:
-        snap = self.snapshot(req)
+        snap = self.snapshot(req, self._reads_hits)
         d = self.policy.decide(snap)
         self._validate(d, snap)
+        if not self._reads_hits and req.block_hashes:
+            # the hits of the instances the decision involves, for the accounting in _begin
+            insts = list(snap.instances)
+            for i in {d.target, d.source} - {None}:
+                g, c = self._match_one(i, req.block_hashes)
+                insts[i] = replace(insts[i], gpu_hit_blocks=g, cpu_hit_blocks=c)
+            snap = replace(snap, instances=tuple(insts))
         return snap, d
 
     def _validate(self, d: Decision, snap: Snapshot) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from gateway.snapshot import FORWARD, Decision, Snapshot
 from policies.common import healthy, parse_params
@@ -25,6 +25,7 @@ class RoundRobin:
 
     name: str = "round_robin"
     type: str = "round_robin"
+    reads_prefix_hits: ClassVar[bool] = False
 
     def decide(self, snapshot: Snapshot) -> Decision:
         cands = healthy(snapshot)
@@ -34,7 +35,7 @@ class RoundRobin:
         scores = tuple((s.index, float((k - pos) % n)) for k, s in enumerate(cands))
         return Decision(
             FORWARD, target, f"round robin: request #{snapshot.request.seq} -> position {pos} of {n} healthy",
-            scores=scores, predicted_hit_blocks=snapshot.instances[target].gpu_hit_blocks,
+            scores=scores,
         )
 
 
@@ -44,6 +45,7 @@ class LeastRequest:
 
     name: str = "least_request"
     type: str = "least_request"
+    reads_prefix_hits: ClassVar[bool] = False
 
     def decide(self, snapshot: Snapshot) -> Decision:
         cands = healthy(snapshot)
@@ -51,7 +53,6 @@ class LeastRequest:
         return Decision(
             FORWARD, best.index, f"least requests: {best.in_flight} in flight on instance {best.index}",
             scores=tuple((s.index, float(s.in_flight)) for s in cands),
-            predicted_hit_blocks=best.gpu_hit_blocks,
         )
 
 
@@ -72,6 +73,7 @@ class Sticky:
 
     name: str = "sticky"
     type: str = "sticky"
+    reads_prefix_hits: ClassVar[bool] = False
 
     def decide(self, snapshot: Snapshot) -> Decision:
         cands = healthy(snapshot)
@@ -88,7 +90,6 @@ class Sticky:
         return Decision(
             FORWARD, target, reason,
             scores=tuple((s.index, 0.0 if s.index == target else 1.0) for s in cands),
-            predicted_hit_blocks=snapshot.instances[target].gpu_hit_blocks,
         )
 
 

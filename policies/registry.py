@@ -17,6 +17,11 @@ from gpuhit.errors import ConfigError
 
 
 class Policy(Protocol):
+    """``decide`` maps a frozen snapshot to a decision. A policy may set a class attribute
+    ``reads_prefix_hits = False`` to declare it never reads ``gpu_hit_blocks``/``cpu_hit_blocks``:
+    the router then leaves them 0 in its snapshots (saving a KV-index match per instance) and
+    looks up only the chosen instances' hits for its accounting."""
+
     name: str
     type: str
 

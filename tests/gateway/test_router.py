@@ -270,3 +270,39 @@ def test_fallback_adjusts_predicted_hit_stats():
     assert router.counters()[0] == {"in_flight": 0, "pending_prefill_tokens": 0, "decode_seqs": 0, "active_blocks": 0}
     t.finish(GenerateResult("a", 168, 4))
     assert router.stats.fallbacks == 1 and router.stats.transferred_tokens == 0
+
+
+class _Spy:
+    """Wraps a policy to record the snapshots it is given (``reads`` sets reads_prefix_hits)."""
+
+    def __init__(self, inner, reads):
+        self.inner, self.reads_prefix_hits, self.seen = inner, reads, []
+        self.name, self.type = inner.name, inner.type
+
+    def decide(self, snapshot):
+        self.seen.append(snapshot)
+        return self.inner.decide(snapshot)
+
+
+@pytest.mark.parametrize("ptype", ["round_robin", "least_request", "sticky"])
+def test_policy_that_reads_no_hits_gets_none_but_accounting_is_unchanged(ptype):
+    """A blind policy's snapshots carry no hits, yet each routed request's predicted hit and the
+    pending-prefill counters equal what the full snapshot would give."""
+
+    def run(reads):
+        router, _engines, records, _ = make(n=3, policy=_Spy(registry.build(ptype), reads))
+        for i in range(3):  # instance i caches the first 10 + 5*i blocks of the common chain
+            router.index.on_kv_event(i, KVEventBatch(0.0, (BlockStored(tuple(range(1000, 1010 + 5 * i)), None, (), BS),)))
+        tickets = [router.begin(req(f"r{k}", 20, session=f"s{k}")) for k in range(6)]
+        return router, tickets, records
+
+    full_router, full_t, full_rec = run(True)
+    blind_router, blind_t, blind_rec = run(False)
+    assert [t.target for t in blind_t] == [t.target for t in full_t]
+    assert {t.target for t in full_t} == {0, 1, 2}  # every instance's hit exercised
+    assert [t.predicted_hit_tokens for t in blind_t] == [t.predicted_hit_tokens for t in full_t]
+    assert [t.predicted_hit_tokens for t in full_t] == [(10 + 5 * t.target) * BS for t in full_t]
+    assert [r.predicted_hit_blocks for r in blind_rec] == [r.predicted_hit_blocks for r in full_rec]
+    assert blind_router.counters() == full_router.counters()
+    assert all(s.gpu_hit_blocks == 0 for snap in blind_router.policy.seen for s in snap.instances)
+    assert any(s.gpu_hit_blocks for snap in full_router.policy.seen for s in snap.instances)
