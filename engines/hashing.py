@@ -18,7 +18,7 @@ import os
 import pickle
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 from gpuhit.errors import ConfigError
@@ -79,6 +79,27 @@ def common_prefix_len(a: Sequence[Any], b: Sequence[Any], start: int = 0, stop: 
     while lo < hi:
         mid = (lo + hi + 1) >> 1
         if sa[:mid] == sb[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def present_run_end(hashes: Sequence[Any], table: Container[Any], lo: int, n: int) -> int:
+    """Binary search over chain positions: given ``hashes[lo - 1] in table`` (``0 < lo <= n``),
+    a ``k`` in ``[lo, n]`` with ``hashes[k - 1]`` in ``table`` and ``k == n`` or ``hashes[k]`` not.
+
+    O(log n) probes. When the present positions of ``hashes[:n]`` are prefix-closed (vLLM frees a
+    request's blocks tail first, so a cache nearly always is), ``k`` is the length of the present
+    prefix; otherwise the first absent position is somewhere below ``k`` and callers that need the
+    exact answer verify ``hashes[lo:k - 1]``.
+    """
+    if hashes[n - 1] in table:
+        return n
+    hi = n - 1  # invariant: hashes[lo - 1] present, hashes[hi] absent
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if hashes[mid - 1] in table:
             lo = mid
         else:
             hi = mid - 1

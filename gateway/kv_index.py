@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from engines.hashing import present_run_end
 from engines.kv_events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from gpuhit.errors import ConfigError
 
@@ -122,16 +123,7 @@ class _BlockSet:
         n = len(hashes)
         if start >= n or hashes[start] not in blocks:
             return 0
-        if hashes[n - 1] in blocks and not self.orphans:
-            return n - start
-        # Largest k in [start+1, n] with hashes[k-1] present, assuming prefix-closedness.
-        lo, hi = start + 1, n
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            if hashes[mid - 1] in blocks:
-                lo = mid
-            else:
-                hi = mid - 1
+        lo = present_run_end(hashes, blocks, start + 1, n)
         # By construction hashes[lo-1] was seen present and hashes[lo] (if any) absent: the boundary
         # is verified. Interior holes would leave an orphan; without orphans the answer is exact.
         if self.orphans:
@@ -187,17 +179,7 @@ class _ChainSet:
         n = len(hashes)
         if start >= n or hashes[start] not in blocks:
             return 0
-        if hashes[n - 1] in blocks:
-            lo = n
-        else:
-            # invariant: hashes[lo - 1] present, hashes[hi] absent
-            lo, hi = start + 1, n - 1
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if hashes[mid - 1] in blocks:
-                    lo = mid
-                else:
-                    hi = mid - 1
+        lo = present_run_end(hashes, blocks, start + 1, n)
         # hashes[lo] (if any) is absent, so the first absent position is <= lo: verify below it
         if lo - start > 2:
             inner = hashes[start + 1 : lo - 1]  # hashes[lo - 1] was seen present

@@ -166,12 +166,10 @@ class _Replay:
     def _implied(self, s: Session, turn: Turn) -> int:
         """Longest prefix of this turn's trace blocks already sent in its namespace, in tokens."""
         seen = self.seen.setdefault(s.namespace, set())
-        n = 0
-        for h in turn.hash_ids:
-            if h not in seen:
-                break
-            n += 1
-        seen.update(turn.hash_ids)
+        ids = turn.hash_ids
+        # C-level passes, not a Python loop: prompts run to thousands of trace blocks
+        n = len(ids) if seen.issuperset(ids) else list(map(seen.__contains__, ids)).index(False)
+        seen.update(ids)
         return min(n * s.block_size, turn.input_length)
 
     # -- one request ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from operator import attrgetter
 
 from engines.emulated.block_pool import BlockPool, KVBlock
 from engines.emulated.request import EmuRequest
+from engines.hashing import present_run_end
 
 
 class PrefixCacheStats:
@@ -96,18 +97,7 @@ class KVCacheManager:
         cached = self.pool._cached
         if hashes[0] not in cached:
             return []
-        if hashes[n - 1] in cached:
-            k = n
-        else:
-            # invariant: hashes[lo - 1] cached, hashes[hi] not cached
-            lo, hi = 1, n - 1
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if hashes[mid - 1] in cached:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            k = lo
+        k = present_run_end(hashes, cached, 1, n)
         out = list(map(cached.get, hashes[:k] if k < len(hashes) else hashes))
         if not all(out):  # a hole below k (KVBlock has no __bool__/__len__: only None is falsy)
             del out[out.index(None):]

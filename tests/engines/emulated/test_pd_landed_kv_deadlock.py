@@ -27,39 +27,33 @@ A_HASHES = tuple(range(100, 103))  # 12-token prompt: 3 full blocks of 4
 B_HASHES = tuple(range(200, 206))  # 25-token prompt: 6 full blocks, the 25th token recomputed
 
 
-async def _producer_then_decoder(prof):
-    """P (default cache) runs B's producer step; D has 10 blocks (9 usable) of 4 tokens."""
+async def _a_then_landed_b(prof, a_prompt, a_max_tokens, a_hashes):
+    """P (default cache) runs B's producer step; D has 10 blocks (9 usable) of 4 tokens. A starts
+    on D, B (KV on P) follows half a second later; both are awaited. Returns (t0, A, B, D)."""
+    loop = asyncio.get_running_loop()
     reg = TransferRegistry(timeout_s=1000.0)
     p = EmulatedEngine("P", prof, transfer_registry=reg)
     d = EmulatedEngine("D", prof, num_gpu_blocks=10, transfer_registry=reg)
     prod = await p.generate(GenerateRequest("B::producer", 25, 1, block_hashes=B_HASHES, kv_transfer_params={
         "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "tB"}))
-    return p, d, prod.kv_transfer_params
+    t0 = loop.time()
+    a_task = loop.create_task(d.generate(GenerateRequest("A", a_prompt, a_max_tokens, block_hashes=a_hashes)))
+    await asyncio.sleep(0.5)
+    b = await d.generate(GenerateRequest("B", 25, 2, block_hashes=B_HASHES, kv_transfer_params=prod.kv_transfer_params))
+    a = await a_task
+    for e in (p, d):
+        await e.close()
+    return t0, a, b, d
 
 
 def test_landed_transfer_behind_a_preempted_head_does_not_deadlock():
     # D: 10 blocks (9 usable) of 4 tokens, budget 8. 1 kB/token at 1 kB/s: B's 24-token pull takes 24 s.
-    prof = tiny_profile(nic_gbps=1e-6)
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        p, d, b_params = await _producer_then_decoder(prof)
-        t0 = loop.time()
-        # A prefills 8 + 4 tokens (3 blocks); B arrives during A's first step, so at A's second
-        # step it reserves the 6 remaining blocks for its pull; A's first decode needs a 4th block.
-        a_task = loop.create_task(d.generate(GenerateRequest("A", 12, 3, block_hashes=A_HASHES)))
-        await asyncio.sleep(0.5)
-        b = await d.generate(GenerateRequest("B", 25, 2, block_hashes=B_HASHES, kv_transfer_params=b_params))
-        a = await a_task
-        free = d.pool.num_free()
-        for e in (p, d):
-            await e.close()
-        return t0, a, b, free, d.metrics.num_preemptions
-
-    t0, a, b, free, preemptions = vtime.run(main())
+    # A prefills 8 + 4 tokens (3 blocks); B arrives during A's first step, so at A's second step it
+    # reserves the 6 remaining blocks for its pull; A's first decode needs a 4th block.
+    t0, a, b, d = vtime.run(_a_then_landed_b(tiny_profile(nic_gbps=1e-6), 12, 3, A_HASHES))
     assert a.ok and b.ok, (a.error, b.error)
     assert (a.completion_tokens, b.completion_tokens) == (3, 2)
-    assert a.num_preemptions == 1 and preemptions == 1
+    assert a.num_preemptions == 1 and d.metrics.num_preemptions == 1
     assert b.external_cached_tokens == 24
     # B's pull starts with A's second step (t0 + 1.08) and lands 24 s later; then B goes first
     # (1 recomputed prompt token, 1 decode step) and A recomputes after it
@@ -67,51 +61,23 @@ def test_landed_transfer_behind_a_preempted_head_does_not_deadlock():
     # A's prefix stays cached while it waits, less the block B's growth evicted: it recomputes 5
     # tokens (2-block hit) in one step, then decodes its last token
     assert a.finish_time - b.finish_time == pytest.approx(1.05 + 1.0)
-    assert free == 9
+    assert d.pool.num_free() == 9
 
 
 def test_an_unschedulable_head_fails_instead_of_hanging(monkeypatch):
     # Defence in depth: with the scheduler's unblocking switched off, the same situation must
     # end A with an error result (and let B run), never leave the simulation waiting forever.
     monkeypatch.setattr(Scheduler, "_unblock", lambda self, head, out: False)
-    prof = tiny_profile(nic_gbps=1e-6)
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        p, d, b_params = await _producer_then_decoder(prof)
-        a_task = loop.create_task(d.generate(GenerateRequest("A", 12, 3, block_hashes=A_HASHES)))
-        await asyncio.sleep(0.5)
-        b = await d.generate(GenerateRequest("B", 25, 2, block_hashes=B_HASHES, kv_transfer_params=b_params))
-        a = await a_task
-        errors = d.metrics.request_errors
-        for e in (p, d):
-            await e.close()
-        return a, b, errors
-
-    a, b, errors = vtime.run(main())
+    _, a, b, d = vtime.run(_a_then_landed_b(tiny_profile(nic_gbps=1e-6), 12, 3, A_HASHES))
     assert b.ok and b.completion_tokens == 2
-    assert a.error is not None and "could not schedule request 'A'" in a.error and errors == 1
+    assert a.error is not None and "could not schedule request 'A'" in a.error and d.metrics.request_errors == 1
 
 
 def test_running_request_preempting_itself_for_a_landed_holder_steps_again():
     # B's pull (1.5 s) lands while A still decodes; A then needs a 4th block, which B's reservation
     # took: A is the only running request and its own victim. That step schedules nothing; the
     # engine must step again at once (nothing else would wake it) and let B, landed, go first.
-    prof = tiny_profile(nic_gbps=1.6e-5)
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        p, d, b_params = await _producer_then_decoder(prof)
-        t0 = loop.time()
-        a_task = loop.create_task(d.generate(GenerateRequest("A", 8, 8, block_hashes=A_HASHES[:2])))
-        await asyncio.sleep(0.5)
-        b = await d.generate(GenerateRequest("B", 25, 2, block_hashes=B_HASHES, kv_transfer_params=b_params))
-        a = await a_task
-        for e in (p, d):
-            await e.close()
-        return t0, a, b
-
-    t0, a, b = vtime.run(main())
+    t0, a, b, _ = vtime.run(_a_then_landed_b(tiny_profile(nic_gbps=1.6e-5), 8, 8, A_HASHES[:2]))
     assert a.ok and b.ok, (a.error, b.error)
     assert (a.completion_tokens, b.completion_tokens, a.num_preemptions) == (8, 2, 1)
     assert b.external_cached_tokens == 24
