@@ -78,3 +78,13 @@ def test_live_mode_records_failures_and_resumes(tmp_path, capsys):
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["runs"][0]["requests"] == 6
+
+
+def test_runs_are_started_longest_first():
+    """PD and migration runs go to the workers first, so none starts last and idles a core."""
+    from replayer.cli_replay import RunSpec, longest_first
+
+    specs = [RunSpec("lpwl", "lpwl", None, 0), RunSpec("lpwl_migrate", {"name": "m", "type": "lpwl_migrate"}, None, 0),
+             RunSpec("pd_disagg[6P+2D]", "pd_disagg", ("prefill",) * 6 + ("decode",) * 2, 0),
+             RunSpec("least_request", "least_request", None, 0)]
+    assert [specs[i].label for i in longest_first(specs)] == ["pd_disagg[6P+2D]", "lpwl_migrate", "least_request", "lpwl"]
