@@ -402,15 +402,17 @@ class Router:
 
     def _match(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
         """The index's per-instance hits, after the engines have published what is due."""
-        for flush in self._flushers:
-            flush()
+        self._flush()
         return self.index.match(block_hashes)
 
     def _match_one(self, i: int, block_hashes: Sequence[int]) -> tuple[int, int]:
         """:meth:`_match` for instance ``i`` only."""
+        self._flush()
+        return self.index.match_one(i, block_hashes)
+
+    def _flush(self) -> None:
         for flush in self._flushers:
             flush()
-        return self.index.match_one(i, block_hashes)
 
     def _hit_tokens_of(self, i: int, req: RouteRequest) -> int:
         g, _ = self._match_one(i, req.block_hashes) if req.block_hashes else (0, 0)

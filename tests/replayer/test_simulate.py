@@ -92,3 +92,24 @@ def test_replay_offset_and_trace_span_follow_think_cap():
     tr = Trace("t", "native", (s, child))
     assert trace_span(tr, ArrivalConfig("trace")) == 120.0
     assert trace_span(tr, ArrivalConfig("trace"), max_think_time=20.0) == 40.0
+
+
+def test_runs_sharing_a_synthesizer_give_the_records_of_fresh_ones():
+    from replayer.synth import TokenSynthesizer
+
+    tr = Trace("t", "native", (
+        Session("a", (t(range(1, 40), 2500), t(range(1, 45), 2900, think=2.0)), 64, "a"),
+        Session("b", (t(range(1, 30), 1900), t([*range(1, 30), 99], 2000, think=1.0)), 64, "b", arrival=0.5),
+    ))
+
+    def rows(r):
+        return [(x.session, x.turn, x.instance, x.finish, x.realized_hit_tokens) for x in r.records]
+
+    shared = TokenSynthesizer(seed=3)
+    for pol in ("lpwl", "round_robin", "lpwl"):  # the second lpwl run starts from a warm memo
+        fresh = simulate(tr, pol, instances=2, progress=False, seed=3)
+        reused = simulate(tr, pol, instances=2, progress=False, seed=3, synth=shared)
+        assert rows(reused) == rows(fresh)
+    assert shared.hashed_blocks < 3 * TokenSynthesizer(seed=3).num_blocks(2500 + 2900 + 1900 + 2000)
+    with pytest.raises(ConfigError, match="seed 3"):
+        simulate(tr, "lpwl", instances=2, progress=False, seed=4, synth=shared)
