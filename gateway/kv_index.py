@@ -189,6 +189,12 @@ class _ChainSet:
 
 
 
+def _hit(g_set: _BlockSet | _ChainSet, c_set: _BlockSet | _ChainSet, hashes: Sequence[int]) -> tuple[int, int]:
+    """One instance's (GPU prefix hit, CPU-tier blocks continuing it)."""
+    g = g_set.prefix_hit(hashes) if g_set.blocks else 0
+    return (g, c_set.prefix_hit(hashes, g) if c_set.blocks else 0)
+
+
 class _BaseIndex:
     __slots__ = ("_cpu", "_gpu", "num_instances")
 
@@ -204,22 +210,15 @@ class _BaseIndex:
             raise ConfigError(f"instance {instance} out of range 0..{self.num_instances - 1}")
 
     def match(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
-        out: list[tuple[int, int]] = []
         if not block_hashes:
             return [(0, 0)] * self.num_instances
-        for g_set, c_set in zip(self._gpu, self._cpu):
-            g = g_set.prefix_hit(block_hashes) if g_set.blocks else 0
-            c = c_set.prefix_hit(block_hashes, g) if c_set.blocks else 0
-            out.append((g, c))
-        return out
+        return [_hit(g_set, c_set, block_hashes) for g_set, c_set in zip(self._gpu, self._cpu)]
 
     def match_one(self, instance: int, block_hashes: Sequence[int]) -> tuple[int, int]:
         self._check(instance)
         if not block_hashes:
             return (0, 0)
-        g_set, c_set = self._gpu[instance], self._cpu[instance]
-        g = g_set.prefix_hit(block_hashes) if g_set.blocks else 0
-        return (g, c_set.prefix_hit(block_hashes, g) if c_set.blocks else 0)
+        return _hit(self._gpu[instance], self._cpu[instance], block_hashes)
 
     def cached(self, instance: int, medium: str = GPU) -> set[int]:
         self._check(instance)
