@@ -5,14 +5,22 @@ events that follow. vLLM's semantics, kept exactly because routers read them thr
 
 * Block 0 is the *null block*: popped from the free queue at start-up and never handed out, so
   ``num_blocks - 1`` blocks are usable (vLLM reserves it as a placeholder in block tables).
-* The free queue is a doubly linked list: allocation pops from the head; freed blocks are appended
-  at the tail in the order the caller gives (a finished request frees its blocks in *reverse*, so
-  the tail of a prompt is evicted before its head). A cached block whose ref count drops to 0
-  stays in the free queue with its hash: it is an eviction candidate and still a prefix hit;
-  a hit "touches" it out of the queue in O(1).
+* The free queue is ordered: allocation pops from the head; freed blocks are appended at the tail
+  in the order the caller gives (a finished request frees its blocks in *reverse*, so the tail of
+  a prompt is evicted before its head). A cached block whose ref count drops to 0 stays in the free
+  queue with its hash: it is an eviction candidate and still a prefix hit; a hit "touches" it out
+  of the queue.
 * Reusing a cached block for a new allocation evicts it: its hash leaves the hash map and is
   reported in a ``BlockRemoved``. vLLM does not de-duplicate: two requests computing the same block
   at once both cache it; lookups return the first one cached.
+
+Representation (speed, no behaviour): a block is its integer id, and the per-block state lives in
+arrays indexed by id (reference counts in numpy, hashes in a numpy object array so that the
+engines' hash ints keep their identity). An agentic prompt hits thousands of cached blocks, and
+each request touches them all when admitted and frees them all when it finishes; as numpy
+operations over id arrays that is ~15 ns a block, where a Python loop over block objects took
+~150 ns and was a sixth of a simulation's time. The free queue is vLLM's doubly linked list made
+lazy (:class:`FreeBlockQueue`) for the same reason.
 
 Events: vLLM queues one ``BlockRemoved`` per evicted block. Here the evictions of one allocation
 (consecutive in the event stream anyway) share one ``BlockRemoved`` listing their hashes in
@@ -29,88 +37,200 @@ free). A new block cached right after the hit is checked by the manager itself.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
 
 from engines.kv_events import GPU, BlockRemoved, BlockStored, KVEvent
 
+#: dtype of block-id arrays
+BLOCK_ID = np.intp
+#: an empty block-id array (no blocks: a miss, nothing allocated)
+NO_BLOCKS = np.empty(0, BLOCK_ID)
+NO_BLOCKS.flags.writeable = False
 
-class KVBlock:
-    """One physical KV block. ``block_hash`` is the 64-bit event int while cached, else None."""
 
-    __slots__ = ("block_hash", "block_id", "next", "parent_hash", "prev", "ref_cnt")
+def as_block_ids(blocks: Iterable[int]) -> np.ndarray:
+    """``blocks`` as a block-id array (arrays pass through; lists, tuples and iterators are copied)."""
+    if isinstance(blocks, np.ndarray):
+        return blocks
+    if not isinstance(blocks, (list, tuple)):
+        blocks = list(blocks)
+    return np.array(blocks, BLOCK_ID) if blocks else NO_BLOCKS
 
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: int | None = None
-        # the parent's hash, kept so an eviction to a lower tier can publish the chain link
-        self.parent_hash: int | None = None
-        self.prev: KVBlock | None = None
-        self.next: KVBlock | None = None
 
-    def __repr__(self) -> str:  # pragma: no cover - debugging aid
-        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+_POSITIONS = np.arange(1 << 12, dtype=np.int64)
+
+
+def _positions(n: int) -> np.ndarray:
+    """``arange(n)`` without allocating one per call."""
+    global _POSITIONS
+    if n > len(_POSITIONS):
+        _POSITIONS = np.arange(max(n, 2 * len(_POSITIONS)), dtype=np.int64)
+    return _POSITIONS[:n]
+
+
+def _objects(values: Sequence[object]) -> np.ndarray:
+    """A numpy object array holding these very objects (``np.array`` would convert ints)."""
+    out = np.empty(len(values), object)
+    out[:] = values
+    return out
 
 
 class FreeBlockQueue:
-    """vLLM's ``FreeKVCacheBlockQueue``: O(1) popleft, append and removal from the middle."""
+    """vLLM's ``FreeKVCacheBlockQueue`` (popleft, append, removal from the middle), lazily.
 
-    __slots__ = ("_head", "_tail", "num_free")
+    Appends add *entries* (id, stamp) in chunks; ``stamp[id]`` holds the stamp of a queued block's
+    one live entry and -1 when the block is not queued. Removing a block from the middle is then
+    one array write (its old entry goes stale), a batch of removals or appends is a handful of
+    numpy operations, and popping walks the entries from the head skipping stale ones. Each entry
+    is passed over once, so popping is amortized O(1) per block, and the order of live entries is
+    exactly the linked list's order. Entries of chunk ``(ids, first)`` carry stamps
+    ``first, first + 1, ...``. When stale entries outnumber the blocks the chunks are compacted.
+    """
 
-    def __init__(self, blocks: Sequence[KVBlock]):
-        self._head = KVBlock(-1)  # sentinels: no None checks on the hot path
-        self._tail = KVBlock(-2)
-        prev = self._head
-        for b in blocks:
-            prev.next = b
-            b.prev = prev
-            prev = b
-        prev.next = self._tail
-        self._tail.prev = prev
-        self.num_free = len(blocks)
+    __slots__ = ("_chunks", "_entries", "_next", "_off", "num_free", "stamp")
 
-    def popleft(self) -> KVBlock:
-        b = self._head.next
-        if b is self._tail:
-            raise IndexError("no free blocks")
-        nxt = b.next
-        self._head.next = nxt
-        nxt.prev = self._head
-        b.prev = b.next = None
-        self.num_free -= 1
-        return b
+    def __init__(self, num_blocks: int, ids: Sequence[int] | np.ndarray = ()):
+        self.stamp = np.full(num_blocks, -1, np.int64)
+        self._chunks: deque[tuple[np.ndarray, int]] = deque()
+        self._off = 0  # entries of the head chunk already passed over
+        self._next = 0  # the next stamp
+        self._entries = 0  # entries not yet passed over, live or stale
+        self.num_free = 0
+        self.append_many(as_block_ids(ids))
 
-    def remove(self, b: KVBlock) -> None:
-        p, n = b.prev, b.next
-        assert p is not None and n is not None, "block is not in the free queue"
-        p.next = n
-        n.prev = p
-        b.prev = b.next = None
-        self.num_free -= 1
+    def __contains__(self, block_id: int) -> bool:
+        return self.stamp[block_id] >= 0
 
-    def append(self, b: KVBlock) -> None:
-        last = self._tail.prev
-        last.next = b
-        b.prev = last
-        b.next = self._tail
-        self._tail.prev = b
-        self.num_free += 1
+    def append_many(self, ids: np.ndarray) -> None:
+        """Append ``ids`` (distinct, none queued) at the tail, in this order."""
+        n = len(ids)
+        if not n:
+            return
+        first = self._next
+        self.stamp[ids] = np.arange(first, first + n)
+        self._chunks.append((ids, first))
+        self._next = first + n
+        self.num_free += n
+        self._entries += n
+        if self._entries > 4 * len(self.stamp) + 1024:
+            self._compact()
+
+    def remove_many(self, ids: np.ndarray) -> None:
+        """Take ``ids`` (distinct, all queued) out of the queue, wherever they are."""
+        self.stamp[ids] = -1
+        self.num_free -= len(ids)
+
+    def popleft_many(self, n: int) -> np.ndarray:
+        """Pop the first ``n`` queued blocks (the caller checked ``n <= num_free``)."""
+        out = self._scan(n, consume=True)
+        self.stamp[out] = -1
+        self.num_free -= n
+        return out
+
+    def peek(self, n: int) -> np.ndarray:
+        """The first ``n`` queued blocks (fewer if fewer are queued), left in the queue."""
+        return self._scan(min(n, self.num_free), consume=False)
 
     def block_ids(self) -> list[int]:
-        """Head-to-tail ids (tests and debugging; O(n))."""
-        out = []
-        b = self._head.next
-        while b is not self._tail:
-            out.append(b.block_id)
-            b = b.next
-        return out
+        """Head-to-tail ids (tests and debugging; O(entries))."""
+        return self.peek(self.num_free).tolist()
+
+    def _scan(self, n: int, consume: bool) -> np.ndarray:
+        """The first ``n`` live entries from the head; ``consume`` moves the head past them."""
+        if n <= 0:
+            return NO_BLOCKS
+        chunks, stamp = self._chunks, self.stamp
+        if n == 1:  # decode appends take one block at a time: scalar probe of the head entry first
+            ids, first = chunks[0]
+            o = self._off
+            b = int(ids[o])
+            if stamp[b] == first + o:
+                if consume:
+                    self._advance(o + 1)
+                return ids[o : o + 1]
+        parts: list[np.ndarray] = []
+        need = n
+        c, o = 0, self._off  # chunk index and offset of the scan
+        while need:
+            ids, first = chunks[c]
+            size = len(ids)
+            w = min(size - o, max(2 * need, 64))
+            window = ids[o : o + w]
+            live = np.flatnonzero(stamp[window] == np.arange(first + o, first + o + w))
+            if len(live) >= need:
+                live = live[:need]
+                o += int(live[-1]) + 1
+                need = 0
+            else:
+                need -= len(live)
+                o += w
+            if len(live):
+                parts.append(window[live])
+            if o == size and need:
+                c, o = c + 1, 0
+        if consume:
+            passed = sum(len(chunks[i][0]) for i in range(c)) - self._off  # whole chunks passed
+            for _ in range(c):
+                chunks.popleft()
+            self._entries -= passed
+            self._off = 0
+            self._advance(o)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _advance(self, o: int) -> None:
+        """Move the head of the first chunk to offset ``o``."""
+        self._entries -= o - self._off
+        if o == len(self._chunks[0][0]):
+            self._chunks.popleft()
+            o = 0
+        self._off = o
+
+    def _compact(self) -> None:
+        """Rebuild the chunks as one chunk of the live entries, in order, with fresh stamps."""
+        live = self._scan(self.num_free, consume=False)
+        self._chunks.clear()
+        self._off = self._entries = 0
+        self.num_free = 0
+        self.append_many(live.copy())
+
+
+class BlockList:
+    """A request's blocks: a growable block-id array (``view()`` is the ids in order)."""
+
+    __slots__ = ("_buf", "n")
+
+    def __init__(self) -> None:
+        self._buf = np.empty(64, BLOCK_ID)
+        self.n = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def extend(self, ids: np.ndarray) -> None:
+        n, m = self.n, len(ids)
+        end = n + m
+        if end > len(self._buf):
+            buf = np.empty(max(2 * len(self._buf), end), BLOCK_ID)
+            buf[:n] = self._buf[:n]
+            self._buf = buf
+        self._buf[n:end] = ids
+        self.n = end
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self.n]
 
 
 class BlockPool:
     """Fixed pool of ``num_blocks`` blocks of ``block_size`` tokens with a prefix-cache hash map.
 
-    ``on_evict(block_hash, parent_hash)`` is called when a cached block is evicted for reuse, so a
-    CPU offload tier can take it (vLLM's offloading connector is fed the same way in this model).
+    Blocks are ids ``0..num_blocks-1``. Per block: ``ref_cnt[id]`` (users), ``block_hash[id]``
+    (the 64-bit event int while cached, else None) and ``parent_hash[id]`` (kept only when a CPU
+    tier reads it). ``on_evict(block_hash, parent_hash)`` is called when a cached block is evicted
+    for reuse, so a CPU offload tier can take it (vLLM's offloading connector is fed the same way
+    in this model).
     """
 
     def __init__(
@@ -125,18 +245,24 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
-        self.null_block = self.free_queue.popleft()  # block 0, as vLLM does
-        self._cached: dict[int, KVBlock] = {}
+        self.ref_cnt = np.zeros(num_blocks, np.int32)
+        self.block_hash = np.full(num_blocks, None, object)
+        # the parent's hash, kept so an eviction to a lower tier can publish the chain link
+        self.parent_hash = np.full(num_blocks, None, object)
+        self.free_queue = FreeBlockQueue(num_blocks, np.arange(num_blocks, dtype=BLOCK_ID))
+        self.null_block = int(self.free_queue.popleft_many(1)[0])  # block 0, as vLLM does
+        self._cached: dict[int, int] = {}  # hash -> block id
         # further blocks holding an already-cached hash, in caching order (vLLM keeps them all)
-        self._dups: dict[int, list[KVBlock]] = {}
+        self._dups: dict[int, list[int]] = {}
         self.enable_events = enable_events
         self.events: list[KVEvent] = []
         self.on_evict = on_evict
-        # see "Watch" in the module docstring; None = nothing watched (the hot paths skip the checks)
-        self.watch: set[KVBlock] | None = None
+        # see "Watch" in the module docstring; watching False = nothing watched (hot paths skip it)
+        self.watching = False
+        self._watch = np.zeros(num_blocks, bool)
+        self._watched = NO_BLOCKS
         self.watch_dirty = False
+        self._mark = np.zeros(num_blocks, np.int64)  # scratch for _distinct
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -151,7 +277,7 @@ class BlockPool:
         """vLLM's ``get_usage``: fraction of usable blocks in use (ref count > 0)."""
         return 1.0 - self.free_queue.num_free / self.num_usable
 
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+    def get_cached_block(self, block_hash: int) -> int | None:
         return self._cached.get(block_hash)
 
     def cached_hashes(self) -> set[int]:
@@ -159,9 +285,8 @@ class BlockPool:
 
     def reset_cache(self) -> None:
         """Forget every cached hash (vLLM's prefix-cache reset); the caller checked nothing is in use."""
-        for b in self.blocks:
-            b.block_hash = None
-            b.parent_hash = None
+        self.block_hash[:] = None
+        self.parent_hash[:] = None
         self._cached.clear()
         self._dups.clear()
         self.watch_dirty = True
@@ -171,61 +296,62 @@ class BlockPool:
         self.events = []
         return ev
 
+    # ---- watch ---------------------------------------------------------------------------------
+    def set_watch(self, blocks: np.ndarray) -> None:
+        """Watch ``blocks`` (none: stop watching) and clear ``watch_dirty``."""
+        self._watch[self._watched] = False
+        self._watched = blocks
+        self._watch[blocks] = True
+        self.watching = len(blocks) > 0
+        self.watch_dirty = False
+
+    def _watched_any(self, ids: np.ndarray) -> bool:
+        return bool(self._watch[ids].any())
+
     # ---- allocation ----------------------------------------------------------------------------
-    def get_new_blocks(self, n: int) -> list[KVBlock]:
+    def get_new_blocks(self, n: int) -> np.ndarray:
         """Pop ``n`` blocks from the head of the free queue, evicting cached ones; ref count 1.
 
-        Hot path (every computed block passes here, and in a full cache nearly every one evicts):
-        the ``n`` blocks are unlinked in one walk and the common eviction (no duplicate of the
-        hash) is inlined; order of evictions, events and ``on_evict`` calls is the popping order.
+        Evictions, their events and ``on_evict`` calls follow the popping order.
         """
         q = self.free_queue
         if n > q.num_free:
             raise ValueError(f"cannot get {n} free blocks from the pool")
-        out: list[KVBlock] = []
         if n <= 0:
-            return out
-        append = out.append
-        cached = self._cached
-        dups = self._dups
-        events = self.events if self.enable_events else None
-        on_evict = self.on_evict
-        watch = self.watch
-        removed: list[int] = []  # evicted hashes, in eviction order (one BlockRemoved)
-        evicted = removed.append
-        general = bool(dups) or on_evict is not None
-        head = q._head
-        b = head.next
-        for _ in range(n):
-            h = b.block_hash
-            if h is not None:
-                if watch and b in watch:
-                    self.watch_dirty = True
-                if general:
+            return NO_BLOCKS
+        ids = q.popleft_many(n)
+        self.ref_cnt[ids] = 1
+        if n == 1:
+            h = self.block_hash[ids[0]]
+            if h is None:
+                return ids
+            hs = (h,)
+        else:
+            hl = self.block_hash[ids].tolist()
+            misses = hl.count(None)  # in a full cache nearly every popped block is cached
+            if misses == n:
+                return ids
+            hs = tuple(hl) if not misses else tuple(h for h in hl if h is not None)
+        if self.watching and not self.watch_dirty and self._watched_any(ids):
+            self.watch_dirty = True
+        if self._dups or self.on_evict is not None:
+            for b in ids.tolist():
+                if self.block_hash[b] is not None:
                     self._evict(b)
-                else:
-                    # no duplicates anywhere: b is the block the hash maps to. parent_hash is
-                    # left stale: it is only read while block_hash is set, and caching rewrites it.
-                    del cached[h]
-                    b.block_hash = None
-                evicted(h)
-            b.ref_cnt = 1
-            append(b)
-            # prev/next are left stale: only free-queue members (ref count 0) have theirs read
-            b = b.next
-        head.next = b
-        b.prev = head
-        q.num_free -= n
-        if removed and events is not None:
-            events.append(BlockRemoved(tuple(removed), GPU))
-        return out
+        else:
+            # no duplicates anywhere: each hash maps to the block being evicted
+            deque(map(self._cached.__delitem__, hs), 0)
+            self.block_hash[ids] = None  # parent_hash is left stale: read only while cached
+        if self.enable_events:
+            self.events.append(BlockRemoved(hs, GPU))
+        return ids
 
-    def _evict(self, b: KVBlock) -> None:
+    def _evict(self, b: int) -> None:
         """General eviction (duplicates, an ``on_evict`` tier); the caller handled the watch and
         reports the hash in its ``BlockRemoved``."""
-        h = b.block_hash
+        h = self.block_hash[b]
         assert h is not None
-        if self._cached.get(h) is b:
+        if self._cached.get(h) == b:
             dups = self._dups.get(h)
             if dups:
                 self._cached[h] = dups.pop(0)
@@ -239,63 +365,73 @@ class BlockPool:
             if not dups:
                 del self._dups[h]
         if self.on_evict is not None:
-            self.on_evict(h, b.parent_hash)
-        b.block_hash = None
-        b.parent_hash = None
+            self.on_evict(h, self.parent_hash[b])
+        self.block_hash[b] = None
+        self.parent_hash[b] = None
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """A prefix hit: take ref-0 cached blocks out of the free queue and count the new user."""
-        # FreeBlockQueue.remove inlined: this loop runs once per hit block (thousands per long prompt)
-        q = self.free_queue
-        watch = self.watch
-        if watch and not self.watch_dirty:
-            if not isinstance(blocks, (list, tuple)):
-                blocks = list(blocks)
+    def _distinct(self, ids: np.ndarray) -> bool:
+        """Whether no block occurs twice in ``ids`` (vectorized ref-count updates need that).
+
+        A chained hit never repeats a block, but hashes that are not chained can (the same hash
+        twice in a prompt maps to the same block twice), and then the plain loops below count
+        each occurrence, as vLLM does.
+        """
+        n = len(ids)
+        if n < 2:
+            return True
+        pos = _positions(n)
+        self._mark[ids] = pos
+        return bool((self._mark[ids] == pos).all())
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """A prefix hit: take ref-0 blocks out of the free queue and count the new user."""
+        ids = as_block_ids(blocks)
+        if not len(ids):
+            return
+        ref = self.ref_cnt
+        if not self._distinct(ids):
+            for b in ids.tolist():
+                if ref[b] == 0:
+                    if self.watching and self._watch[b]:
+                        self.watch_dirty = True
+                    self.free_queue.remove_many(np.array([b], BLOCK_ID))
+                ref[b] += 1
+            return
+        r = ref[ids]
+        leaving = ids[r == 0]
+        if len(leaving):
             # a watched block leaving ref count 0 changes the watcher's evictable count
-            for b in watch.intersection(blocks):
-                if b.ref_cnt == 0:
-                    self.watch_dirty = True
-                    break
-        removed = 0
-        for b in blocks:
-            if b.ref_cnt == 0:
-                p, n = b.prev, b.next
-                p.next = n
-                n.prev = p
-                b.prev = b.next = None
-                removed += 1
-            b.ref_cnt += 1
-        q.num_free -= removed
+            if self.watching and not self.watch_dirty and self._watched_any(leaving):
+                self.watch_dirty = True
+            self.free_queue.remove_many(leaving)
+        ref[ids] = r + 1
 
-    def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
+    def free_blocks(self, ordered: Iterable[int]) -> None:
         """Drop one reference each; blocks reaching 0 join the free queue tail in this order."""
-        q = self.free_queue
-        watch = self.watch
-        if watch and not self.watch_dirty and not isinstance(ordered, (list, tuple)):
-            ordered = list(ordered)
-        tail = q._tail
-        last = tail.prev
-        added = 0
-        for b in ordered:  # FreeBlockQueue.append inlined (hot path)
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                last.next = b
-                b.prev = last
-                last = b
-                added += 1
-        last.next = tail
-        tail.prev = last
-        q.num_free += added
-        if watch and not self.watch_dirty:
+        ids = as_block_ids(ordered)
+        if not len(ids):
+            return
+        ref = self.ref_cnt
+        if self._distinct(ids):
+            r = ref[ids] - 1
+            ref[ids] = r
+            joining = ids[r == 0]
+        else:  # a block listed twice joins where its last reference goes
+            out = []
+            for b in ids.tolist():
+                ref[b] -= 1
+                if ref[b] == 0:
+                    out.append(b)
+            joining = as_block_ids(out)
+        if len(joining):
+            self.free_queue.append_many(joining)
             # a watched block reaching ref count 0 (it only can by this call) joins the evictables
-            for b in watch.intersection(ordered):
-                if b.ref_cnt == 0:
-                    self.watch_dirty = True
-                    break
+            if self.watching and not self.watch_dirty and self._watched_any(joining):
+                self.watch_dirty = True
 
     def cache_full_blocks(
         self,
-        blocks: Sequence[KVBlock],
+        blocks: Sequence[int] | np.ndarray,
         hashes: Sequence[int],
         start: int,
         end: int,
@@ -308,28 +444,22 @@ class BlockPool:
         if start >= end:
             return
         parent = hashes[start - 1] if start > 0 else None
-        cached = self._cached
-        seg = blocks[start:end]
+        seg = as_block_ids(blocks)[start:end]
+        ids = seg.tolist()
         hs = tuple(hashes[start:end])
-        # Hot path (every computed block passes here): one C-level pass maps each new hash to its
-        # block; ``setdefault`` hands back the block already cached under a hash, so a duplicate
-        # (a recomputed last block, a hash twice in the run) shows up as a mismatch with ``seg``.
-        got = list(map(cached.setdefault, hs, seg))
-        if got != seg:  # identity comparison: KVBlock has no __eq__
+        # One C-level pass maps each new hash to its block; ``setdefault`` hands back the block
+        # already cached under a hash, so a duplicate (a recomputed last block, a hash twice in
+        # the run) shows up as a mismatch with ``ids``.
+        got = list(map(self._cached.setdefault, hs, ids))
+        if got != ids:
             dups = self._dups
-            for b, h, c in zip(seg, hs, got):
-                if c is not b:  # vLLM keeps the duplicate blocks, first cached one in the map
+            for b, h, c in zip(ids, hs, got):
+                if c != b:  # vLLM keeps the duplicate blocks, first cached one in the map
                     dups.setdefault(h, []).append(b)
-        if self.on_evict is None:
-            # parent_hash is read only by on_evict (the CPU tier's BlockStored), so it is left stale
-            for b, h in zip(seg, hs):
-                b.block_hash = h
-        else:
-            p = parent
-            for b, h in zip(seg, hs):
-                b.block_hash = h
-                b.parent_hash = p
-                p = h
+        self.block_hash[seg] = _objects(hs)
+        if self.on_evict is not None:
+            # parent_hash is read only by on_evict (the CPU tier's BlockStored)
+            self.parent_hash[seg] = _objects((parent, *hs[:-1]))
         if self.enable_events:
             self.events.append(
                 BlockStored(

@@ -31,13 +31,14 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import operator
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from engines.base import EngineStats, GenerateRequest, GenerateResult
 from engines.emulated.block_pool import BlockPool
-from engines.emulated.kv_manager import _REF_CNT, KVCacheManager, cdiv
+from engines.emulated.kv_manager import KVCacheManager, cdiv
 from engines.emulated.kv_transfer import TransferRegistry
 from engines.emulated.metrics import EngineMetrics
 from engines.emulated.profile import Profile, load_profile
@@ -532,31 +533,36 @@ class EmulatedEngine:
         bs = self.block_size
         hit = kv._last_blocks if kv._last_req is head else kv.longest_hit(head.block_hashes, (head.num_tokens - 1) // bs)
         n_hit = len(hit)
-        refs = list(map(_REF_CNT, hit))
-        evictable = refs.count(0)
-        in_hit = set(hit) if evictable else None
-        free0 = self.pool.free_queue.num_free
-        dups = self.pool._dups
+        pool = self.pool
+        zero = pool.ref_cnt[hit] == 0
+        evictable = int(np.count_nonzero(zero))
+        # first position of each evictable hit block in the hit (only those can be popped; a hit
+        # from hashes that are not chained may list a block twice)
+        in_hit = (dict(zip(hit[zero][::-1].tolist(), np.flatnonzero(zero)[::-1].tolist()))
+                  if evictable else None)
+        free0 = pool.free_queue.num_free
+        dups = pool._dups
         num_tokens = head.num_tokens
-        node = self.pool.free_queue._head
+        # the blocks the decodes' allocations pop, in order (within the jump they fit in the free queue)
+        order = pool.free_queue.peek(len(allocs)).tolist() if in_hit is not None else ()
         popped = 0
         a = 0  # index into allocs: allocations of steps < j done
         hits: list[int] = []
         for j in range(2, k + 1):
             while a < len(allocs) and allocs[a][0] <= j:
                 a += 1
-            while popped < a:  # the decodes' allocations of step j pop these blocks
-                node = node.next
+            while in_hit is not None and popped < a:  # step j's decode allocations pop these
+                node = order[popped]
                 popped += 1
-                if in_hit is not None and node in in_hit:
-                    if node.block_hash in dups:
+                if node in in_hit:
+                    if pool.block_hash[node] in dups:
                         # a duplicate takes over the hash and the hit goes on with another block,
                         # whose reference count this plan does not follow: step from here instead
                         return j - 1, (head, hits)
-                    i = hit.index(node)
+                    i = in_hit[node]
                     if i < n_hit:
                         n_hit = i
-                        evictable = refs[:i].count(0)
+                        evictable = int(np.count_nonzero(zero[:i]))
             n_local = n_hit * bs
             n_new = cdiv(n_local + min(num_tokens - n_local, budget), bs) - n_hit
             if n_new + evictable <= free0 - a:
@@ -753,8 +759,7 @@ class EmulatedEngine:
     def _pin_for_transfer(self, r: EmuRequest) -> None:
         params: Mapping[str, Any] = r.kv_transfer_params or {}
         tid = str(params["transfer_id"])
-        blocks = self.kv.req_blocks.get(r.request_id, [])
-        ids = tuple(map(_BLOCK_ID, blocks))
+        ids = tuple(self.kv.block_ids(r))
         n_full = min(r.prompt_len // self.block_size, len(r.block_hashes))
         hashes = tuple(r.block_hashes[:n_full])
 
@@ -919,7 +924,6 @@ class EmulatedEngine:
             cb(batch)
 
 
-_BLOCK_ID = operator.attrgetter("block_id")
 
 
 def _set_false(fut: asyncio.Future) -> None:

@@ -10,9 +10,10 @@ unknown to the emulator (a later turn's prompt brings its own hashes for them).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import attrgetter
 
-from engines.emulated.block_pool import BlockPool, KVBlock
+import numpy as np
+
+from engines.emulated.block_pool import BLOCK_ID, NO_BLOCKS, BlockList, BlockPool, as_block_ids
 from engines.emulated.request import EmuRequest
 from engines.hashing import present_run_end
 
@@ -35,9 +36,6 @@ class PrefixCacheStats:
             self.requests += 1
             self.queries += num_tokens
             self.hits += num_hits
-
-
-_REF_CNT = attrgetter("ref_cnt")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -63,7 +61,7 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self.emit_token_ids = emit_token_ids
         self.on_cached = on_cached
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_blocks: dict[str, BlockList] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
         # Blocked-lookup memo (speed only; see get_computed_blocks): the request whose prefix hit
@@ -71,21 +69,21 @@ class KVCacheManager:
         # the pool watches those blocks; pool.watch_dirty means "look up again".
         self._memo_req: EmuRequest | None = None
         self._memo_max = -1
-        self._memo_blocks: list[KVBlock] = []
+        self._memo_blocks: np.ndarray = NO_BLOCKS
         self._memo_evictable = 0
         self._last_req: EmuRequest | None = None  # the latest lookup (to arm the memo on failure)
-        self._last_blocks: list[KVBlock] = []
+        self._last_blocks: np.ndarray = NO_BLOCKS
         self._last_max = -1
         self.memo_hits = 0  # lookups answered by the memo (speed diagnostics, tests)
 
     # ---- lookups -------------------------------------------------------------------------------
-    def longest_hit(self, hashes: Sequence[int], max_blocks: int) -> list[KVBlock]:
+    def longest_hit(self, hashes: Sequence[int], max_blocks: int) -> np.ndarray:
         """Cached blocks of the longest prefix of ``hashes`` (at most ``max_blocks``).
 
         Why not a plain scan: a waiting request that cannot get blocks repeats this lookup every
         step, over ~6,500 blocks for an agentic prompt. Chain positions are binary-searched
         instead (vLLM frees a request's blocks tail first, so a chain's cached blocks are almost
-        always a prefix), then the blocks are fetched in one C-level ``map``. Exactness does not
+        always a prefix), then the block ids are fetched in one C-level pass. Exactness does not
         rest on prefix-closedness: the search ends at a position ``k`` whose block is cached and
         whose successor is not, so the first miss is at most ``k``; a miss inside ``[0, k)`` (a
         hole, or hashes that are not chained) shows up as a ``None`` and cuts the answer there,
@@ -93,28 +91,30 @@ class KVCacheManager:
         """
         n = min(len(hashes), max_blocks)
         if n <= 0:
-            return []
+            return NO_BLOCKS
         cached = self.pool._cached
         if hashes[0] not in cached:
-            return []
+            return NO_BLOCKS
         k = present_run_end(hashes, cached, 1, n)
-        out = list(map(cached.get, hashes[:k] if k < len(hashes) else hashes))
-        if not all(out):  # a hole below k (KVBlock has no __bool__/__len__: only None is falsy)
-            del out[out.index(None):]
-        return out
+        hs = hashes[:k] if k < len(hashes) else hashes
+        try:
+            return np.fromiter(map(cached.get, hs), BLOCK_ID, k)
+        except TypeError:  # a None: a hole below k
+            out = list(map(cached.get, hs))
+            return np.array(out[: out.index(None)], BLOCK_ID)
 
-    def longest_hit_scan(self, hashes: Sequence[int], max_blocks: int) -> list[KVBlock]:
+    def longest_hit_scan(self, hashes: Sequence[int], max_blocks: int) -> np.ndarray:
         """Reference linear scan (the definition :meth:`longest_hit` must match; tests)."""
         get = self.pool._cached.get
-        out: list[KVBlock] = []
+        out: list[int] = []
         for h in hashes[:max_blocks] if max_blocks < len(hashes) else hashes:
             b = get(h)
             if b is None:
                 break
             out.append(b)
-        return out
+        return as_block_ids(out)
 
-    def get_computed_blocks(self, req: EmuRequest) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, req: EmuRequest) -> tuple[np.ndarray, int]:
         """Local prefix hit of a request about to be scheduled: (blocks, tokens).
 
         At most ``num_tokens - 1`` tokens: even a full hit recomputes the last token to get logits.
@@ -149,17 +149,15 @@ class KVCacheManager:
         k = len(self._memo_blocks)
         return k >= max_blocks or k >= len(hashes) or hashes[k] not in self.pool._cached
 
-    def _arm(self, req: EmuRequest, blocks: list[KVBlock], evictable: int) -> None:
+    def _arm(self, req: EmuRequest, blocks: np.ndarray, evictable: int) -> None:
         self._memo_req, self._memo_max = req, self._last_max
         self._memo_blocks, self._memo_evictable = blocks, evictable
-        self.pool.watch = set(blocks) if blocks else None  # an empty hit: only the boundary to check
-        self.pool.watch_dirty = False
+        self.pool.set_watch(blocks)  # an empty hit: nothing watched, only the boundary to check
 
     def _disarm(self) -> None:
         self._memo_req = None
-        self._memo_blocks = []
-        self.pool.watch = None
-        self.pool.watch_dirty = False
+        self._memo_blocks = NO_BLOCKS
+        self.pool.set_watch(NO_BLOCKS)
 
     # ---- allocation ----------------------------------------------------------------------------
     def allocate_slots(
@@ -167,9 +165,9 @@ class KVCacheManager:
         req: EmuRequest,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVBlock] = (),
+        new_computed_blocks: np.ndarray = NO_BLOCKS,
         delay_cache_blocks: bool = False,
-    ) -> list[KVBlock] | None:
+    ) -> np.ndarray | None:
         """Blocks for ``num_new_tokens`` more tokens after the computed ones, or None if short.
 
         Like vLLM, a hit block sitting in the free queue counts against the free blocks (touching
@@ -180,15 +178,18 @@ class KVCacheManager:
         n_held = len(held) if held is not None else 0
         num_computed = req.num_computed_tokens + num_new_computed_tokens
         need_tokens = num_computed + num_new_tokens
-        n_new = cdiv(need_tokens, self.block_size) - len(new_computed_blocks) - n_held
+        n_hit = len(new_computed_blocks)
+        n_new = cdiv(need_tokens, self.block_size) - n_hit - n_held
         n_new = max(n_new, 0)
-        # hit blocks with ref count 0 sit in the free queue: taking them reduces the free count.
-        # C-level count: a blocked waiting request repeats this every step over thousands of blocks.
+        # hit blocks with ref count 0 sit in the free queue: taking them reduces the free count
         memo = self._memo_req is req and new_computed_blocks is self._memo_blocks and not self.pool.watch_dirty
         if memo:
             evictable = self._memo_evictable
+        elif n_hit:
+            new_computed_blocks = as_block_ids(new_computed_blocks)
+            evictable = n_hit - int(np.count_nonzero(self.pool.ref_cnt[new_computed_blocks]))
         else:
-            evictable = list(map(_REF_CNT, new_computed_blocks)).count(0) if new_computed_blocks else 0
+            evictable = 0
         if n_new + evictable > self.pool.free_queue.num_free:
             if not memo and req is self._last_req and new_computed_blocks is self._last_blocks:
                 # blocked at the head of the queue: it will look the same prefix up next step
@@ -197,15 +198,15 @@ class KVCacheManager:
         if self._memo_req is req:
             self._disarm()
         if held is None:
-            held = self.req_blocks[rid] = []
+            held = self.req_blocks[rid] = BlockList()
             self.num_cached_blocks[rid] = 0
-        if new_computed_blocks:
+        if n_hit:
             self.pool.touch(new_computed_blocks)
             held.extend(new_computed_blocks)
             # hit blocks are cached already
             self.num_cached_blocks[rid] = len(held)
-        new_blocks = self.pool.get_new_blocks(n_new) if n_new else []
-        if new_blocks:
+        new_blocks = self.pool.get_new_blocks(n_new) if n_new else NO_BLOCKS
+        if n_new:
             held.extend(new_blocks)
         if not delay_cache_blocks:
             self.cache_blocks(req, min(need_tokens, req.num_tokens))
@@ -226,7 +227,7 @@ class KVCacheManager:
         tokens: tuple[int, ...] = ()
         if self.emit_token_ids and req.token_ids is not None:
             tokens = tuple(req.token_ids[start * bs : end * bs])
-        self.pool.cache_full_blocks(self.req_blocks[rid], req.block_hashes, start, end, tokens)
+        self.pool.cache_full_blocks(self.req_blocks[rid].view(), req.block_hashes, start, end, tokens)
         self.num_cached_blocks[rid] = end
         if self.on_cached is not None:
             self.on_cached(req.block_hashes[start:end])
@@ -238,7 +239,8 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)
         if blocks:
-            self.pool.free_blocks(blocks[::-1])
+            self.pool.free_blocks(blocks.view()[::-1])
 
     def block_ids(self, req: EmuRequest) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+        blocks = self.req_blocks.get(req.request_id)
+        return blocks.view().tolist() if blocks is not None else []

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engines.emulated.block_pool import NO_BLOCKS
 from engines.emulated.kv_manager import KVCacheManager
 from engines.emulated.request import LOADING, RUNNING, WAITING, EmuRequest
 
@@ -150,7 +151,7 @@ class Scheduler:
                 if self.external_lookup is not None:
                     ext = self.external_lookup(req, n_local)
             else:  # its external KV has landed: continue from there
-                hit_blocks, n_local = [], 0
+                hit_blocks, n_local = NO_BLOCKS, 0
             num_computed = req.num_computed_tokens + n_local
             if ext is not None:
                 n_new = 0

@@ -82,7 +82,7 @@ def test_longest_hit_equals_the_linear_scan(seed, chained):
         for max_blocks in (0, 1, len(q) // 2, len(q), len(q) + 3):
             fast = kv.longest_hit(q, max_blocks)
             ref = kv.longest_hit_scan(q, max_blocks)
-            assert [id(b) for b in fast] == [id(b) for b in ref]
+            assert fast.tolist() == ref.tolist()
 
 
 def test_longest_hit_cuts_at_a_hole_below_the_searched_boundary():
@@ -95,7 +95,7 @@ def test_longest_hit_cuts_at_a_hole_below_the_searched_boundary():
     kv = KVCacheManager(pool)
     assert pool.get_cached_block(3) is None and pool.get_cached_block(6) is not None
     got = kv.longest_hit((1, 2, 3, 4, 5, 6), 6)
-    assert [b.block_id for b in got] == [1, 2] == [b.block_id for b in kv.longest_hit_scan((1, 2, 3, 4, 5, 6), 6)]
+    assert got.tolist() == [1, 2] == kv.longest_hit_scan((1, 2, 3, 4, 5, 6), 6).tolist()
 
 
 # ---- the blocked-lookup memo: whole engine runs ---------------------------------------------------
@@ -124,7 +124,7 @@ def _engine_run(specs, prof, num_blocks, reference: bool, monkeypatch, jump: boo
                 "stats": (e.kv.stats.queries, e.kv.stats.hits, e.kv.stats.preempted_queries,
                           e.kv.stats.preempted_hits, e.kv.stats.requests),
                 "free_queue": e.pool.free_queue.block_ids(),
-                "cached": sorted((h, b.block_id) for h, b in e.pool._cached.items()),
+                "cached": sorted(e.pool._cached.items()),
             }
             memo_hits = e.kv.memo_hits
             await e.close()
@@ -277,6 +277,6 @@ def test_memo_sees_its_hit_touched_by_another_request():
     assert kv.allocate_slots(other, 4, 16, blocks) is not None  # touches the hit, + 1 new block
     assert pool.watch_dirty
     blocks2, n2 = kv.get_computed_blocks(w)
-    assert kv.memo_hits == 1 and [b.block_id for b in blocks2] == [b.block_id for b in blocks]
+    assert kv.memo_hits == 1 and blocks2.tolist() == blocks.tolist()
     assert kv.allocate_slots(w, 16, n2, blocks2) is None  # 4 new + 0 evictable > 1 free
     assert kv._memo_evictable == 0 and not pool.watch_dirty  # re-armed with the fresh count
