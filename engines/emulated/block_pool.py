@@ -63,7 +63,7 @@ def as_block_ids(blocks: Iterable[int]) -> np.ndarray:
 _POSITIONS = np.arange(1 << 12, dtype=np.int64)
 
 
-def _positions(n: int) -> np.ndarray:
+def positions(n: int) -> np.ndarray:
     """``arange(n)`` without allocating one per call."""
     global _POSITIONS
     if n > len(_POSITIONS):
@@ -379,7 +379,7 @@ class BlockPool:
         n = len(ids)
         if n < 2:
             return True
-        pos = _positions(n)
+        pos = positions(n)
         self._mark[ids] = pos
         return bool((self._mark[ids] == pos).all())
 

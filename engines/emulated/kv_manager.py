@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from engines.emulated.block_pool import BLOCK_ID, NO_BLOCKS, BlockList, BlockPool, as_block_ids
+from engines.emulated.block_pool import BLOCK_ID, NO_BLOCKS, BlockList, BlockPool, as_block_ids, positions
 from engines.emulated.request import EmuRequest
 from engines.hashing import present_run_end
 
@@ -36,6 +36,10 @@ class PrefixCacheStats:
             self.requests += 1
             self.queries += num_tokens
             self.hits += num_hits
+
+
+#: block ids of finished runs kept for lookups, in multiples of the pool's size
+_RUNS_KEPT = 4
 
 
 def cdiv(a: int, b: int) -> int:
@@ -75,6 +79,15 @@ class KVCacheManager:
         self._last_blocks: np.ndarray = NO_BLOCKS
         self._last_max = -1
         self.memo_hits = 0  # lookups answered by the memo (speed diagnostics, tests)
+        # Runs of finished requests (speed only; see longest_hit): run id -> its cached blocks in
+        # chain order, and per block the latest run holding it and its position there.
+        n = pool.num_blocks
+        self._runs: dict[int, np.ndarray] = {}
+        self._run_of = np.full(n, -1, np.int64)
+        self._pos_in_run = np.full(n, -1, np.int64)
+        self._next_run = 0
+        self._runs_size = 0
+        self.run_hits = 0  # lookups answered from a run (speed diagnostics, tests)
 
     # ---- lookups -------------------------------------------------------------------------------
     def longest_hit(self, hashes: Sequence[int], max_blocks: int) -> np.ndarray:
@@ -97,11 +110,51 @@ class KVCacheManager:
             return NO_BLOCKS
         k = present_run_end(hashes, cached, 1, n)
         hs = hashes[:k] if k < len(hashes) else hashes
+        if not self.pool._dups:
+            blocks = self._from_run(hs, cached[hs[-1]])
+            if blocks is not None:
+                return blocks
         try:
             return np.fromiter(map(cached.get, hs), BLOCK_ID, k)
         except TypeError:  # a None: a hole below k
             out = list(map(cached.get, hs))
             return np.array(out[: out.index(None)], BLOCK_ID)
+
+    def _from_run(self, hs: Sequence[int], last: int) -> np.ndarray | None:
+        """The blocks of ``hs`` (all cached, no duplicates anywhere), read off a finished run.
+
+        Why: the blocks an agentic turn hits are, nearly always, the blocks a finished request
+        (the session's previous turn) held at the same chain positions. The run holding the
+        block of the last hash gives candidates; they are the answer if each still holds its
+        hash (without duplicates, a block holding ``h`` is the one ``h`` maps to). Checking that
+        is one vectorized gather and a list comparison of identical int objects, several times
+        cheaper than a dict lookup per block. Any mismatch: None, and the caller looks up.
+        """
+        k = len(hs)
+        if self._pos_in_run[last] != k - 1:
+            return None
+        run = self._runs.get(int(self._run_of[last]))
+        if run is None:
+            return None
+        cand = run[:k]
+        held = self.pool.block_hash[cand].tolist()
+        if held != (hs if isinstance(hs, list) else list(hs)):
+            return None
+        self.run_hits += 1
+        return cand
+
+    def _remember_run(self, ids: np.ndarray) -> None:
+        """Record a finished request's cached blocks (chain order) for :meth:`_from_run`."""
+        r = self._next_run
+        self._next_run = r + 1
+        self._run_of[ids] = r
+        self._pos_in_run[ids] = positions(len(ids))
+        runs = self._runs
+        runs[r] = ids
+        self._runs_size += len(ids)
+        # the oldest runs' blocks are mostly reused by now: keep a few times the pool's blocks
+        while self._runs_size > _RUNS_KEPT * self.pool.num_blocks:
+            self._runs_size -= len(runs.pop(next(iter(runs))))
 
     def longest_hit_scan(self, hashes: Sequence[int], max_blocks: int) -> np.ndarray:
         """Reference linear scan (the definition :meth:`longest_hit` must match; tests)."""
@@ -237,7 +290,9 @@ class KVCacheManager:
         if self._memo_req is req:
             self._disarm()
         blocks = self.req_blocks.pop(req.request_id, None)
-        self.num_cached_blocks.pop(req.request_id, None)
+        m = self.num_cached_blocks.pop(req.request_id, 0)
+        if m:
+            self._remember_run(blocks.view()[:m].copy())
         if blocks:
             self.pool.free_blocks(blocks.view()[::-1])
 

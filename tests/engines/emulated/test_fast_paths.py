@@ -98,6 +98,67 @@ def test_longest_hit_cuts_at_a_hole_below_the_searched_boundary():
     assert got.tolist() == [1, 2] == kv.longest_hit_scan((1, 2, 3, 4, 5, 6), 6).tolist()
 
 
+def _turns(rng: random.Random, kv: KVCacheManager, chained: bool) -> list[tuple]:
+    """Sessions whose turns extend their previous prompt, admitted and finished through the KV
+    manager (so finished runs are recorded), with unrelated allocations evicting in between."""
+    from engines.emulated.request import EmuRequest
+
+    bs = kv.block_size
+    chains = {s: [] for s in range(rng.randint(1, 4))}
+    queries = []
+    for i in range(rng.randint(1, 25)):
+        s = rng.choice(list(chains))
+        chain = chains[s]
+        chain += [s * 1000 + len(chain) + j if chained else rng.randint(0, 12) for j in range(rng.randint(0, 4))]
+        if rng.random() < 0.2 and chain:  # the next turn diverges (a compaction, an edit)
+            del chain[rng.randrange(len(chain)):]
+        queries.append(tuple(chain))
+        req = EmuRequest(f"r{i}", len(chain) * bs + 1, 1, tuple(chain), None, 0.0, None)
+        blocks, n = kv.get_computed_blocks(req)
+        if kv.allocate_slots(req, req.num_tokens - n, n, blocks) is not None:
+            kv.free(req)
+        if rng.random() < 0.3:  # a prompt of another tenant takes blocks, evicting some
+            hog = EmuRequest(f"h{i}", rng.randint(1, 4) * bs, 1, (), None, 0.0, None)
+            if kv.allocate_slots(hog, hog.num_tokens) is not None:
+                kv.free(hog)
+    return queries
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), chained=st.booleans())
+def test_longest_hit_read_off_finished_runs_equals_the_scan(seed, chained):
+    """Lookups answered from a finished request's blocks (``KVCacheManager._from_run``) equal the
+    scan, also after evictions reused some of those blocks and when turns diverge."""
+    rng = random.Random(seed)
+    kv = KVCacheManager(BlockPool(rng.randint(4, 40), 4, enable_events=False))
+    for q in _turns(rng, kv, chained):
+        for query in (q, q[: len(q) // 2], list(q)):
+            for max_blocks in (len(query), len(query) - 1):
+                assert kv.longest_hit(query, max_blocks).tolist() == kv.longest_hit_scan(query, max_blocks).tolist()
+
+
+def test_a_turn_hits_its_previous_turn_through_the_run():
+    from engines.emulated.request import EmuRequest
+
+    kv = KVCacheManager(BlockPool(32, 4, enable_events=False))
+    first = EmuRequest("t0", 4 * 6 + 1, 1, (1, 2, 3, 4, 5, 6), None, 0.0, None)
+    kv.allocate_slots(first, first.num_tokens)
+    held = kv.block_ids(first)[:6]
+    kv.free(first)
+    got = kv.longest_hit((1, 2, 3, 4, 5, 6, 7, 8), 8)
+    assert got.tolist() == held and kv.run_hits == 1
+    # the middle block is reused for another hash and hash 2 is cached elsewhere: the run no longer
+    # holds the chain, and the lookup finds the block that does
+    x, y, z = held[:3]
+    pool = kv.pool
+    pool.touch([x, z])
+    taken = pool.get_new_blocks(pool.num_free()).tolist()
+    w = taken[0] if taken[0] != y else taken[1]
+    pool.cache_full_blocks([y], [99], 0, 1)
+    pool.cache_full_blocks([w], [2], 0, 1)
+    assert kv.longest_hit((1, 2, 3), 3).tolist() == [x, w, z] and kv.run_hits == 1
+
+
 # ---- the blocked-lookup memo: whole engine runs ---------------------------------------------------
 
 def _engine_run(specs, prof, num_blocks, reference: bool, monkeypatch, jump: bool = True):
