@@ -100,7 +100,9 @@ class KVCacheManager:
         rest on prefix-closedness: the search ends at a position ``k`` whose block is cached and
         whose successor is not, so the first miss is at most ``k``; a miss inside ``[0, k)`` (a
         hole, or hashes that are not chained) shows up as a ``None`` and cuts the answer there,
-        which is what the scan would return.
+        which is what the scan would return. Before fetching, the blocks are looked for in the
+        finished run that holds the last one (:meth:`_from_run`), which answers nearly every
+        agentic turn several times faster.
         """
         n = min(len(hashes), max_blocks)
         if n <= 0:
@@ -121,7 +123,8 @@ class KVCacheManager:
             return np.array(out[: out.index(None)], BLOCK_ID)
 
     def _from_run(self, hs: Sequence[int], last: int) -> np.ndarray | None:
-        """The blocks of ``hs`` (all cached, no duplicates anywhere), read off a finished run.
+        """The blocks of ``hs`` read off a finished run, or None (caller: no duplicates anywhere;
+        ``last`` is the block cached under ``hs[-1]``).
 
         Why: the blocks an agentic turn hits are, nearly always, the blocks a finished request
         (the session's previous turn) held at the same chain positions. The run holding the
