@@ -101,9 +101,6 @@ class FreeBlockQueue:
         self.num_free = 0
         self.append_many(as_block_ids(ids))
 
-    def __contains__(self, block_id: int) -> bool:
-        return self.stamp[block_id] >= 0
-
     def append_many(self, ids: np.ndarray) -> None:
         """Append ``ids`` (distinct, none queued) at the tail, in this order."""
         n = len(ids)
