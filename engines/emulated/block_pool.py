@@ -367,12 +367,7 @@ class BlockPool:
         self.parent_hash[b] = None
 
     def _distinct(self, ids: np.ndarray) -> bool:
-        """Whether no block occurs twice in ``ids`` (vectorized ref-count updates need that).
-
-        A chained hit never repeats a block, but hashes that are not chained can (the same hash
-        twice in a prompt maps to the same block twice), and then the plain loops below count
-        each occurrence, as vLLM does.
-        """
+        """Whether no block occurs twice in ``ids`` (O(n), no sort: the common case)."""
         n = len(ids)
         if n < 2:
             return True
@@ -381,19 +376,18 @@ class BlockPool:
         return bool((self._mark[ids] == pos).all())
 
     def touch(self, blocks: Iterable[int]) -> None:
-        """A prefix hit: take ref-0 blocks out of the free queue and count the new user."""
+        """A prefix hit: take ref-0 blocks out of the free queue and count the new user.
+
+        A block listed twice (hashes that are not chained can map two positions to one block)
+        gains one reference per occurrence, as in vLLM's loop.
+        """
         ids = as_block_ids(blocks)
         if not len(ids):
             return
-        ref = self.ref_cnt
+        counts: np.ndarray | int = 1
         if not self._distinct(ids):
-            for b in ids.tolist():
-                if ref[b] == 0:
-                    if self.watching and self._watch[b]:
-                        self.watch_dirty = True
-                    self.free_queue.remove_many(np.array([b], BLOCK_ID))
-                ref[b] += 1
-            return
+            ids, counts = np.unique(ids, return_counts=True)
+        ref = self.ref_cnt
         r = ref[ids]
         leaving = ids[r == 0]
         if len(leaving):
@@ -401,25 +395,26 @@ class BlockPool:
             if self.watching and not self.watch_dirty and self._watched_any(leaving):
                 self.watch_dirty = True
             self.free_queue.remove_many(leaving)
-        ref[ids] = r + 1
+        ref[ids] = r + counts
 
     def free_blocks(self, ordered: Iterable[int]) -> None:
-        """Drop one reference each; blocks reaching 0 join the free queue tail in this order."""
+        """Drop one reference each; blocks reaching 0 join the free queue tail in this order.
+
+        A block listed twice loses one reference per occurrence and, reaching 0, joins where its
+        last occurrence is (vLLM's loop appends it when the last reference goes).
+        """
         ids = as_block_ids(ordered)
         if not len(ids):
             return
+        counts: np.ndarray | int = 1
+        if not self._distinct(ids):
+            uniq, first_rev, counts = np.unique(ids[::-1], return_index=True, return_counts=True)
+            by_last = np.argsort(-first_rev)  # the last occurrence is the first one reversed
+            ids, counts = uniq[by_last], counts[by_last]
         ref = self.ref_cnt
-        if self._distinct(ids):
-            r = ref[ids] - 1
-            ref[ids] = r
-            joining = ids[r == 0]
-        else:  # a block listed twice joins where its last reference goes
-            out = []
-            for b in ids.tolist():
-                ref[b] -= 1
-                if ref[b] == 0:
-                    out.append(b)
-            joining = as_block_ids(out)
+        r = ref[ids] - counts
+        ref[ids] = r
+        joining = ids[r == 0]
         if len(joining):
             self.free_queue.append_many(joining)
             # a watched block reaching ref count 0 (it only can by this call) joins the evictables

@@ -924,8 +924,6 @@ class EmulatedEngine:
             cb(batch)
 
 
-
-
 def _set_false(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(False)

@@ -125,3 +125,35 @@ def test_a_block_listed_twice_is_counted_twice():
     assert pool.free_queue.block_ids() == [3, 4, 5]
     pool.free_blocks(hit[::-1])  # b0 (2 -> 1), b1 (-> 0), b0 (-> 0)
     assert pool.free_queue.block_ids() == [3, 4, 5, b[1], b[0]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_touch_and_free_with_repeats_follow_the_per_block_loop(seed):
+    """Touch and free over block lists with repeats give the reference counts and queue order of
+    vLLM's per-block loops (touch: leave the queue at 0, +1 each; free: -1 each, join at 0)."""
+    rng = random.Random(seed)
+    n = rng.randint(3, 12)
+    pool = BlockPool(n, 4, enable_events=False)
+    ref = [0] * n
+    queue = list(range(1, n))
+    held: list[list[int]] = []
+    for _ in range(40):
+        if held and rng.random() < 0.5:
+            blocks = held.pop(rng.randrange(len(held)))
+            order = blocks[::-1] if rng.random() < 0.7 else blocks
+            pool.free_blocks(np.array(order, dtype=np.intp))
+            for b in order:
+                ref[b] -= 1
+                if ref[b] == 0:
+                    queue.append(b)
+        else:
+            pick = [rng.randrange(1, n) for _ in range(rng.randint(1, 6))]
+            pool.touch(np.array(pick, dtype=np.intp))
+            for b in pick:
+                if ref[b] == 0:
+                    queue.remove(b)
+                ref[b] += 1
+            held.append(pick)
+        assert pool.ref_cnt.tolist() == ref
+        assert pool.free_queue.block_ids() == queue
