@@ -3,21 +3,30 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+# The demo needs only the core (pip install -e .); its own stamp, so `make test` after `make demo`
+# still installs the extras into the same venv.
+CORE    := $(VENV)/.core
 PIP     := $(BIN)/pip --disable-pip-version-check
 # torch 2.13.0 has a CPU wheel on this machine's disk; plain `torch` would pull a CUDA build.
 EXTRAS  ?= test,torch,mooncake,dev
 
 .PHONY: venv demo test bench lint clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q -U pip
+
+$(CORE): pyproject.toml | $(BIN)/python
+	$(PIP) install -q -e .
+	touch $(CORE)
+
+$(STAMP): pyproject.toml | $(BIN)/python
 	$(PIP) install -q "torch==2.13.0" -e ".[$(EXTRAS)]"
-	touch $(STAMP)
+	touch $(STAMP) $(CORE)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(CORE)
 	$(BIN)/gpuhit replay
 
 test: $(STAMP)

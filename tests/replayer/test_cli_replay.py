@@ -24,7 +24,7 @@ def test_replay_json_table_and_files(tmp_path, capsys):
         assert 0 < r["gpu_util_median"] <= 1 and 0 < r["apc_realized"] <= r["apc_implied"] + 1e-9
     assert doc["comparison"]["table"]["lpwl"]["latency_p90"]["n"] == 1
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["comparison.json", "comparison.txt", "records", "report.html", "summary.json"]
+    assert names == ["comparison.json", "comparison.txt", "plan.json", "records", "report.html", "runs", "summary.json"]
     assert sorted(p.name for p in (out / "records").iterdir()) == ["lpwl-seed0.csv", "round_robin-seed0.csv"]
     table = (out / "comparison.txt").read_text().splitlines()
     assert table[0].split()[0] == "policy" and table[2].startswith("lpwl") and table[3].startswith("round_robin")
