@@ -7,7 +7,11 @@ with sub-agents, 2,357 requests) on 8 emulated instances under every registered 
 ``comparison.txt``, the plots (PNG) and a self-contained ``report.html``.
 
 Runs (policy x seed) are independent simulations, spread over ``--jobs`` worker processes (default:
-one per CPU core, at most 2 - the reference machine has 2 cores).
+one per CPU core, at most 2 - the reference machine has 2 cores). Each run's results are saved as it
+completes (``records/<run>.csv`` and ``runs/<run>.json``: summary, latencies, utilization series),
+and ``plan.json`` keeps the options, so after Ctrl-C (exit 130) ``--resume DIR`` finishes the
+comparison: saved runs are read back, not redone; a run that had not finished starts over (a
+simulation is deterministic, so the table equals an uninterrupted one's).
 
 Defaults, and why:
 
