@@ -106,3 +106,21 @@ def test_ctrl_c_then_resume_gives_the_same_table(tmp_path):
     assert _table(out) == _table(ref)  # none lost, same numbers
     doc = json.loads((out / "summary.json").read_text())
     assert len(doc["runs"]) == 3 and doc["meta"]["resumed"] is True
+
+
+def test_busy_seconds_integrates_each_sample_over_its_own_interval():
+    from replayer.live import busy_seconds
+
+    rows = [(2.0, "a", 0.5), (1.0, "a", 1.0), (3.0, "b", 0.25), (4.0, "a", 0.0)]
+    assert busy_seconds(rows, 0.0) == {"a": 1.0 * 1 + 0.5 * 1 + 0.0 * 2, "b": 0.75}
+
+
+def test_zero_output_turns_are_sent_with_max_tokens_one_and_noted():
+    from gpuhit.errors import BadRequestError
+    from replayer.driver import request_max_tokens
+
+    assert request_max_tokens(0, 100, 1000) == (1, "max_tokens 1: trace output 0 (vLLM refuses 0)")
+    assert request_max_tokens(50, 990, 1000) == (10, "max_tokens clamped 50 -> 10 (max_model_len 1000)")
+    assert request_max_tokens(5, 100, None) == (5, "")
+    with pytest.raises(BadRequestError):
+        request_max_tokens(5, 1000, 1000)
