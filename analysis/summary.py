@@ -23,6 +23,8 @@ Definitions (all over the run's records DataFrame, see :mod:`replayer.records`):
   ``N``, rejected ones prefixed ``rejected: ``.
 - ``per_instance``: for every instance (those routed to and those with utilization, so an idle one
   shows): ``routed`` rows, ``ok`` rows, ``gpu_util`` (busy fraction of the makespan; NaN if unknown).
+  ``routed`` counts the instance a record names: for PD that is the decode instance, so prefill
+  instances show 0 routed and their (non-zero) utilization.
 
 Percentiles are numpy's default (linear interpolation). Empty sets give NaN, never an exception.
 """
