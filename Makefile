@@ -3,6 +3,9 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+# The demo needs only the core (pip install -e .); its own stamp, so `make test` after `make demo`
+# still installs the extras into the same venv.
+CORE    := $(VENV)/.core
 PIP     := $(BIN)/pip --disable-pip-version-check
 # torch 2.13.0 has a CPU wheel on this machine's disk; plain `torch` would pull a CUDA build.
 EXTRAS  ?= test,torch,mooncake,dev
@@ -15,11 +18,17 @@ VLLM_PIP   := $(VLLM_VENV)/bin/pip --disable-pip-version-check
 
 .PHONY: venv vllm-venv demo test test-core bench lint clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q -U pip
+
+$(CORE): pyproject.toml | $(BIN)/python
+	$(PIP) install -q -e .
+	touch $(CORE)
+
+$(STAMP): pyproject.toml | $(BIN)/python
 	$(PIP) install -q "torch==2.13.0" -e ".[$(EXTRAS)]"
-	touch $(STAMP)
+	touch $(STAMP) $(CORE)
 
 venv: $(STAMP)
 
@@ -33,7 +42,7 @@ $(VLLM_STAMP):
 
 vllm-venv: $(VLLM_STAMP)
 
-demo: $(STAMP)
+demo: $(CORE)
 	$(BIN)/gpuhit replay
 
 # The full suite, real-vLLM tests included (builds .venv-vllm first: ~5 min, ~3.5 GB, once).

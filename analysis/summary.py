@@ -2,8 +2,13 @@
 
 Definitions (all over the run's records DataFrame, see :mod:`replayer.records`):
 
-- *sent* = rows (every turn the replay tried, including failures and "not sent" rows);
-  *ok* = rows with an empty ``error``. ``completion_pct`` = 100 x ok / sent.
+- ``n_sent`` (= ``requests``) = rows (every turn the replay tried, including failures and "not sent"
+  rows); ``n_ok`` (= ``ok``) = rows with an empty ``error``; ``n_rejected`` = rows refused before
+  running (``rejected`` 1: vLLM's 4xx, e.g. a prompt of >= max_model_len tokens); ``n_failed`` = the
+  other error rows (failed after acceptance, or not sent). ``n_sent = n_ok + n_rejected + n_failed``;
+  ``errors`` = ``n_rejected + n_failed``. ``completion_pct`` = 100 x ok / sent.
+- **Every latency, TTFT, TPOT, TPS and APC figure covers ok rows only** (the summary's
+  ``latency_rows: "ok"`` says so): compare policies' latencies only together with their ``n_ok``.
 - request latency = ``finish - arrival`` (ok rows): mean, p50, p90, p99.
 - TTFT = ``first_token - arrival`` (ok rows): p50, p90, p99.
 - TPOT = ``(finish - first_token) / (output_tokens - 1)`` over ok rows with >= 2 output tokens: p50, p90.
@@ -14,7 +19,12 @@ Definitions (all over the run's records DataFrame, see :mod:`replayer.records`):
 - wall-clock amplification = makespan / trace_span (the span the trace itself took under the same
   session start schedule), or makespan / ``ideal`` when there is no span; NaN when neither is known.
 - per-worker TTFT p90: the p90 TTFT of each instance's ok rows; median and max over instances.
-- ``error_kinds``: failed rows counted by message with every number replaced by ``N``.
+- ``error_kinds``: error rows (rejected and failed) counted by message with every number replaced by
+  ``N``, rejected ones prefixed ``rejected: ``.
+- ``per_instance``: for every instance (those routed to and those with utilization, so an idle one
+  shows): ``routed`` rows, ``ok`` rows, ``gpu_util`` (busy fraction of the makespan; NaN if unknown).
+  ``routed`` counts the instance a record names: for PD that is the decode instance, so prefill
+  instances show 0 routed and their (non-zero) utilization.
 
 Percentiles are numpy's default (linear interpolation). Empty sets give NaN, never an exception.
 """
@@ -37,6 +47,7 @@ HIGHER_IS_BETTER: dict[str, bool] = {
     "gpu_util_median": True, "gpu_util_max": True,
     "apc_realized": True, "apc_implied": True,
     "completion_pct": True, "errors": False,
+    "n_ok": True, "n_rejected": False, "n_failed": False,
     "amplification": False,
     "worker_ttft_p90_median": False, "worker_ttft_p90_max": False,
     "makespan": False,
@@ -100,17 +111,39 @@ def summarize(records: pd.DataFrame, utilization: Mapping[str, float] | None, ma
     else:
         amp = math.nan
 
+    if sent and "rejected" in df:  # older records files have no such column: none counted as rejected
+        rej_mask = err_mask & (pd.to_numeric(df["rejected"], errors="coerce").fillna(0) == 1)
+    else:
+        rej_mask = err_mask & False
+    n_rejected = int(rej_mask.sum()) if sent else 0
     error_kinds: dict[str, int] = {}
     if sent and err_mask.any():
         # Group messages that differ only in numbers (sizes, ids, engine names) into one kind.
         kinds = df.loc[err_mask, "error"].astype(str).str.replace(r"\d+", "N", regex=True).str.slice(0, 200)
+        kinds = kinds.where(~rej_mask[err_mask], "rejected: " + kinds)
         for msg, n in kinds.value_counts().items():
             error_kinds[str(msg)] = int(n)
+
+    per_instance: dict[str, dict[str, float]] = {}
+    if sent:
+        inst = df["instance"].astype(str)
+        routed = inst[inst != ""].value_counts()
+        ok_by = inst[(inst != "") & ~err_mask].value_counts()
+        for name in sorted(set(routed.index) | set(util)):
+            per_instance[str(name)] = {"routed": int(routed.get(name, 0)), "ok": int(ok_by.get(name, 0)),
+                                       "gpu_util": util.get(name, math.nan)}
+    else:
+        per_instance = {k: {"routed": 0, "ok": 0, "gpu_util": v} for k, v in sorted(util.items())}
 
     return {
         "requests": sent,
         "ok": n_ok,
         "errors": sent - n_ok,
+        "n_sent": sent,
+        "n_ok": n_ok,
+        "n_rejected": n_rejected,
+        "n_failed": sent - n_ok - n_rejected,
+        "latency_rows": "ok",
         "completion_pct": 100.0 * n_ok / sent if sent else math.nan,
         "latency_mean": _mean(latency),
         "latency_p50": _pct(latency, 50),
@@ -137,4 +170,5 @@ def summarize(records: pd.DataFrame, utilization: Mapping[str, float] | None, ma
         "per_worker_util": util,
         "per_worker_ttft_p90": per_worker_ttft,
         "error_kinds": error_kinds,
+        "per_instance": per_instance,
     }

@@ -7,7 +7,11 @@ with sub-agents, 2,357 requests) on 8 emulated instances under every registered 
 ``comparison.txt``, the plots (PNG) and a self-contained ``report.html``.
 
 Runs (policy x seed) are independent simulations, spread over ``--jobs`` worker processes (default:
-one per CPU core, at most 2 - the reference machine has 2 cores).
+one per CPU core, at most 2 - the reference machine has 2 cores). Each run's results are saved as it
+completes (``records/<run>.csv`` and ``runs/<run>.json``: summary, latencies, utilization series),
+and ``plan.json`` keeps the options, so after Ctrl-C (exit 130) ``--resume DIR`` finishes the
+comparison: saved runs are read back, not redone; a run that had not finished starts over (a
+simulation is deterministic, so the table equals an uninterrupted one's).
 
 Defaults, and why:
 
@@ -37,7 +41,6 @@ running gpuhit gateway through :class:`replayer.live.HttpTarget` (one run; the g
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import datetime as _dt
 import json
 import math
@@ -103,6 +106,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     seeds.add_argument("--seeds", default=None, metavar="0,1,2", help="seeds to run (default 0)")
     seeds.add_argument("--num-seeds", type=int, default=None, metavar="K", help="run seeds 0..K-1")
     p.add_argument("--out", default=None, metavar="DIR", help="results folder (default results/<UTC timestamp>)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="finish an interrupted simulated replay in DIR with the options it was started with "
+                        "(runs already saved there are kept, not redone; an unfinished run starts over)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.add_argument("--open-loop", action="store_true", help="send turns at recorded offsets (comparison only)")
     p.add_argument("--max-requests", type=int, default=None, metavar="N", help="stop sending after N requests per run")
@@ -120,6 +126,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action="store_true", help="show the progress line even when stderr is not a TTY")
     p.add_argument("--gateway", default=None, metavar="URL",
                    help="live mode: replay against a running gpuhit gateway at URL instead of simulating")
+    p.add_argument("--gpu-util", action="append", default=[], metavar="NAME=SPEC",
+                   help="live mode: where engine NAME's GPU utilization comes from: busy:URL (the emulator's "
+                        "busy-seconds counter at URL/metrics), dcgm:URL[#gpu=N] or nvml:N (needs the nvml extra); "
+                        "default busy:URL for every engine the gateway's /debug/state lists")
+    p.add_argument("--util-interval", type=float, default=1.0, metavar="S",
+                   help="live mode: seconds between GPU utilization samples (default 1)")
     p.set_defaults(func=main)
 
 
@@ -329,7 +341,10 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
     summary["label"] = spec.label
     summary["records"] = str(path)
     lat = [r.finish - r.arrival for r in res.records if r.ok]
-    return {"summary": summary, "latencies": lat, "util_series": res.util_series}
+    result = {"summary": summary, "latencies": lat, "util_series": res.util_series}
+    if job.get("result"):
+        _save_run(pathlib.Path(job["result"]), result)  # as soon as it is done: Ctrl-C loses no finished run
+    return result
 
 
 def _progress_thread(q: Any, totals: list[int], stop: threading.Event, force: bool) -> threading.Thread:
@@ -378,12 +393,52 @@ def _load(args: argparse.Namespace) -> Any:
     return res.trace
 
 
+# Options a resumed replay takes from its folder's plan.json (the rest: how to run, not what).
+_NOT_RESUMED = frozenset({"resume", "jobs", "progress", "json", "no_plots", "func", "out", "gateway"})
+
+
+def _plan_doc(args: argparse.Namespace, specs: Sequence[RunSpec]) -> dict[str, Any]:
+    opts = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_RESUMED}
+    return {"options": opts, "runs": [f"{_safe(s.label)}-seed{s.seed}" for s in specs]}
+
+
+def _start_folder(args: argparse.Namespace) -> tuple[pathlib.Path, bool]:
+    """(results folder, resuming?). ``--resume DIR`` restores the options saved in DIR/plan.json."""
+    if args.resume is None:
+        out = pathlib.Path(args.out) if args.out else pathlib.Path("results") / _dt.datetime.now(
+            _dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+        return out, False
+    out = pathlib.Path(args.resume)
+    try:
+        saved = json.loads((out / "plan.json").read_text(encoding="utf-8"))["options"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"--resume {out}: no readable plan.json there ({exc}); was it made by gpuhit replay?") from None
+    if args.out is not None and pathlib.Path(args.out) != out:
+        raise ConfigError("give --resume DIR alone (it writes into DIR), not with another --out")
+    for k, v in saved.items():
+        setattr(args, k, v)
+    return out, True
+
+
+def _save_run(path: pathlib.Path, result: dict[str, Any]) -> None:
+    """One finished run's summary, latencies and utilization series, written atomically."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, default=_jsonable), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _jsonable(x: Any) -> Any:
+    item = getattr(x, "item", None)  # numpy scalars
+    return item() if callable(item) else str(x)
+
+
 def _simulated(args: argparse.Namespace) -> int:
     global _TRACE, _PROGRESS_Q
     from analysis.compare import compare, format_table, to_json
     from replayer.driver import count_requests
     from replayer.simulate import DEFAULT_PROFILE
 
+    out, resuming = _start_folder(args)
     specs = plan_runs(args)
     if args.max_requests is not None and args.max_requests <= 0:
         raise ConfigError("--max-requests must be positive")
@@ -397,18 +452,33 @@ def _simulated(args: argparse.Namespace) -> int:
         load_profile(args.profile)  # unknown profile: clear error before any work
     trace = _load(args)
     arrival = _arrival_options(args, trace)
-    out = pathlib.Path(args.out) if args.out else pathlib.Path("results") / _dt.datetime.now(
-        _dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     (out / "records").mkdir(parents=True, exist_ok=True)
+    (out / "runs").mkdir(exist_ok=True)
+    plan = _plan_doc(args, specs)
+    if resuming:
+        old = json.loads((out / "plan.json").read_text(encoding="utf-8"))
+        if old.get("runs") != plan["runs"]:
+            raise ConfigError(f"--resume {out}: its plan.json lists other runs than these options make")
+    elif (out / "plan.json").exists() or any((out / "records").iterdir()):
+        raise ConfigError(f"{out} holds a replay already: choose a new --out folder, or --resume {out}")
+    else:
+        (out / "plan.json").write_text(json.dumps(plan, indent=1, default=_jsonable), encoding="utf-8")
     jobs = []
+    results: list[dict[str, Any] | None] = [None] * len(specs)
     for i, spec in enumerate(specs):
-        rec = out / "records" / f"{_safe(spec.label)}-seed{spec.seed}.csv"
-        if rec.exists():
-            raise ConfigError(f"{rec} exists: choose a new --out folder")
-        jobs.append({"spec": spec, "index": i, "records": str(rec), "instances": args.instances,
-                         "profile": args.profile or DEFAULT_PROFILE, "index_kind": args.index,
-                         "max_requests": args.max_requests, "max_sessions": args.max_sessions,
-                         "open_loop": args.open_loop, "arrival": arrival, "block_size": args.block_size})
+        name = f"{_safe(spec.label)}-seed{spec.seed}"
+        rec, done = out / "records" / f"{name}.csv", out / "runs" / f"{name}.json"
+        if done.exists():  # finished before the interruption: kept, not redone
+            results[i] = json.loads(done.read_text(encoding="utf-8"))
+            continue
+        rec.unlink(missing_ok=True)  # an unfinished run's partial records: it starts over
+        jobs.append({"spec": spec, "index": i, "records": str(rec), "result": str(done), "instances": args.instances,
+                     "profile": args.profile or DEFAULT_PROFILE, "index_kind": args.index,
+                     "max_requests": args.max_requests, "max_sessions": args.max_sessions,
+                     "open_loop": args.open_loop, "arrival": arrival, "block_size": args.block_size})
+    if resuming:
+        print(f"gpuhit replay: resuming {out}: {len(specs) - len(jobs)} of {len(specs)} runs saved, "
+              f"{len(jobs)} to run", file=sys.stderr)
     total_one = count_requests(trace, args.max_sessions)
     if args.max_requests:
         total_one = min(total_one, args.max_requests)
@@ -419,24 +489,32 @@ def _simulated(args: argparse.Namespace) -> int:
     ctx = mp.get_context("fork") if n_jobs > 1 else None
     stop = threading.Event()
     pthread = None
-    if show:
+    if show and jobs:
         _PROGRESS_Q = ctx.Queue() if ctx is not None else queue.Queue()
-        pthread = _progress_thread(_PROGRESS_Q, [total_one] * len(jobs), stop, force=args.progress)
+        pthread = _progress_thread(_PROGRESS_Q, [total_one] * len(specs), stop, force=args.progress)
     wall0 = time.perf_counter()
-    results: list[dict[str, Any] | None] = [None] * len(jobs)
     try:
         if n_jobs == 1:
             for j in jobs:
                 results[j["index"]] = _run_one(j)
                 _note_done(results[j["index"]], show)
-        else:
-            with cf.ProcessPoolExecutor(max_workers=n_jobs, mp_context=ctx) as pool:
-                # Longest first, so a slow run does not start last and leave a core idle at the end.
-                ordered = [jobs[i] for i in longest_first([j["spec"] for j in jobs])]
-                futs = {pool.submit(_run_one, j): j["index"] for j in ordered}
-                for f in cf.as_completed(futs):
-                    results[futs[f]] = f.result()
-                    _note_done(results[futs[f]], show)
+        elif jobs:
+            # Longest first, so a slow run does not start last and leave a core idle at the end.
+            ordered = [jobs[i] for i in longest_first([j["spec"] for j in jobs])]
+            pool = ctx.Pool(n_jobs)
+            try:
+                for idx, r in pool.imap_unordered(_run_indexed, ordered):
+                    results[idx] = r
+                    _note_done(r, show)
+                pool.close()
+            finally:
+                pool.terminate()  # Ctrl-C or a failed run: stop the other runs now (finished ones are saved)
+                pool.join()
+    except KeyboardInterrupt:
+        saved = sum(r is not None for r in results)
+        print(f"\ngpuhit replay: interrupted; {saved} of {len(specs)} runs are saved in {out}/. "
+              f"Finish with: gpuhit replay --resume {out}", file=sys.stderr)
+        return 130
     finally:
         stop.set()
         if _PROGRESS_Q is not None:
@@ -453,16 +531,20 @@ def _simulated(args: argparse.Namespace) -> int:
     meta = {
         "command": "gpuhit replay " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["replay"] else sys.argv[1:]),
         "trace": trace.name, "trace_sources": len(trace.source), "sessions": len(trace.sessions),
+        **_session_counts(trace, args.max_sessions),
         "requests_per_run": total_one, "instances": args.instances,
         "profile": args.profile or DEFAULT_PROFILE, "index": args.index, "block_size": args.block_size,
         **arrival,
-        "open_loop": args.open_loop, "runs": len(jobs), "jobs": n_jobs, "wall_s": round(wall, 2),
+        "open_loop": args.open_loop, "runs": len(specs), "jobs": n_jobs, "wall_s": round(wall, 2),
+        "resumed": resuming,
         "utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
     (out / "summary.json").write_text(to_json({"meta": meta, "runs": summaries}, indent=1), encoding="utf-8")
     (out / "comparison.json").write_text(to_json(dict(doc, meta=meta), indent=1), encoding="utf-8")
     timing = _timing_lines(summaries, wall)
-    (out / "comparison.txt").write_text(table + "\n\n" + "\n".join(timing) + "\n", encoding="utf-8")
+    per_inst = _per_instance_lines(summaries)
+    (out / "comparison.txt").write_text(table + "\n\n" + "\n".join(per_inst + [""] + timing) + "\n",
+                                        encoding="utf-8")
     plots: list[pathlib.Path] = []
     if not args.no_plots:
         plots = _plots(out, results)
@@ -476,17 +558,58 @@ def _simulated(args: argparse.Namespace) -> int:
         print(_header(meta))
         print(table)
         print()
+        print("\n".join(per_inst))
+        print()
         print("\n".join(timing))
         print(f"results: {out}/ (report.html, comparison.txt/.json, summary.json, records/"
               f"{', plots' if plots else ''})")
     return 0
 
 
+def _run_indexed(job: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    return job["index"], _run_one(job)
+
+
+def _session_counts(trace: Any, max_sessions: int | None) -> dict[str, int]:
+    """Root sessions (conversations) replayed and the sub-agent sessions they bring along."""
+    from replayer.arrivals import children_index, roots
+
+    rs = roots(trace)
+    rs = rs[:max_sessions] if max_sessions else rs
+    kids = children_index(trace)
+    n_sub, stack = 0, list(rs)
+    while stack:
+        c = kids.get(stack.pop().session_id, ())
+        n_sub += len(c)
+        stack.extend(c)
+    return {"root_sessions": len(rs), "subagent_sessions": n_sub}
+
+
+def _per_instance_lines(summaries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Requests routed / ok and GPU utilization per instance, per policy (its first seed)."""
+    lines = [("latency, TTFT, TPOT, TPS and APC columns cover ok requests only; rejected (refused before running, "
+              "e.g. prompt >= max_model_len) and failed requests are counted per run under 'run timings'"),
+             "", "per instance, first seed: requests routed / ok, GPU util % (an idle instance shows 0/0)"]
+    seen: set[str] = set()
+    for s in summaries:
+        if s["policy"] in seen or not s.get("per_instance"):
+            continue
+        seen.add(s["policy"])
+        cells = []
+        for name, v in s["per_instance"].items():
+            u = v.get("gpu_util")
+            util = "-" if u is None or (isinstance(u, float) and math.isnan(u)) else f"{100 * u:.0f}%"
+            cells.append(f"{name} {v['routed']}/{v['ok']} {util}")
+        lines.append(f"  {s['policy']:<22} " + ", ".join(cells))
+    return lines
+
+
 def _note_done(r: dict[str, Any] | None, show: bool) -> None:
     if r is None:
         return
     s = r["summary"]
-    msg = (f"gpuhit replay: {s['label']} seed {s['seed']}: {s['requests']} requests, {s['errors']} errors, "
+    msg = (f"gpuhit replay: {s['label']} seed {s['seed']}: {s['n_sent']} requests, {s['n_ok']} ok, "
+           f"{s['n_rejected']} rejected, {s['n_failed']} failed, "
            f"{s['wall_s']:.1f} s wall, sim/wall {s['sim_wall_ratio']:,.0f}x")
     if show:
         print("\r\033[K" + msg, file=sys.stderr)
@@ -494,10 +617,16 @@ def _note_done(r: dict[str, Any] | None, show: bool) -> None:
 
 def _header(meta: Mapping[str, Any]) -> str:
     arr = meta["arrival"]
-    how = {"poisson": f"Poisson {meta['session_rate']:.4g} sessions/s", "trace": "trace timestamps",
-           "concurrent": f"{meta['sessions_concurrent']} concurrent sessions"}[arr]
+    if arr == "poisson":
+        how = f"Poisson {meta['session_rate']:.4g} sessions/s"
+    elif arr == "concurrent":
+        how = f"{meta['sessions_concurrent']} concurrent sessions"
+    else:
+        how = "trace timestamps"
     cap = meta["max_think_time"]
-    return (f"{meta['trace']}: {meta['sessions']} sessions, {meta['requests_per_run']} requests per run; "
+    sessions = (f"{meta['root_sessions']} sessions (+{meta['subagent_sessions']} sub-agent)"
+                if "root_sessions" in meta else f"{meta['sessions']} sessions")
+    return (f"{meta['trace']}: {sessions}, {meta['requests_per_run']} requests per run; "
             f"{meta['instances']} x {meta['profile']}; arrivals: {how}; think time x"
             f"{meta['think_time_scale'] if meta['think_time_scale'] is not None else meta['time_scale']:g}"
             f"{'' if cap is None else f' capped at {cap:g} s'}; KV index {meta['index']}\n")
@@ -507,7 +636,10 @@ def _timing_lines(summaries: Sequence[Mapping[str, Any]], wall: float) -> list[s
     lines = ["run timings (simulated makespan / wall seconds = sim/wall):"]
     for s in summaries:
         lines.append(f"  {s['policy']:<22} seed {s['seed']}: makespan {s['makespan']:,.0f} s, wall {s['wall_s']:.1f} s, "
-                     f"sim/wall {s['sim_wall_ratio']:,.0f}x, errors {s['errors']}")
+                     f"sim/wall {s['sim_wall_ratio']:,.0f}x, {s['n_ok']} ok, {s['n_rejected']} rejected, "
+                     f"{s['n_failed']} failed")
+        for kind, n in s.get("error_kinds", {}).items():
+            lines.append(f"      {n} x {kind}")
     lines.append(f"total wall {wall:.1f} s")
     return lines
 
@@ -537,66 +669,149 @@ def _plots(out: pathlib.Path, results: Sequence[dict[str, Any] | None]) -> list[
 # ---------------------------------------------------------------------------------------- live
 
 def _live(args: argparse.Namespace) -> int:
-    """Closed-loop replay against a running gateway over HTTP (one run, the gateway's policy)."""
+    """Closed-loop replay against a running gateway over HTTP (one run, the gateway's policy).
+
+    Before sending: the gateway must answer ``/v1/models`` (else exit 2 at once, one line); a new run
+    resets every engine's prefix cache through the gateway's ``POST /reset_prefix_cache`` so runs
+    start equally cold (a loud warning when that fails); GPU utilization is sampled from each engine
+    (``--gpu-util``, default the emulator's busy-seconds counter at the URLs the gateway's
+    ``/debug/state`` lists; real vLLM exports no busy time: give ``nvml:N`` or ``dcgm:URL``) into
+    ``utilization.csv`` and the summary's ``per_worker_util`` (busy seconds / makespan), as in
+    simulation. Resuming into an existing records file keeps its rows; ``--max-requests`` counts them.
+    """
+    import asyncio
+
+    import aiohttp
+
     from analysis.compare import to_json
     from analysis.summary import summarize
     from gpuhit import vtime
     from replayer.arrivals import ArrivalConfig
     from replayer.driver import DriverConfig, count_requests, replay
-    from replayer.live import HttpTarget
+    from replayer.live import (
+        HttpTarget,
+        UtilizationSampler,
+        busy_seconds,
+        make_meter,
+        probe_gateway,
+        reset_prefix_caches,
+    )
     from replayer.progress import Progress
     from replayer.records import RecordWriter, read_records
     from replayer.synth import TokenSynthesizer
 
     if args.policies or args.pd or (args.seeds and "," in str(args.seeds)) or args.num_seeds:
         raise ConfigError("--gateway replays once against the gateway's own policy: drop --policies/--pd/--seeds")
+    if args.resume:
+        raise ConfigError("--resume is for simulated replays; a live replay resumes by running again with the same --out")
+    if args.max_requests is not None and args.max_requests <= 0:
+        raise ConfigError("--max-requests must be positive")
+    if not args.util_interval > 0:
+        raise ConfigError("--util-interval must be positive")
+    util_specs = dict(_name_spec(x) for x in args.gpu_util)
     trace = _load(args)
     arr = _arrival_options(args, trace)
     seed = _parse_seeds(args)[0]
     out = pathlib.Path(args.out) if args.out else pathlib.Path("results") / _dt.datetime.now(
         _dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    acfg = ArrivalConfig(mode=arr["arrival"], session_rate=arr["session_rate"],
-                         sessions_concurrent=arr["sessions_concurrent"], time_scale=arr["time_scale"], seed=seed)
-    dcfg = DriverConfig(arrival=acfg, open_loop=args.open_loop, think_time_scale=arr["think_time_scale"],
-                        max_think_time=arr["max_think_time"], max_sessions=args.max_sessions,
-                        max_requests=args.max_requests, run_id=f"live-s{seed}", policy="gateway", seed=seed)
     path = out / "records" / f"live-seed{seed}.csv"
     total = count_requests(trace, args.max_sessions)
     synth = TokenSynthesizer(seed=seed)
+    acfg = ArrivalConfig(mode=arr["arrival"], session_rate=arr["session_rate"],
+                         sessions_concurrent=arr["sessions_concurrent"], time_scale=arr["time_scale"], seed=seed)
+    info: dict[str, Any] = {}
 
-    async def go() -> Any:
-        target = HttpTarget(args.gateway, synth)
-        bar = Progress(total, label="live", force=args.progress)
-        loop = __import__("asyncio").get_running_loop()
-        t0 = loop.time()
-        n = [0]
+    async def probe() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as http:
+            return await probe_gateway(http, args.gateway)
 
-        def on_record(_: Any) -> None:
-            n[0] += 1
-            bar.update(n[0], loop.time() - t0)
+    gw = vtime.run_live(probe())  # unreachable: ConfigError (exit 2, one line) before anything is written
+    info.update(engines=[n for n, _ in gw["engines"]], max_model_len=gw["max_model_len"])
 
-        try:
-            async with target:
-                res = await replay(trace, target, dcfg, sink=w.write, skip=w.done, on_record=on_record)
-        finally:
-            bar.close()
-        return res
+    async def go(w: RecordWriter) -> Any:
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            left = None if args.max_requests is None else args.max_requests - w.resumed_rows
+            if left is not None and left <= 0:
+                info["note"] = f"{w.resumed_rows} rows already recorded (>= --max-requests {args.max_requests})"
+                return None
+            if w.resumed_rows == 0:
+                why = await reset_prefix_caches(http, args.gateway)
+                info["cold_start"] = why is None
+                if why is not None:
+                    print(f"gpuhit replay: WARNING: the engines' prefix caches were NOT reset ({why}); this run "
+                          "starts with whatever earlier traffic left cached, so it is not comparable to a cold "
+                          "run", file=sys.stderr)
+            else:
+                info["cold_start"] = False
+                print(f"gpuhit replay: resuming {path} ({w.resumed_rows} rows): engine caches are not reset",
+                      file=sys.stderr)
+            specs = util_specs or {n: f"busy:{u}" for n, u in gw["engines"]}
+            sampler = UtilizationSampler([(n, make_meter(spec, http)) for n, spec in specs.items()],
+                                         interval=args.util_interval)
+            dcfg = DriverConfig(arrival=acfg, open_loop=args.open_loop, think_time_scale=arr["think_time_scale"],
+                                max_think_time=arr["max_think_time"], max_sessions=args.max_sessions,
+                                max_requests=left, run_id=f"live-s{seed}", policy="gateway", seed=seed)
+            target = HttpTarget(args.gateway, synth, http, model=gw["model"], max_model_len=gw["max_model_len"])
+            bar = Progress(total, label="live", force=args.progress)
+            n = [0]
+
+            def on_record(_: Any) -> None:
+                n[0] += 1
+                bar.update(n[0], loop.time() - t0)
+
+            t0 = loop.time()
+            await sampler.sample_once()  # the baseline of every busy counter
+            sampler.start()
+            try:
+                async with target:
+                    res = await replay(trace, target, dcfg, sink=w.write, skip=w.done, on_record=on_record)
+            finally:
+                await sampler.stop()
+                bar.close()
+            await sampler.sample_once()  # the tail since the last periodic sample
+            info["util_rows"] = [(t - t0, name, u) for t, name, u in sampler.rows]
+            info["busy"] = busy_seconds(sampler.rows, t0)
+            info["missing_util"] = sorted(set(specs) - set(info["busy"]))
+            return res
 
     # Live replays are long and may be interrupted: records resume (done turns are skipped).
     with RecordWriter(path, resume=True, policy="gateway", seed=seed) as w:
-        res = vtime.run_live(go())
+        res = vtime.run_live(go(w))
     df = read_records(path)
-    s = summarize(df, None, res.makespan, math.nan)
-    s.update(policy="gateway", seed=seed, records=str(path))
+    makespan = res.makespan if res is not None else math.nan
+    s = summarize(df, info.get("busy"), makespan, math.nan)
+    s.update(policy="gateway", seed=seed, records=str(path), cold_start=info.get("cold_start"),
+             engines=info.get("engines", []))
+    if info.get("util_rows"):
+        with open(out / "utilization.csv", "w", encoding="utf-8") as fh:
+            fh.write("t,engine,util\n")
+            fh.writelines(f"{t!r},{name},{u!r}\n" for t, name, u in info["util_rows"])
+    for name in info.get("missing_util", []):
+        print(f"gpuhit replay: no GPU utilization from engine {name} (its source gave no samples; for real "
+              f"vLLM give --gpu-util {name}=nvml:N or {name}=dcgm:URL)", file=sys.stderr)
     (out / "summary.json").write_text(to_json({"runs": [s]}, indent=1), encoding="utf-8")
     if args.json:
         print(to_json({"runs": [s], "out": str(out)}))
     else:
-        print(f"live replay against {args.gateway}: {s['requests']} requests, {s['errors']} errors, "
-              f"latency p50/p90 {s['latency_p50']:.3f}/{s['latency_p90']:.3f} s, TTFT p90 {s['ttft_p90']:.3f} s, "
-              f"APC {100 * s['apc_realized']:.1f}% (implied {100 * s['apc_implied']:.1f}%)")
+        if info.get("note"):
+            print(f"gpuhit replay: {info['note']}; nothing sent")
+        print(f"live replay against {args.gateway}: {s['n_sent']} requests: {s['n_ok']} ok, {s['n_rejected']} "
+              f"rejected, {s['n_failed']} failed; over ok requests: latency p50/p90 {s['latency_p50']:.3f}/"
+              f"{s['latency_p90']:.3f} s, TTFT p90 {s['ttft_p90']:.3f} s, APC {100 * s['apc_realized']:.1f}% "
+              f"(implied {100 * s['apc_implied']:.1f}%)")
+        for kind, k in s["error_kinds"].items():
+            print(f"  {k} x {kind}")
+        print("\n".join(_per_instance_lines([s])[2:]))
         print(f"results: {out}/")
     return 0
+
+
+def _name_spec(x: str) -> tuple[str, str]:
+    name, sep, spec = x.partition("=")
+    if not sep or not name or not spec:
+        raise ConfigError(f"--gpu-util wants NAME=SPEC (e.g. e0=nvml:0), got {x!r}")
+    return name, spec
 
 
 __all__ = ["DEFAULT_MAX_THINK", "DEFAULT_SESSION_RATE", "RunSpec", "main", "plan_runs", "register"]

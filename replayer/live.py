@@ -30,8 +30,8 @@ from engines.vllm import protocol
 from engines.vllm.client import iter_sse
 from engines.vllm.metrics_scrape import BUSY, DCGM_UTIL, UtilizationMeter
 from gpuhit.aio import cancel_and_wait
-from gpuhit.errors import ConfigError, UnavailableError
-from replayer.driver import TurnRequest
+from gpuhit.errors import BadRequestError, ConfigError, UnavailableError
+from replayer.driver import TurnRequest, request_max_tokens
 from replayer.records import RequestRecord
 
 
@@ -39,8 +39,10 @@ class HttpTarget:
     """Sends turns to ``base_url`` (a gateway or an engine speaking vLLM's API)."""
 
     def __init__(self, base_url: str, synth: Any, session: aiohttp.ClientSession | None = None,
-                 model: str | None = None, timeout: float | None = None, tracer: Any = None):
+                 model: str | None = None, timeout: float | None = None, tracer: Any = None,
+                 max_model_len: int | None = None):
         self.base_url = base_url.rstrip("/")
+        self.max_model_len = max_model_len  # the gateway's (/v1/models): max_tokens is clamped as vLLM would
         self.synth = synth
         # No session given: one is made on first use (inside the running loop) and closed by
         # aclose() / ``async with``.
@@ -84,8 +86,13 @@ class HttpTarget:
         headers = {"x-session-id": s.session_id, "x-request-id": req.request_id}
         span = self._turn_span(req, headers) if self.tracer is not None else None
         try:
-            body = protocol.completion_request(self.synth.prompt_tokens(s, k), max(turn.output_length, 1),
-                                               await self._model())
+            # vLLM refuses max_tokens 0 and clamps max_tokens to the context left (min_tokens is sent
+            # equal, so it must be clamped too); a prompt it refuses is sent anyway: the 400 is recorded.
+            try:
+                max_tokens, rec.note = request_max_tokens(turn.output_length, turn.input_length, self.max_model_len)
+            except BadRequestError:
+                max_tokens = max(turn.output_length, 1)
+            body = protocol.completion_request(self.synth.prompt_tokens(s, k), max_tokens, await self._model())
             rec.arrival = loop.time()
             await self._send(body, headers, rec)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
@@ -114,6 +121,7 @@ class HttpTarget:
                 except (ValueError, KeyError, TypeError):
                     msg = raw[:200].decode(errors="replace")
                 rec.error = f"HTTP {resp.status}: {msg}"
+                rec.rejected = int(400 <= resp.status < 500)  # refused before running (vLLM's 4xx)
                 return
             done = False
             async for data in iter_sse(resp.content):
@@ -167,6 +175,58 @@ class HttpTarget:
         for sp in self._session_spans.values():
             sp.end()
         self._session_spans.clear()
+
+
+async def probe_gateway(session: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
+    """What a live replay needs from the gateway before it starts, or a one-line ConfigError.
+
+    ``{"model", "max_model_len", "engines": [(name, url), ...]}``: the model card of ``/v1/models``
+    and the engines of the gateway's ``/debug/state`` (empty when ``base_url`` is not a gpuhit
+    gateway, e.g. a vLLM engine itself). An unreachable or non-OpenAI URL fails here, fast.
+    """
+    base = base_url.rstrip("/")
+    quick = aiohttp.ClientTimeout(total=10.0)
+    try:
+        async with session.get(base + "/v1/models", timeout=quick) as r:
+            if r.status != 200:
+                raise ConfigError(f"the gateway at {base_url} answered HTTP {r.status} to GET /v1/models")
+            card = (await r.json(content_type=None))["data"][0]
+        engines: list[tuple[str, str]] = []
+        async with session.get(base + "/debug/state", timeout=quick) as r:
+            if r.status == 200:
+                engines = [(str(i["name"]), str(i["url"])) for i in (await r.json(content_type=None))["instances"]]
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise ConfigError(f"cannot reach the gateway at {base_url}: {exc or type(exc).__name__}") from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ConfigError(f"{base_url} is not an OpenAI-compatible server (bad /v1/models or /debug/state)") from None
+    mml = card.get("max_model_len")
+    return {"model": str(card["id"]), "max_model_len": mml if isinstance(mml, int) else None, "engines": engines}
+
+
+async def reset_prefix_caches(session: aiohttp.ClientSession, base_url: str) -> str | None:
+    """``POST /reset_prefix_cache`` on the gateway (it fans out to every engine); None when every
+    engine reset, else why not (vLLM answers success false while blocks are in use)."""
+    try:
+        async with session.post(base_url.rstrip("/") + "/reset_prefix_cache",
+                                timeout=aiohttp.ClientTimeout(total=30.0)) as r:
+            if r.status != 200:
+                return f"HTTP {r.status} from {base_url}/reset_prefix_cache"
+            doc = await r.json(content_type=None)
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if doc.get("success") is True else f"not every engine reset: {doc.get('engines', doc)}"
+
+
+def busy_seconds(rows: Sequence[tuple[float, str, float]], t0: float) -> dict[str, float]:
+    """Per engine, the integral of sampled utilization over time: each sample covers the time since
+    the engine's previous sample (since ``t0``, the baseline sample, for its first). For a busy-seconds
+    counter this is the counter's growth exactly (up to the 0..1 clamp)."""
+    busy: dict[str, float] = {}
+    prev: dict[str, float] = {}
+    for t, name, u in sorted(rows):
+        busy[name] = busy.get(name, 0.0) + u * (t - prev.get(name, t0))
+        prev[name] = t
+    return busy
 
 
 class NvmlMeter:

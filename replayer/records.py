@@ -36,7 +36,10 @@ class RequestRecord:
     tokens imported from a CPU/remote tier or a KV transfer). ``implied_hit_tokens`` = the upper bound
     the trace implies: the longest prefix of the turn's trace blocks already sent earlier in the same
     hash namespace (an infinite, shared prefix cache would serve exactly those tokens).
-    ``error`` is empty for a request that finished normally.
+    ``error`` is empty for a request that finished normally. ``rejected`` is 1 when the request was
+    refused before it ran (vLLM's 4xx: e.g. a prompt of >= max_model_len tokens), 0 otherwise; an
+    ``error`` with ``rejected`` 0 is a failure after acceptance. ``note`` says what was sent differently
+    from the trace (e.g. ``max_tokens 1: trace output 0``, since vLLM refuses ``max_tokens`` 0).
     """
 
     run_id: str = ""
@@ -57,6 +60,8 @@ class RequestRecord:
     realized_hit_tokens: int = 0
     implied_hit_tokens: int = 0
     error: str = ""
+    rejected: int = 0
+    note: str = ""
 
     @property
     def ok(self) -> bool:
@@ -66,7 +71,7 @@ class RequestRecord:
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(RequestRecord))
 _INT_COLUMNS = frozenset(
     {"seed", "turn", "input_tokens", "output_tokens", "predicted_hit_tokens", "realized_hit_tokens",
-     "implied_hit_tokens"}
+     "implied_hit_tokens", "rejected"}
 )
 _FLOAT_COLUMNS = frozenset({"arrival", "first_token", "finish"})
 

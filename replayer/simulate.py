@@ -32,7 +32,7 @@ from typing import Any
 
 from engines.base import EngineClient
 from gpuhit import vtime
-from gpuhit.errors import ConfigError
+from gpuhit.errors import BadRequestError, ConfigError
 from replayer.arrivals import (
     ArrivalConfig,
     child_offset,
@@ -41,7 +41,14 @@ from replayer.arrivals import (
     root_start_times,
     roots,
 )
-from replayer.driver import DriverConfig, ReplayOutcome, TurnRequest, count_requests, replay
+from replayer.driver import (
+    DriverConfig,
+    ReplayOutcome,
+    TurnRequest,
+    count_requests,
+    replay,
+    request_max_tokens,
+)
 from replayer.records import RequestRecord, records_to_frame
 from replayer.trace import Trace
 
@@ -93,22 +100,30 @@ class SimTarget:
     computed for this very request, so counting it would report PD's 100% as reuse.
     """
 
-    def __init__(self, router: Any, synth: Any):
+    def __init__(self, router: Any, synth: Any, max_model_len: int | None = None):
         from gateway.router import RouteRequest
 
         self._RouteRequest = RouteRequest
         self.router = router
         self.synth = synth
+        # As the live gateway does: the smallest engine max_model_len (None: no limit known).
+        lens = [m for e in router.engines if isinstance(m := getattr(e, "max_model_len", None), int)]
+        self.max_model_len = max_model_len if max_model_len is not None else (min(lens) if lens else None)
 
     async def submit(self, req: TurnRequest) -> RequestRecord:
         loop = asyncio.get_running_loop()
         sent = loop.time()
         s, k = req.session, req.turn_index
         turn = s.turns[k]
+        try:
+            max_tokens, note = request_max_tokens(turn.output_length, turn.input_length, self.max_model_len)
+        except BadRequestError as exc:  # refused by the gateway before routing, as vLLM refuses it
+            return RequestRecord(arrival=sent, finish=sent, input_tokens=turn.input_length, error=str(exc),
+                                 rejected=1)
         rr = self._RouteRequest(
             request_id=req.request_id,
             prompt_len=turn.input_length,
-            max_tokens=turn.output_length,
+            max_tokens=max_tokens,
             block_hashes=self.synth.block_hashes(s, k),
             session_id=s.session_id,
             parent_session=s.parent,
@@ -135,6 +150,7 @@ class SimTarget:
             predicted_hit_tokens=routed.predicted_hit_tokens,
             realized_hit_tokens=realized,
             error=res.error or "",
+            note=note,
         )
 
 

@@ -41,7 +41,7 @@ from engines.emulated.block_pool import BlockPool
 from engines.emulated.kv_manager import KVCacheManager, cdiv
 from engines.emulated.kv_transfer import TransferRegistry
 from engines.emulated.metrics import EngineMetrics
-from engines.emulated.profile import Profile, load_profile
+from engines.emulated.profile import Profile, check_enough_kv_cache, load_profile
 from engines.emulated.request import FINISHED, LOADING, WAITING, EmuRequest
 from engines.emulated.scheduler import ExternalHit, Scheduler, SchedulerOutput
 from engines.emulated.tiers import CPUTier, RemoteStore
@@ -94,6 +94,7 @@ class EmulatedEngine:
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         p = self.profile
         self.block_size = block_size or p.block_size
+        derived_blocks = num_gpu_blocks is None  # explicit pool sizes (tests) skip vLLM's startup check
         if num_gpu_blocks is None:
             num_gpu_blocks = p.num_gpu_blocks(self.block_size, kv_capacity_bytes)
         elif kv_capacity_bytes is not None:
@@ -103,6 +104,8 @@ class EmulatedEngine:
         self.max_num_batched_tokens = max_num_batched_tokens or p.max_num_batched_tokens
         self.max_num_seqs = max_num_seqs or p.max_num_seqs
         self.max_model_len = max_model_len or p.max_model_len
+        if derived_blocks:  # vLLM refuses to start when one max_model_len request cannot fit
+            check_enough_kv_cache(self.max_model_len, num_gpu_blocks, self.block_size, p.block_bytes(self.block_size))
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.block_bytes = p.block_bytes(self.block_size)

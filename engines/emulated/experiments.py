@@ -145,7 +145,11 @@ def _percentile(xs: list[float], q: float) -> float:
 
 async def _knee_point(profile: Profile, capacity_gb: float) -> dict:
     bs = profile.block_size
-    e = EmulatedEngine("knee", profile, kv_capacity_bytes=capacity_gb * 1e9, emit_token_ids=False)
+    # A small KV cache must come with a max_model_len that fits it (vLLM refuses to start
+    # otherwise): the largest whole-block length, as vLLM's own startup error suggests.
+    fits = (profile.num_gpu_blocks(bs, capacity_gb * 1e9) - 1) * bs
+    e = EmulatedEngine("knee", profile, kv_capacity_bytes=capacity_gb * 1e9, emit_token_ids=False,
+                       max_model_len=min(profile.max_model_len, fits))
     fresh = itertools.count(1)
     ttfts: list[float] = []
     hits = prompts = 0

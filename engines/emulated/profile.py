@@ -134,7 +134,39 @@ def _from_dict(name: str, d: dict[str, Any], where: str) -> Profile:
         raise ConfigError(f"{where}: profile {name!r}: {exc}") from None
     if p.kv_bytes_per_token <= 0 or p.gpu_kv_capacity_bytes <= 0 or p.block_size <= 0:
         raise ConfigError(f"{where}: profile {name!r}: sizes must be positive")
+    try:
+        check_enough_kv_cache(p.max_model_len, p.num_gpu_blocks(), p.block_size, p.block_bytes())
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: profile {name!r}: {exc}") from None
     return p
+
+
+def _gib(b: float) -> str:
+    return f"{round(b / 2**30, 2)}"  # vLLM's format_gib
+
+
+def check_enough_kv_cache(max_model_len: int, num_gpu_blocks: int, block_size: int, block_bytes: int) -> None:
+    """Refuse a configuration whose KV cache cannot hold one request of ``max_model_len`` tokens.
+
+    vLLM 0.32 refuses to start such an engine (``v1/core/kv_cache_utils.py``
+    ``check_enough_kv_cache_memory``): it needs ``ceil(max_model_len / block_size)`` blocks within
+    the pool less the null block the block pool holds back, and suggests the largest length that
+    fits. Here ``num_gpu_blocks`` counts the null block (as :meth:`Profile.num_gpu_blocks` does), so
+    the usable memory is ``(num_gpu_blocks - 1) x block_bytes``. The message is vLLM's.
+    """
+    available = (num_gpu_blocks - 1) * block_bytes
+    if available <= 0:
+        raise ConfigError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+                          "when initializing the engine.")
+    needed = -(-max_model_len // block_size) * block_bytes
+    if needed > available:
+        est = (num_gpu_blocks - 1) * block_size
+        hint = f"Based on the available memory, the estimated maximum model length is {est}. " if est > 0 else ""
+        raise ConfigError(
+            f"To serve at least one request with the model's max seq len ({max_model_len}), ({_gib(needed)} GiB KV "
+            f"cache is needed, which is larger than the available KV cache memory ({_gib(available)} GiB). {hint}"
+            "Try increasing `gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or "
+            "decreasing `max_model_len` when initializing the engine.")
 
 
 def _read(path: pathlib.Path) -> dict[str, Any]:

@@ -162,6 +162,7 @@ class EmulatedServer:
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics),
                 web.get("/kv_event_sources", self.kv_event_sources),
+                web.post("/reset_prefix_cache", self.reset_prefix_cache),
             ]
         )
         self.bootstrap = None
@@ -246,14 +247,11 @@ class EmulatedServer:
             return prompt
         raise _bad("prompt must be a string or a non-empty list of non-negative token ids (one prompt)", "prompt")
 
-    def _check_len(self, n: int, max_tokens: int) -> None:
+    def _check_len(self, n: int, max_tokens: int) -> int:
+        """The max_tokens vLLM runs the request with (clamped to the context left), or vLLM's 400."""
         if n == 0:
             raise _bad("prompt is empty", "prompt")
-        if self.max_model_len is not None and n + max_tokens > self.max_model_len:
-            raise CapacityError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion)."
-            )
+        max_tokens = protocol.check_context_length(n, max_tokens, self.max_model_len)
         cap = self.engine.stats().kv_capacity_blocks
         need = -(-(n + max_tokens) // self.block_size)
         if cap is not None and need > cap:
@@ -261,6 +259,16 @@ class EmulatedServer:
                 f"request needs {need} KV cache blocks ({n} prompt + {max_tokens} output tokens) but the "
                 f"engine holds only {cap}"
             )
+        return max_tokens
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's dev route: ``{"success": bool}``; false while blocks are in use (callers may retry)."""
+        reset = getattr(self.engine, "reset_prefix_cache", None)
+        if reset is None:
+            from gpuhit.errors import UnavailableError
+
+            return self._error(UnavailableError(f"engine {type(self.engine).__name__} cannot reset its prefix cache"))
+        return web.json_response({"success": bool(reset())})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -297,7 +305,7 @@ class EmulatedServer:
             ktp = body.get("kv_transfer_params")
             if ktp is not None and not isinstance(ktp, dict):
                 raise _bad("kv_transfer_params must be an object", "kv_transfer_params")
-            self._check_len(len(ids), max_tokens)
+            max_tokens = self._check_len(len(ids), max_tokens)
         except GpuhitError as exc:
             return self._error(exc)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"

@@ -119,3 +119,32 @@ def parse_body(raw: bytes, served_model: str, unknown_model_hint: str = "") -> d
     if model is not None and model != served_model:
         raise NotFoundError(f"The model `{model}` does not exist.{unknown_model_hint}")
     return body
+
+
+def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int | None,
+                         max_tokens_param: str = "max_tokens") -> int:
+    """The ``max_tokens`` vLLM 0.32 runs a request with, or its 400 when the request cannot run.
+
+    vLLM's rule (``renderers/params.py`` ``TokenizeParams``, ``v1/engine/input_processor.py``,
+    ``entrypoints/serve/utils/api_utils.py`` ``get_max_tokens``), in its order:
+    ``max_tokens > max_model_len`` is refused; a prompt longer than ``max_model_len`` is refused; a
+    prompt of exactly ``max_model_len`` tokens is refused (no room for one output token); otherwise
+    ``max_tokens`` is clamped to ``max_model_len - prompt_len`` (not refused). Messages are vLLM's.
+    ``max_model_len`` None = no limit known.
+    """
+    if max_model_len is None:
+        return max_tokens
+    if max_tokens > max_model_len:
+        raise bad_request(f"{max_tokens_param}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+                          "Please request fewer output tokens.", max_tokens_param)
+    if prompt_len > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{prompt_len} input tokens, which exceeds this limit even without any output tokens. "
+            "Please reduce the length of the input prompt.", "input_tokens")
+    if prompt_len == max_model_len:
+        raise bad_request(
+            f"The decoder prompt (length {prompt_len}) plus the number of requested output tokens (at least 1) "
+            f"is longer than the maximum model length of {max_model_len}. Make sure that `max_model_len` is no "
+            "smaller than the number of text tokens (prompt + requested output tokens).")
+    return min(max_tokens, max_model_len - prompt_len)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from gateway.http.app import CHAT, COMPLETIONS
+from gateway.http.app import CHAT, COMPLETIONS, RESET_PREFIX_CACHE
 
 if TYPE_CHECKING:
     from gateway.http.app import Gateway
@@ -90,7 +90,12 @@ def build_app(gw: Gateway) -> web.Application:
 
         return handler
 
-    app.add_routes([web.post(COMPLETIONS, post(COMPLETIONS)), web.post(CHAT, post(CHAT))]
+    async def reset(request: web.Request) -> web.Response:
+        status, ctype, body = await gw.reset_prefix_cache()
+        return web.Response(body=body, status=status, content_type=ctype)
+
+    app.add_routes([web.post(COMPLETIONS, post(COMPLETIONS)), web.post(CHAT, post(CHAT)),
+                    web.post(RESET_PREFIX_CACHE, reset)]
                    + [web.get(p, get(p)) for p in ("/v1/models", "/health", "/ready", "/metrics", "/debug/state")])
     app.on_startup.append(lambda app: gw.start())
     app.on_cleanup.append(lambda app: gw.close())

@@ -89,6 +89,7 @@ log = logging.getLogger(__name__)
 
 _TAIL = 4096  # bytes of the stream end kept to find the usage chunk without parsing every chunk
 COMPLETIONS = "/v1/completions"
+RESET_PREFIX_CACHE = "/reset_prefix_cache"  # admin: fans out to every engine (vLLM dev route)
 CHAT = "/v1/chat/completions"
 
 
@@ -347,17 +348,14 @@ class Gateway:
             raise _bad("stream must be a boolean", "stream")
         return mt, stream
 
-    def _check_len(self, n: int, max_tokens: int) -> None:
+    def _check_len(self, n: int, max_tokens: int) -> int:
+        """The max_tokens the engine will run (vLLM clamps it to the context left), or a 400 as vLLM's."""
         if n <= 0:
             raise _bad("prompt is empty", "prompt")
         cap = self.cfg.max_prompt_tokens
         if cap and n > cap:
             raise CapacityError(f"prompt of {n} tokens exceeds the gateway's limit of {cap} tokens")
-        if self.max_model_len is not None and n + max_tokens > self.max_model_len:
-            raise CapacityError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion)."
-            )
+        return protocol.check_context_length(n, max_tokens, self.max_model_len)
 
     def _text_route(self, text: str) -> tuple[int, tuple[int, ...], list[int] | None]:
         if self.tokenizer is not None:
@@ -378,7 +376,7 @@ class Gateway:
             text = chat_text(messages)
             hashes = tuple(text_chunk_hashes(text, self.cfg.text_chunk_chars))
             n = max(len(text) // CHARS_PER_TOKEN, len(hashes) * self.cfg.block_size, 1)
-            self._check_len(n, max_tokens)
+            max_tokens = self._check_len(n, max_tokens)
             return n, max_tokens, stream, hashes, None
         max_tokens, stream = self._common(body, chat=False)
         prompt = body.get("prompt")
@@ -386,11 +384,11 @@ class Gateway:
             prompt = prompt[0]
         if isinstance(prompt, str):
             n, hashes, ids = self._text_route(prompt)
-            self._check_len(n, max_tokens)
+            max_tokens = self._check_len(n, max_tokens)
             return n, max_tokens, stream, hashes, ids
         if isinstance(prompt, list) and prompt and (packed := _pack_token_ids(prompt)) is not None:
             n = len(prompt)
-            self._check_len(n, max_tokens)
+            max_tokens = self._check_len(n, max_tokens)
             return n, max_tokens, stream, tuple(self.hash_cache.hashes(prompt, session, packed)), prompt
         raise _bad("prompt must be a string or a non-empty list of non-negative token ids (one prompt)", "prompt")
 
@@ -669,6 +667,34 @@ class Gateway:
         m.upstream_errors.inc((name, "midstream"))
         self._eject(ticket.target, why)
         await self._fail(down, EngineError(why), endpoint, headers)
+
+    # ------------------------------------------------------------------------------ admin
+
+    async def reset_prefix_cache(self) -> tuple[int, str, bytes]:
+        """``POST /reset_prefix_cache``: vLLM's route on every engine, so a benchmark starts cold.
+
+        Answers ``{"success": all engines reset, "engines": {name: true | false | "error"}}`` (vLLM
+        answers ``success: false`` while blocks are in use; callers may retry). The precise index
+        forgets a reset engine's blocks before this answers (not only when the engine's
+        AllBlocksCleared event arrives); the approximate index ignores events and keeps its history.
+        """
+        assert self.session is not None and self.router is not None
+
+        async def one(i: int, eng: VLLMEngine) -> bool | str:
+            try:
+                async with self.session.post(eng.base_url + "/reset_prefix_cache") as r:  # type: ignore[union-attr]
+                    if r.status != 200:
+                        return f"HTTP {r.status}"
+                    ok = bool((await r.json(content_type=None)).get("success", False))
+            except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
+                return f"{type(exc).__name__}: {exc}"
+            if ok:
+                self.router.index.on_kv_event(i, _CLEARED)  # type: ignore[union-attr]
+            return ok
+
+        got = await asyncio.gather(*(one(i, e) for i, e in enumerate(self.engines)))
+        body = {"success": all(g is True for g in got), "engines": {e.name: g for e, g in zip(self.engines, got)}}
+        return 200, "application/json", orjson.dumps(body)
 
     # ------------------------------------------------------------------------------ GET endpoints
 

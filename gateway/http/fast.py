@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.http.app import CHAT, COMPLETIONS
+from gateway.http.app import CHAT, COMPLETIONS, RESET_PREFIX_CACHE
 from gateway.http.transport import UpstreamClosedError, UpstreamConnectError
 from gpuhit.errors import BadRequestError, ConfigError, GpuhitError, NotFoundError
 
@@ -272,11 +272,14 @@ class _ServerConn(asyncio.Protocol):
         method = req.method
         if method == b"POST" and path in _POST_PATHS:
             return await gw.handle(path, req.headers, req.body, down)
+        if method == b"POST" and path == RESET_PREFIX_CACHE:
+            status, ctype, data = await gw.reset_prefix_cache()
+            return await down.respond(status, {}, data, ctype)
         if method in (b"GET", b"HEAD") and (out := gw.get(path)) is not None:
             status, ctype, data = out
             await down.respond(status, {}, data, ctype)
             return
-        if path in _POST_PATHS or path in _GET_PATHS:
+        if path in _POST_PATHS or path in _GET_PATHS or path == RESET_PREFIX_CACHE:
             err: GpuhitError = MethodNotAllowedError(f"method {method.decode('latin-1')} is not allowed on {path}")
         else:
             err = NotFoundError(f"no such endpoint: {path}")

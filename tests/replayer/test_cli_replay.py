@@ -24,7 +24,7 @@ def test_replay_json_table_and_files(tmp_path, capsys):
         assert 0 < r["gpu_util_median"] <= 1 and 0 < r["apc_realized"] <= r["apc_implied"] + 1e-9
     assert doc["comparison"]["table"]["lpwl"]["latency_p90"]["n"] == 1
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["comparison.json", "comparison.txt", "records", "report.html", "summary.json"]
+    assert names == ["comparison.json", "comparison.txt", "plan.json", "records", "report.html", "runs", "summary.json"]
     assert sorted(p.name for p in (out / "records").iterdir()) == ["lpwl-seed0.csv", "round_robin-seed0.csv"]
     table = (out / "comparison.txt").read_text().splitlines()
     assert table[0].split()[0] == "policy" and table[2].startswith("lpwl") and table[3].startswith("round_robin")
@@ -61,23 +61,14 @@ def test_policy_config_file_and_bad_options(tmp_path, capsys):
     assert "has 6 instances" in capsys.readouterr().err
 
 
-def test_live_mode_records_failures_and_resumes(tmp_path, capsys):
-    """--gateway: the closed loop over HTTP; an unreachable gateway gives error rows, never lost ones."""
-    import importlib.util
-
-    if importlib.util.find_spec("replayer.live") is None:
-        rc = main(["replay", "--trace", CONV[0], "--gateway", "http://127.0.0.1:9", "--out", str(tmp_path / "l")])
-        assert rc == 2 and "replayer/live.py" in capsys.readouterr().err
-        return
-    argv = ["replay", "--trace", CONV[0], "--gateway", "http://127.0.0.1:9", "--max-requests", "3",
-            "--time-scale", "0", "--out", str(tmp_path / "l"), "--json"]
-    assert main(argv) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["runs"][0]["requests"] == 3 and doc["runs"][0]["errors"] == 3
-    # resume: the 3 recorded turns are skipped, 3 more are sent and appended
-    assert main(argv) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["runs"][0]["requests"] == 6
+def test_live_mode_unreachable_gateway_fails_fast(tmp_path, capsys):
+    """--gateway: an unreachable gateway is one line and exit code 2, before anything is written."""
+    out = tmp_path / "l"
+    rc = main(["replay", "--trace", CONV[0], "--gateway", "http://127.0.0.1:9", "--max-requests", "3",
+               "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "cannot reach the gateway at http://127.0.0.1:9" in err
+    assert not out.exists()
 
 
 def test_runs_are_started_longest_first():

@@ -18,7 +18,9 @@ from replayer.simulate import emulated_factory, simulate
 
 def _run(trace, policy, jump: bool, roles=None):
     engines = []
-    base = emulated_factory("qwen3-coder-30b-a3b@h20", {"jump_decode": jump, "kv_capacity_bytes": 3e9})
+    # max_model_len 30,000 fits 3 GB of KV (vLLM refuses to start with a longer one)
+    base = emulated_factory("qwen3-coder-30b-a3b@h20", {"jump_decode": jump, "kv_capacity_bytes": 3e9,
+                                                          "max_model_len": 30_000})
 
     def factory(name, i, registry):
         e = base(name, i, registry)

@@ -61,9 +61,11 @@ def test_endpoints_errors_and_kv_transfer_passthrough():
                 assert r.status == 404
                 assert (await r.json())["error"] == {"message": "The model `x` does not exist.",
                                                      "type": "NotFoundError", "param": None, "code": 404}
-            async with http.post(url + "/v1/completions", json={"prompt": [1] * 190, "max_tokens": 20}) as r:
+            async with http.post(url + "/v1/completions", json={"prompt": [1] * 201, "max_tokens": 20}) as r:
                 assert r.status == 400
                 assert "maximum context length is 200 tokens" in (await r.json())["error"]["message"]
+            async with http.post(url + "/reset_prefix_cache") as r:  # vLLM's dev route; FakeEngine lacks it
+                assert r.status == 501 and "cannot reset its prefix cache" in (await r.json())["error"]["message"]
             async with http.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 0}) as r:
                 err = (await r.json())["error"]
                 assert r.status == 400 and err["param"] == "max_tokens" and err["type"] == "BadRequestError"
