@@ -485,6 +485,7 @@ class Router:
                     None if st is None else st.kv_capacity_blocks,
                     g,
                     c,
+                    self.stats.decisions_by_instance[i],
                 )
             )
         view = RequestView(
