@@ -518,6 +518,7 @@ def _plots(out: pathlib.Path, results: Sequence[dict[str, Any] | None]) -> list[
     lat: dict[str, list[float]] = {}
     wt: dict[str, dict[str, float]] = {}
     util: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    workers: dict[str, list[str]] = {}
     for r in results:
         if r is None:
             continue
@@ -527,10 +528,11 @@ def _plots(out: pathlib.Path, results: Sequence[dict[str, Any] | None]) -> list[
         if label not in wt:  # the first (lowest) seed of each policy: a per-worker picture, not an average
             wt[label] = dict(s["per_worker_ttft_p90"])
             util[label] = r["util_series"]
+            workers[label] = list(s.get("per_worker_util") or ())  # idle workers count as 0 in the mean
     return [
         plot_latency_cdfs(lat, out / "latency_cdf.png"),
         plot_worker_ttft(wt, out / "worker_ttft_p90.png"),
-        plot_utilization(util, out / "gpu_utilization.png"),
+        plot_utilization(util, out / "gpu_utilization.png", workers=workers),
     ]
 
 
