@@ -98,23 +98,34 @@ def _replay_has(option: str) -> bool:
 
 
 def run_set(folder: pathlib.Path, argv: Sequence[str], expected_runs: int, log: list[dict[str, Any]]) -> dict[str, Any]:
-    """Run (or reuse, or resume) one ``gpuhit replay`` into ``folder``; returns its summary.json doc."""
+    """Run (or reuse, or resume) one ``gpuhit replay`` into ``folder``; returns its summary.json doc.
+
+    ``folder/ab_run_set.json`` records the replay arguments: a folder is reused or resumed only for
+    the very same arguments (a changed knee, seed count or policy list is refused, never mixed in).
+    """
     from replayer import cli_replay
 
     summary = folder / "summary.json"
+    stamp = folder / "ab_run_set.json"
     full = ["replay", *argv, "--out", str(folder)]
-    if summary.exists():
-        doc = json.loads(summary.read_text(encoding="utf-8"))
-        if len(doc.get("runs", [])) == expected_runs:
-            log.append({"folder": str(folder), "argv": full, "status": "reused"})
-            return doc
     if folder.exists() and any(folder.iterdir()):
+        recorded = json.loads(stamp.read_text(encoding="utf-8")).get("argv") if stamp.exists() else None
+        if recorded != full:
+            raise ConfigError(f"{folder} holds a different run set ({recorded or 'not made by experiment ab'}); "
+                              "use a new --out, or the options it was made with")
+        if summary.exists():
+            doc = json.loads(summary.read_text(encoding="utf-8"))
+            if len(doc.get("runs", [])) == expected_runs:
+                log.append({"folder": str(folder), "argv": full, "status": "reused"})
+                return doc
         if not _replay_has("--resume"):
             raise ConfigError(f"{folder} holds an unfinished run set and this gpuhit replay has no --resume: "
                               "remove that folder (or choose a new --out) and run again")
-        full.append("--resume")
+        full = [*full, "--resume"]
     args = _replay_parser().parse_args(full)
     folder.mkdir(parents=True, exist_ok=True)
+    if not stamp.exists():
+        stamp.write_text(json.dumps({"argv": full}), encoding="utf-8")
     with open(folder / "replay.log", "a", encoding="utf-8") as fh, contextlib.redirect_stdout(fh):
         rc = cli_replay.main(args)
     if rc != 0:
@@ -241,7 +252,7 @@ def main(args: argparse.Namespace) -> int:
     n_policies = None
     comparisons: dict[str, dict[str, Any]] = {}
     for label, rate in points:
-        folder = out / "points" / label
+        folder = out / "points" / f"{label}-rate-{_rate_label(rate)}"
         argv = [*common, "--policies", policies, "--session-rate", repr(rate), "--num-seeds", str(args.seeds)]
         if args.no_plots:
             argv.append("--no-plots")

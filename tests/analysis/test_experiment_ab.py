@@ -70,7 +70,7 @@ def test_experiment_ab_end_to_end_and_resume(tmp_path, capsys):
         assert (out / f"comparison-{label}.txt").read_text().count("paired difference to round_robin") == 1
     html = (out / "report.html").read_text()
     assert "Knee" in html and "<dt>amplif</dt>" in html and "Paired difference to round_robin" in html
-    records = sorted((out / "points" / "knee" / "records").iterdir())
+    records = sorted((out / "points" / f"knee-rate-{knee:.6g}" / "records").iterdir())
     stamps = [p.stat().st_mtime_ns for p in records]
     # run again: every run set is read back, none rerun
     assert main(argv) == 0
@@ -78,6 +78,10 @@ def test_experiment_ab_end_to_end_and_resume(tmp_path, capsys):
     assert [r["status"] for r in again["experiment"]["replays"]] == ["reused"] * 4
     assert [p.stat().st_mtime_ns for p in records] == stamps
     assert again["comparisons"]["knee"]["table"] == doc["comparisons"]["knee"]["table"]
+    # other options into the same folder: refused, never mixed with the runs already there
+    changed = [("3" if a == "2" and argv[i - 1] == "--seeds" else a) for i, a in enumerate(argv)]
+    assert main(changed) == 2
+    assert "holds a different run set" in capsys.readouterr().err
 
 
 def test_experiment_ab_bad_options(tmp_path, capsys):
