@@ -268,9 +268,7 @@ def _cell(stats: Mapping[str, Any], fmt: str, scale: float, star: bool) -> str:
 
 
 def _diff_cell(d: Mapping[str, Any] | None, fmt: str, scale: float) -> str:
-    if d is None:
-        return "(ref)"
-    if _isnan(d.get("mean")):
+    if d is None or _isnan(d.get("mean")):
         return "-"
     s = ("+" if d["mean"] * scale > 0 else "") + fmt.format(d["mean"] * scale)
     if d.get("n", 0) >= 2 and not _isnan(d.get("hi")):
@@ -318,8 +316,8 @@ def format_table(doc: Mapping[str, Any], columns: Sequence[tuple[str, str, str, 
         pairs = sorted({d["n"] for p in doc["diff"].values() for d in p.values() if d["n"]}) or [0]
         lines.append(f"paired difference to {ref} (same seed = same arrivals; policy - {ref}) ± half-width of "
                      f"its {pct}% paired t interval (n = {pairs[0] if len(pairs) == 1 else pairs} pairs)")
-        dbody = [[p] + [_diff_cell(doc["diff"].get(p, {}).get(k) if p != ref else None, f, s) for k, _, f, s in cols]
-                 for p in doc["policies"]]
+        dbody = [[p] + [_diff_cell(doc["diff"][p].get(k), f, s) for k, _, f, s in cols]
+                 for p in doc["policies"] if p != ref]
         lines += _align(header, dbody)
         lines.append(f"▲/▼ significantly better/worse than {ref} ({pct}% interval of the difference excludes 0); "
                      "unmarked: no difference shown")

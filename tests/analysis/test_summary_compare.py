@@ -159,7 +159,7 @@ def test_single_seed_has_no_interval_no_best_and_a_warning():
     assert any("fewer than 2 seeds" in w for w in doc["warnings"])
     text = format_table(doc)
     rows = [l for l in text.splitlines() if l.startswith(("lpwl ", "sticky "))]
-    assert len(rows) == 4 and not any("±" in l or "*" in l or "▲" in l or "▼" in l for l in rows)
+    assert len(rows) == 3 and not any("±" in l or "*" in l or "▲" in l or "▼" in l for l in rows)
     assert "warning: fewer than 2 seeds" in text
     with pytest.raises(ValueError, match="reference policy 'nope'"):
         compare(runs, reference="nope")
