@@ -26,3 +26,14 @@ def test_routed_count_reaches_the_snapshot_and_finished_requests_rotate_over_ins
         t.first_token()
         t.finish()
     assert targets == [0, 1, 2, 0, 1, 2]
+
+
+def test_pd_prefill_pool_ties_rotate_too():
+    from gateway.snapshot import InstanceState, RequestView, Snapshot
+
+    pd = registry.build({"type": "pd_disagg", "params": {"num_prefill": 2}})
+    req = RequestView("r", 160, 10, BS, 4, "s", None, 0, 0)
+    insts = (InstanceState(0, "p0", routed=3), InstanceState(1, "p1", routed=1), InstanceState(2, "d0", routed=5),
+             InstanceState(3, "d1", routed=2))
+    d = pd.decide(Snapshot(0.0, req, insts))
+    assert (d.source, d.target) == (1, 3)
