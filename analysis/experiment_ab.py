@@ -126,8 +126,13 @@ def run_set(folder: pathlib.Path, argv: Sequence[str], expected_runs: int, log: 
     folder.mkdir(parents=True, exist_ok=True)
     if not stamp.exists():
         stamp.write_text(json.dumps({"argv": full}), encoding="utf-8")
-    with open(folder / "replay.log", "a", encoding="utf-8") as fh, contextlib.redirect_stdout(fh):
-        rc = cli_replay.main(args)
+    argv0 = sys.argv
+    sys.argv = ["gpuhit", *full]  # replay records sys.argv as the command that made the folder
+    try:
+        with open(folder / "replay.log", "a", encoding="utf-8") as fh, contextlib.redirect_stdout(fh):
+            rc = cli_replay.main(args)
+    finally:
+        sys.argv = argv0
     if rc != 0:
         raise ConfigError(f"gpuhit {' '.join(full)} failed (exit {rc}); see {folder / 'replay.log'}")
     log.append({"folder": str(folder), "argv": full, "status": "ran"})

@@ -70,6 +70,8 @@ def test_experiment_ab_end_to_end_and_resume(tmp_path, capsys):
         assert (out / f"comparison-{label}.txt").read_text().count("paired difference to round_robin") == 1
     html = (out / "report.html").read_text()
     assert "Knee" in html and "<dt>amplif</dt>" in html and "Paired difference to round_robin" in html
+    made = json.loads((out / "points" / f"knee-rate-{knee:.6g}" / "summary.json").read_text())["meta"]["command"]
+    assert made.startswith("gpuhit replay --trace") and "--num-seeds 2" in made and "experiment ab" not in made
     records = sorted((out / "points" / f"knee-rate-{knee:.6g}" / "records").iterdir())
     stamps = [p.stat().st_mtime_ns for p in records]
     # run again: every run set is read back, none rerun
