@@ -1,11 +1,12 @@
 """``gpuhit compare``: one comparison table from several ``gpuhit replay`` results folders.
 
 Seeds of one experiment are often run apart (one folder per seed, on different machines, or added
-later); the bootstrap intervals need them side by side. This command reads each folder's
+later); the intervals over seeds, and the paired differences (same seed = same arrivals), need them
+side by side. This command reads each folder's
 ``summary.json``, checks that the folders describe the same experiment (trace, instances, profile,
 arrivals, think-time transform, KV index, block size: the fields that change what a run measures),
 refuses a (policy, seed) pair seen twice, and prints :func:`analysis.compare.compare` over all
-runs, with ``--out`` writing ``comparison.txt``/``.json``, ``summary.json`` and ``report.html``.
+runs (each policy's mean with a t interval, and its paired difference to ``--reference``), with ``--out`` writing ``comparison.txt``/``.json``, ``summary.json`` and ``report.html``.
 """
 
 from __future__ import annotations
@@ -81,9 +82,13 @@ def _order(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "compare", help="one comparison table (bootstrap CIs over seeds) from several replay results folders",
+        "compare", help="one comparison table (t intervals over seeds, paired differences to a reference policy) "
+                        "from several replay results folders",
         description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("folders", nargs="+", metavar="DIR", help="results folders written by `gpuhit replay`")
+    p.add_argument("--reference", default=None, metavar="POLICY",
+                   help="policy the others are compared with, paired by seed (default: the first policy)")
+    p.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals (default 0.95)")
     p.add_argument("--out", help="write comparison.txt/.json, summary.json and report.html here")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)
@@ -92,8 +97,13 @@ def register(subparsers: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     from analysis.compare import compare, format_table, to_json
 
+    if not 0.5 <= args.level < 1.0:
+        raise ConfigError(f"--level must be within [0.5, 1), got {args.level}")
     meta, runs = merge(args.folders)
-    doc = compare(runs)
+    try:
+        doc = compare(runs, reference=args.reference, level=args.level)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     table = format_table(doc)
     seeds = {p: sorted(s for s in v if s is not None) for p, v in doc["seeds"].items()}
     if args.out:

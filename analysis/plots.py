@@ -4,7 +4,8 @@
 - :func:`plot_worker_ttft`: TTFT p90 of every worker, grouped bars per policy (hot-pinning shows as
   one tall bar).
 - :func:`plot_utilization`: GPU utilization over time, one panel per policy, one thin line per worker
-  and the mean over workers in bold.
+  and, in bold, the mean over *all* workers at each time bin (series aligned on their common bin
+  grid; a worker idle in a bin, or idle for the whole run, counts as 0), with a legend.
 """
 
 from __future__ import annotations
@@ -82,28 +83,52 @@ def _rebin(t: np.ndarray, u: np.ndarray, max_points: int) -> tuple[np.ndarray, n
     return tt, uu
 
 
+def aligned_mean(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+                 n_workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(bin times, mean busy fraction) over ``n_workers`` workers (default: the curves given).
+
+    Series are aligned on the union of their bin start times (the engines share one bin grid but each
+    series starts at its first busy bin); a worker with no sample at a time, or with no series at all
+    (idle the whole run), counts as 0 there. So the mean is never cut to the shortest series and never
+    averages samples from different times.
+    """
+    n = max(n_workers if n_workers is not None else len(curves), len(curves))
+    if not curves or n == 0:
+        return np.zeros(0), np.zeros(0)
+    keyed = {w: {round(float(t), 9): float(u) for t, u in zip(ts, us)} for w, (ts, us) in curves.items()}
+    grid = np.array(sorted({t for d in keyed.values() for t in d}), dtype=float)
+    total = np.zeros(grid.size)
+    for d in keyed.values():
+        total += np.array([d.get(round(float(t), 9), 0.0) for t in grid])
+    return grid, total / n
+
+
 def plot_utilization(series: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
                      path: str | os.PathLike[str], *, title: str = "GPU utilization over time",
-                     max_points: int = 120) -> pathlib.Path:
-    """``series``: policy -> {worker: (bin start times s, busy fraction 0..1 per bin)}; each curve is
-    averaged down to at most ``max_points`` bins."""
+                     max_points: int = 120, workers: Mapping[str, Sequence[str]] | None = None) -> pathlib.Path:
+    """``series``: policy -> {worker: (bin start times s, busy fraction 0..1 per bin)}; ``workers``:
+    policy -> every worker of the run (those absent from ``series`` were idle and count as 0 in the
+    mean; default: the workers in ``series``). Each curve is averaged down to at most ``max_points``
+    bins for drawing."""
     policies = list(series)
     n = max(len(policies), 1)
     cols = 2 if n > 1 else 1
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 2.4 * rows), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 2.6 * rows), squeeze=False, sharey=True)
     for k, policy in enumerate(policies):
         ax = axes[k // cols][k % cols]
-        curves = []
-        for _, (t, u) in sorted(series[policy].items()):
+        curves = dict(series[policy])
+        everyone = set(curves) | set((workers or {}).get(policy, ()))
+        for j, (_, (t, u)) in enumerate(sorted(curves.items())):
             t, u = _rebin(np.asarray(t, dtype=float), np.asarray(u, dtype=float), max_points)
-            ax.plot(t, 100 * u, lw=0.5, alpha=0.45)
-            curves.append((t, u))
-        if curves:
-            L = min(len(c[0]) for c in curves)
-            if L:
-                mean = np.mean([c[1][:L] for c in curves], axis=0)
-                ax.plot(curves[0][0][:L], 100 * mean, lw=1.8, color="black", label="mean")
+            ax.plot(t, 100 * u, lw=0.5, alpha=0.45, color="tab:blue", label="each worker" if j == 0 else None)
+        gt, gm = aligned_mean(curves, len(everyone))
+        if gt.size:
+            gt, gm = _rebin(gt, gm, max_points)
+            idle = len(everyone) - len(curves)
+            ax.plot(gt, 100 * gm, lw=1.8, color="black",
+                    label=f"mean of all {len(everyone)} workers" + (f" ({idle} idle = 0)" if idle else ""))
+            ax.legend(fontsize=7, loc="upper right")
         ax.set_title(policy, fontsize=9)
         ax.set_ylim(0, 105)
         ax.grid(True, alpha=0.3)

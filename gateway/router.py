@@ -360,6 +360,7 @@ class Router:
         self.bindings = SessionBindings()
         self.stats = RouterStats(decisions_by_instance=[0] * n, errors_by_instance=[0] * n)
         self._in_flight = [0] * n
+        self._routed = [0] * n  # requests sent here so far, as target or as KV source (policies' tie-break)
         self._pending = [0] * n
         self._decode = [0] * n
         self._active_blocks = [0] * n
@@ -485,6 +486,7 @@ class Router:
                     None if st is None else st.kv_capacity_blocks,
                     g,
                     c,
+                    self._routed[i],
                 )
             )
         view = RequestView(
@@ -565,6 +567,7 @@ class Router:
         t._pending = req.prompt_len - t.predicted_hit_tokens
         t._blocks = -(-(req.prompt_len + req.max_tokens) // bs)
         self._in_flight[tgt] += 1
+        self._routed[tgt] += 1
         self._pending[tgt] += t._pending
         self._active_blocks[tgt] += t._blocks
         if d.action != FORWARD:
@@ -578,6 +581,7 @@ class Router:
                 t._prod_blocks = t.producer_prefix_blocks
             t._prod_open = True
             self._in_flight[src] += 1
+            self._routed[src] += 1
             self._pending[src] += t._prod_pending
             self._active_blocks[src] += t._prod_blocks
         # Knowledge updates.

@@ -37,6 +37,10 @@ class InstanceState:
     # This request's prefix hit on this instance, in engine blocks, from the KV index:
     gpu_hit_blocks: int = 0
     cpu_hit_blocks: int = 0  # further blocks beyond the GPU hit found in the CPU tier
+    # Requests the gateway has sent here so far (as target, or as the KV source of a fetch, migration
+    # or PD prefill): the last deterministic tie-break of argmin/argmax policies, so ties rotate over
+    # instances instead of favouring index 0.
+    routed: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """Load-only and affinity-only baselines: round_robin, least_request, sticky.
 
 Tie-breaks (deterministic): round_robin has none (one position per request); least_request: fewer
-in-flight, then lower index; sticky: none (binding or hash).
+in-flight, then fewer routed so far, then lower index; sticky: none (binding or hash).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from gateway.snapshot import FORWARD, Decision, Snapshot
-from policies.common import healthy, parse_params
+from policies.common import healthy, parse_params, tie_key
 from policies.registry import register
 
 
@@ -41,7 +41,8 @@ class RoundRobin:
 
 @dataclass(frozen=True, slots=True)
 class LeastRequest:
-    """Load only: the fewest in-flight requests (ties: lower index). Ignores the cache entirely."""
+    """Load only: the fewest in-flight requests (ties: fewer routed so far, then lower index).
+    Ignores the cache entirely."""
 
     name: str = "least_request"
     type: str = "least_request"
@@ -49,7 +50,7 @@ class LeastRequest:
 
     def decide(self, snapshot: Snapshot) -> Decision:
         cands = healthy(snapshot)
-        best = min(cands, key=lambda s: (s.in_flight, s.index))
+        best = min(cands, key=lambda s: tie_key(s))
         return Decision(
             FORWARD, best.index, f"least requests: {best.in_flight} in flight on instance {best.index}",
             scores=tuple((s.index, float(s.in_flight)) for s in cands),

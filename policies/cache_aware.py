@@ -1,7 +1,9 @@
-"""Cache-aware baselines as production routers do them: lmetric, linear (and its Dynamo variant), unified.
+"""Cache-aware baselines as production routers do them: lmetric (and its ``+1`` variant), linear
+(and its Dynamo variant), unified.
 
-Tie-breaks (deterministic): lmetric and linear-dynamo: lower score, then lower index; linear
-(ratio): higher score, then lower index; unified: see :class:`Unified`.
+Tie-breaks (deterministic, pure functions of the snapshot): after each policy's own score (and, for
+lmetric, its prefill factor), :func:`policies.common.tie_key`: fewer in-flight, then fewer routed so
+far, then lower index. Linear (ratio) is an argmax of its score, the rest argmins.
 """
 
 from __future__ import annotations
@@ -11,17 +13,34 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.snapshot import FORWARD, Decision, Snapshot
-from policies.common import Param, fmt, healthy, new_prefill_tokens, parse_params
+from policies.common import Param, fmt, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
 
 
 @dataclass(frozen=True, slots=True)
 class LMetric:
-    """LMetric: ``argmin (pending_prefill + input - hit) x (batch + 1)``, batch = in-flight requests.
+    """LMetric as published: ``argmin P x B``.
 
-    The product dilutes cache affinity: an instance holding the whole prefix but already running a
-    few requests loses to an idle cold instance, because its small prefill term is multiplied by its
-    batch while the cold one's large term is multiplied by 1.
+    Zhang et al., "LMetric: Simple is Better - Multiplication May Be All You Need for LLM Request
+    Scheduling" (OSDI'26, arXiv 2603.15202), abstract: "using a simple multiplication of two carefully
+    chosen indicators -- one for KV$-aware (new prefill tokens if routed to an instance) and one for
+    load balancing-aware (current batch size of the instance) -- as the scheduling score". Only the
+    abstract (and third-party summaries of it) could be found, not the paper's body, so the section
+    defining the score and its zero case could not be quoted; the factors follow the project's design
+    notes (DESIGN.md "Routing": ``P x num_requests``, ``P = pending_prefill + (input - cache_hit)``):
+
+    - ``P`` = the instance's pending prefill tokens + this request's ``input - GPU hit`` tokens
+      (>= 1: vLLM always recomputes the last prompt token);
+    - ``B`` = the instance's current batch: requests routed to it and not finished (``in_flight``);
+      no ``+1``.
+
+    Zero factor: an idle instance (``B = 0``) scores 0 whatever its cache. The product then says
+    nothing about which idle instance is better, so ties on the product (every idle instance, or equal
+    products) go to the lower ``P`` (the cache indicator: the idle instance holding most of the
+    prefix), then :func:`~policies.common.tie_key`. This tie rule is ours, documented as such: the
+    abstract only says the conditions under which multiplication fails "are extremely rare in practice
+    and can be detected (and mitigated) beforehand". ``P`` is never 0 here (see above), so the
+    both-factors-zero case does not arise. The ``(B + 1)`` form is :class:`LMetricPlus1`.
     """
 
     name: str = "lmetric"
@@ -29,17 +48,46 @@ class LMetric:
 
     def decide(self, snapshot: Snapshot) -> Decision:
         cands = healthy(snapshot)
-        scored = [
-            (float((s.pending_prefill_tokens + new_prefill_tokens(snapshot, s)) * (s.in_flight + 1)), s.index)
+        keyed = []
+        for s in cands:
+            p = s.pending_prefill_tokens + new_prefill_tokens(snapshot, s)
+            keyed.append((float(p * s.in_flight), p, tie_key(s), s))
+        score, p, _, inst = min(keyed, key=lambda k: k[:3])
+        why = " (idle: the zero batch ties idle instances, broken by the lower P)" if inst.in_flight == 0 else ""
+        return Decision(
+            FORWARD, inst.index,
+            f"lmetric: P (pending {inst.pending_prefill_tokens} + new {new_prefill_tokens(snapshot, inst)}) x "
+            f"batch {inst.in_flight} = {fmt(score)} is the lowest{why}",
+            scores=tuple((k[3].index, k[0]) for k in keyed), predicted_hit_blocks=inst.gpu_hit_blocks,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LMetricPlus1:
+    """Variant, not the published rule: ``argmin (pending_prefill + input - hit) x (batch + 1)``.
+
+    Counts the request being routed in the batch, so an idle instance scores its ``P`` instead of 0
+    and the product never vanishes. It was gpuhit's ``lmetric`` before the published form replaced it
+    (results labelled lmetric before that change used this form). The product dilutes cache affinity:
+    an instance holding the whole prefix but running a few requests loses to an idle cold one, whose
+    large ``P`` is multiplied by 1. Ties: :func:`~policies.common.tie_key`.
+    """
+
+    name: str = "lmetric_plus1"
+    type: str = "lmetric_plus1"
+
+    def decide(self, snapshot: Snapshot) -> Decision:
+        cands = healthy(snapshot)
+        keyed = [
+            (float((s.pending_prefill_tokens + new_prefill_tokens(snapshot, s)) * (s.in_flight + 1)), tie_key(s), s)
             for s in cands
         ]
-        score, target = min(scored)
-        inst = snapshot.instances[target]
+        score, _, inst = min(keyed, key=lambda k: k[:2])
         return Decision(
-            FORWARD, target,
-            f"lmetric: (pending {inst.pending_prefill_tokens} + new {new_prefill_tokens(snapshot, inst)}) x "
+            FORWARD, inst.index,
+            f"lmetric_plus1: (pending {inst.pending_prefill_tokens} + new {new_prefill_tokens(snapshot, inst)}) x "
             f"(batch {inst.in_flight} + 1) = {fmt(score)} is the lowest",
-            scores=tuple((i, sc) for sc, i in scored), predicted_hit_blocks=inst.gpu_hit_blocks,
+            scores=tuple((k[2].index, k[0]) for k in keyed), predicted_hit_blocks=inst.gpu_hit_blocks,
         )
 
 
@@ -73,20 +121,20 @@ class Linear:
             for s in cands:
                 prefill_blocks = (s.pending_prefill_tokens + new_prefill_tokens(snapshot, s)) / bs
                 decode_blocks = s.active_blocks + own_blocks
-                scored.append((self.overlap_weight * prefill_blocks + decode_blocks, s.index))
-            cost, target = min(scored)
+                scored.append((self.overlap_weight * prefill_blocks + decode_blocks, tie_key(s), s.index))
+            cost, _, target = min(scored)
             reason = f"linear/dynamo: overlap_weight x prefill_blocks + decode_blocks = {fmt(cost)} is the lowest"
-            scores = tuple((i, c) for c, i in scored)
+            scores = tuple((i, c) for c, _, i in scored)
         else:
             max_load = max(s.in_flight for s in cands)
             scored = []
             for s in cands:
                 ratio = snapshot.hit_tokens(s.index) / req.input_tokens
                 load = s.in_flight / max_load if max_load else 0.0
-                scored.append((-(self.hit_ratio_weight * ratio - self.load_weight * load), s.index))
-            neg, target = min(scored)
+                scored.append((-(self.hit_ratio_weight * ratio - self.load_weight * load), tie_key(s), s.index))
+            neg, _, target = min(scored)
             reason = f"linear: hit_ratio_weight x hit/input - load_weight x load = {fmt(-neg)} is the highest"
-            scores = tuple((i, -n) for n, i in scored)
+            scores = tuple((i, -n) for n, _, i in scored)
         return Decision(
             FORWARD, target, reason, scores=scores, predicted_hit_blocks=snapshot.instances[target].gpu_hit_blocks
         )
@@ -99,7 +147,7 @@ class Unified:
     A session bound to a healthy instance stays there unless that instance's pending prefill exceeds
     ``pending_threshold_tokens`` (default 32768 tokens, ~1.6 s of queued prefill at the profile's
     50 us/token); then, and for new sessions, the request goes to the instance with the least
-    pending prefill (ties: fewer in-flight, then lower index), ignoring the cache. Scores: pending
+    pending prefill (ties: :func:`~policies.common.tie_key`), ignoring the cache. Scores: pending
     prefill tokens of every candidate (lower is better).
     """
 
@@ -124,7 +172,7 @@ class Unified:
                   f"{self.pending_threshold_tokens})"
         else:
             why = "new session" if b is None else f"bound instance {b} unhealthy"
-        best = min(cands, key=lambda s: (s.pending_prefill_tokens, s.in_flight, s.index))
+        best = min(cands, key=lambda s: (s.pending_prefill_tokens, *tie_key(s)))
         return Decision(
             FORWARD, best.index,
             f"unified: {why}; least pending prefill {best.pending_prefill_tokens} on instance {best.index}",
@@ -136,6 +184,12 @@ class Unified:
 def _lmetric(name: str, params: Mapping[str, Any]) -> LMetric:
     parse_params("lmetric", params, {})
     return LMetric(name=name)
+
+
+@register("lmetric_plus1")
+def _lmetric_plus1(name: str, params: Mapping[str, Any]) -> LMetricPlus1:
+    parse_params("lmetric_plus1", params, {})
+    return LMetricPlus1(name=name)
 
 
 @register("linear")

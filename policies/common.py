@@ -73,5 +73,17 @@ def new_prefill_tokens(snapshot: Snapshot, inst: InstanceState) -> int:
     return snapshot.request.input_tokens - snapshot.hit_tokens(inst.index)
 
 
+def tie_key(s: InstanceState) -> tuple[int, int, int]:
+    """The shared tie-break after a policy's own score: fewer in-flight requests, then fewer
+    requests routed here so far, then lower index.
+
+    A pure function of the snapshot. Lowest-index-only ties left healthy instances idle while others
+    queued (an instance done with its prefill but still decoding scores like an idle one on
+    prefill-only scores, and index 0 kept winning); the in-flight and routed counts send a tie to the
+    instance with the least to do, and among equally idle ones to the least used.
+    """
+    return (s.in_flight, s.routed, s.index)
+
+
 def fmt(x: float) -> str:
     return f"{x:.6g}"

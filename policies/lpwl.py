@@ -2,7 +2,8 @@
 
 LPWL routes to ``argmin pending_prefill + (input - hit)``: a cold session (hit 0 everywhere) goes to
 the least-loaded instance, a warm one (input - hit ~ a few hundred tokens on its holder) sticks,
-with no parameter. Ties: fewer in-flight requests, then lower index.
+with no parameter. Ties: :func:`~policies.common.tie_key` (fewer in-flight, fewer routed so far,
+lower index).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.snapshot import FORWARD, MIGRATE, Decision, Snapshot
-from policies.common import Param, healthy, new_prefill_tokens, parse_params
+from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
 
 
@@ -20,7 +21,7 @@ def lpwl_choice(snapshot: Snapshot) -> tuple[int, tuple[tuple[int, float], ...]]
     """LPWL's target and every healthy candidate's prefill work (pending + input - hit)."""
     cands = healthy(snapshot)
     keyed = [
-        (s.pending_prefill_tokens + new_prefill_tokens(snapshot, s), s.in_flight, s.index) for s in cands
+        (s.pending_prefill_tokens + new_prefill_tokens(snapshot, s), tie_key(s), s.index) for s in cands
     ]
     target = min(keyed)[2]
     return target, tuple((i, float(w)) for w, _, i in keyed)
@@ -49,7 +50,7 @@ class LPWLMigrate:
     Trigger: the session is bound to a healthy host ``h`` holding a GPU prefix of this request,
     ``pending_prefill(h) > t_hot_tokens``, and the session was not migrated within ``t_cool_s``
     seconds (``now - last_migrated_at``). Target: the healthy instance other than ``h`` with the
-    fewest pending prefill tokens (ties: fewer in-flight, lower index), an observable rather than a
+    fewest pending prefill tokens (ties: :func:`~policies.common.tie_key`), an observable rather than a
     cost-model prediction; it must have fewer pending tokens than ``h``. Action: MIGRATE from
     ``h`` (the router moves the session's KV, rebinds, runs the request there). Otherwise: LPWL.
 
@@ -80,7 +81,7 @@ class LPWLMigrate:
             if host.pending_prefill_tokens > self.t_hot_tokens and cooled:
                 others = [s for s in insts if s.healthy and s.index != h]
                 if others:
-                    dest = min(others, key=lambda s: (s.pending_prefill_tokens, s.in_flight, s.index))
+                    dest = min(others, key=lambda s: (s.pending_prefill_tokens, *tie_key(s)))
                     gain = host.pending_prefill_tokens - dest.pending_prefill_tokens
                     if gain > 0 and gain >= self.min_gain_tokens:
                         return Decision(

@@ -2,9 +2,9 @@
 
 The prefill pool is the instances whose role is "prefill" when any instance has a role other than
 "both"; otherwise the first ``num_prefill`` instances. Every other instance decodes. Each request is
-prefilled on the prefill instance with the least ``pending_prefill + input - hit`` (ties: fewer
-in-flight, lower index) and decoded on the decode instance with the fewest decode sequences (ties:
-fewer in-flight, lower index); the router moves the KV between them (action PD).
+prefilled on the prefill instance with the least ``pending_prefill + input - hit`` and decoded on the
+decode instance with the fewest decode sequences (ties, both: :func:`~policies.common.tie_key`, fewer
+in-flight, fewer routed so far, lower index); the router moves the KV between them (action PD).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.snapshot import PD, Decision, Snapshot
 from gpuhit.errors import ConfigError, NoInstanceError
-from policies.common import Param, healthy, new_prefill_tokens, parse_params
+from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
 
 
@@ -54,9 +54,9 @@ class PDDisagg:
             d_cands = healthy(snapshot, dec)
         except NoInstanceError:
             raise NoInstanceError("pd_disagg: no healthy decode instance") from None
-        pkeyed = [(s.pending_prefill_tokens + new_prefill_tokens(snapshot, s), s.in_flight, s.index) for s in p_cands]
+        pkeyed = [(s.pending_prefill_tokens + new_prefill_tokens(snapshot, s), tie_key(s), s.index) for s in p_cands]
         pwork, _, p = min(pkeyed)
-        d = min(d_cands, key=lambda s: (s.decode_seqs, s.in_flight, s.index))
+        d = min(d_cands, key=lambda s: (s.decode_seqs, *tie_key(s)))
         scores = tuple((i, float(w)) for w, _, i in pkeyed) + tuple((s.index, float(s.decode_seqs)) for s in d_cands)
         return Decision(
             PD, d.index,

@@ -9,7 +9,9 @@ For every healthy instance ``i`` it predicts (see :class:`~policies.costmodel.Se
   ``max(producer_wait x queue(H) + T_transfer, queue(i)) + T_prefill(input - hit_H, hit_H)``,
 
 with ``queue(i) = pending_prefill_tokens(i) x per-token prefill time``. It takes the minimum; ties
-go to the option that moves nothing (stay/recompute before fetch), then to the lower index. Scores:
+go to the option that moves nothing (stay/recompute before fetch), then
+:func:`~policies.common.tie_key` of the target (fewer in-flight, fewer routed so far, lower index),
+so equally fast idle instances share cold sessions instead of the lowest index taking them all. Scores:
 each instance's best predicted seconds.
 
 Params (defaults): ``fabric`` ("nic": 9.7 GB/s, the seeds' PD KV transfer rate; or any of
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.snapshot import FETCH, FORWARD, Decision, Snapshot
-from policies.common import Param, healthy, parse_params
+from policies.common import Param, healthy, parse_params, tie_key
 from policies.costmodel import FABRICS, OptionCost, PrefillProfile, ServingCostModel, get_fabric
 from policies.registry import register
 
@@ -74,9 +76,9 @@ class RouteQuery:
             t = o.total_s
             if o.target not in best_by_inst or t < best_by_inst[o.target]:
                 best_by_inst[o.target] = t
-        best = min(opts, key=lambda o: (o.total_s, _RANK[o.kind], o.target))
-        scores = tuple(sorted(best_by_inst.items()))
         insts = snapshot.instances
+        best = min(opts, key=lambda o: (o.total_s, _RANK[o.kind], tie_key(insts[o.target])))
+        scores = tuple(sorted(best_by_inst.items()))
         detail = (
             f"queue {best.queue_s * 1e3:.3g} ms + transfer {best.transfer_s * 1e3:.3g} ms + "
             f"prefill {best.prefill_s * 1e3:.3g} ms = {best.total_s * 1e3:.4g} ms"

@@ -103,7 +103,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-think", default=str(DEFAULT_MAX_THINK), metavar="S",
                    help=f"cap each think time at S seconds ('inf' = no cap; default {DEFAULT_MAX_THINK:g})")
     seeds = p.add_mutually_exclusive_group()
-    seeds.add_argument("--seeds", default=None, metavar="0,1,2", help="seeds to run (default 0)")
+    seeds.add_argument("--seeds", default=None, metavar="0,1,2",
+                       help=f"seeds to run (default: 0..{COMPARE_SEEDS - 1} when comparing several policies, "
+                            "else 0)")
     seeds.add_argument("--num-seeds", type=int, default=None, metavar="K", help="run seeds 0..K-1")
     p.add_argument("--out", default=None, metavar="DIR", help="results folder (default results/<UTC timestamp>)")
     p.add_argument("--resume", default=None, metavar="DIR",
@@ -143,13 +145,18 @@ class RunSpec:
     seed: int
 
 
-def _parse_seeds(args: argparse.Namespace) -> list[int]:
+# Seeds a comparison of several policies runs by default: paired intervals need n >= 2, and with
+# fewer than 5 pairs a t interval is too wide to separate policies that differ by a few percent.
+COMPARE_SEEDS = 5
+
+
+def _parse_seeds(args: argparse.Namespace, n_configs: int = 1) -> list[int]:
     if args.num_seeds is not None:
         if args.num_seeds <= 0:
             raise ConfigError("--num-seeds must be positive")
         return list(range(args.num_seeds))
     if args.seeds is None:
-        return [0]
+        return list(range(COMPARE_SEEDS)) if n_configs > 1 else [0]
     try:
         seeds = [int(x) for x in str(args.seeds).split(",") if x.strip() != ""]
     except ValueError:
@@ -213,7 +220,10 @@ def plan_runs(args: argparse.Namespace) -> list[RunSpec]:
             raise ConfigError("--policies is empty")
     for c in configs:
         build(c)  # unknown names/params fail here, with the list of available policies
-    seeds = _parse_seeds(args)
+    seeds = _parse_seeds(args, len(configs) + len(args.pd))
+    if len(configs) + len(args.pd) > 1 and len(seeds) < 2:
+        print("gpuhit replay: warning: one seed per policy: no interval, nothing can be marked better or best "
+              f"(the default for a comparison is --num-seeds {COMPARE_SEEDS})", file=sys.stderr)
     default_pd = f"{n // 2}P+{n - n // 2}D" if n >= 2 else None
     plans: list[tuple[str, Any, tuple[str, ...] | None]] = []
     for c in configs:
@@ -650,6 +660,7 @@ def _plots(out: pathlib.Path, results: Sequence[dict[str, Any] | None]) -> list[
     lat: dict[str, list[float]] = {}
     wt: dict[str, dict[str, float]] = {}
     util: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    workers: dict[str, list[str]] = {}
     for r in results:
         if r is None:
             continue
@@ -659,10 +670,11 @@ def _plots(out: pathlib.Path, results: Sequence[dict[str, Any] | None]) -> list[
         if label not in wt:  # the first (lowest) seed of each policy: a per-worker picture, not an average
             wt[label] = dict(s["per_worker_ttft_p90"])
             util[label] = r["util_series"]
+            workers[label] = list(s.get("per_worker_util") or ())  # idle workers count as 0 in the mean
     return [
         plot_latency_cdfs(lat, out / "latency_cdf.png"),
         plot_worker_ttft(wt, out / "worker_ttft_p90.png"),
-        plot_utilization(util, out / "gpu_utilization.png"),
+        plot_utilization(util, out / "gpu_utilization.png", workers=workers),
     ]
 
 

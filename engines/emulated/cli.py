@@ -1,4 +1,5 @@
-"""``gpuhit experiment tiers|knee``: the seeds' calibration experiments on the emulated engine."""
+"""``gpuhit experiment tiers|knee``: the seeds' calibration experiments on the emulated engine (and
+``ab``, the A/B protocol, registered from :mod:`analysis.experiment_ab`)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="GPU KV capacities to sweep, in GB (default: %(default)s)")
     t.set_defaults(func=_tiers)
     k.set_defaults(func=_knee)
+    from analysis import experiment_ab
+
+    experiment_ab.register(sub)  # gpuhit experiment ab: the A/B protocol (analysis/experiment_ab.py)

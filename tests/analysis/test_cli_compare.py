@@ -48,7 +48,19 @@ def test_compare_pools_seeds_from_folders(folders, tmp_path, capsys):
     assert per_seed[0] != per_seed[1]  # the seeds really differ
     assert doc["meta"]["runs"] == 4 and len(doc["meta"]["commands"]) == 2
     assert sorted(p.name for p in out.iterdir()) == ["comparison.json", "comparison.txt", "report.html", "summary.json"]
-    assert "seeds per policy: 2" in (out / "comparison.txt").read_text()
+    text = (out / "comparison.txt").read_text()
+    assert "n = 2 seeds per policy" in text and "paired difference to lpwl" in text and "n = 2 pairs" in text
+    d = doc["comparison"]["diff"]["round_robin"]["latency_p90"]
+    rr = [r["latency_p90"] for r in doc["runs"] if r["policy"] == "round_robin"]
+    assert d["n"] == 2 and d["mean"] == pytest.approx((rr[0] - per_seed[0] + rr[1] - per_seed[1]) / 2)
+
+
+def test_compare_reference_option(folders, capsys):
+    assert main(["compare", *map(str, folders), "--reference", "round_robin", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["comparison"]["reference"] == "round_robin" and list(doc["comparison"]["diff"]) == ["lpwl"]
+    assert main(["compare", *map(str, folders), "--reference", "nope"]) == 2
+    assert "reference policy 'nope'" in capsys.readouterr().err
 
 
 def test_compare_text_output(folders, capsys):

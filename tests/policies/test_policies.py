@@ -27,7 +27,7 @@ def build(cfg):
 
 def test_registry_lists_every_policy():
     assert registry.available() == [
-        "least_request", "linear", "lmetric", "lpwl", "lpwl_migrate", "pd_disagg", "round_robin",
+        "least_request", "linear", "lmetric", "lmetric_plus1", "lpwl", "lpwl_migrate", "pd_disagg", "round_robin",
         "route_query", "sticky", "unified",
     ]
 
@@ -65,17 +65,61 @@ def dilution_case():
     return snap([inst(0, in_flight=3, pending_prefill_tokens=200, gpu_hit_blocks=99), inst(1)])
 
 
-def test_lmetric_dilution_cold_idle_wins():
-    d = build("lmetric").decide(dilution_case())
-    # instance 0: (200 + 1600 - 1584) x 4 = 864; instance 1: (0 + 1600) x 1 = 1600 -> 0 wins here...
-    assert d.scores == ((0, 864.0), (1, 1600.0))
-    # ...but with a batch of 8 the multiplication dilutes the hit: (216) x 9 = 1944 > 1600.
-    s = snap([inst(0, in_flight=8, pending_prefill_tokens=200, gpu_hit_blocks=99), inst(1)])
+def test_lmetric_is_the_published_product_without_plus_one():
+    # P x B with B = in-flight: instance 0: (200 + 1600 - 1584) x 3 = 648; instance 1 (busy 2, cold): 1600 x 2.
+    s = snap([inst(0, in_flight=3, pending_prefill_tokens=200, gpu_hit_blocks=99), inst(1, in_flight=2)])
     d = build("lmetric").decide(s)
+    assert d.target == 0 and d.scores == ((0, 648.0), (1, 3200.0))
+    # the (batch + 1) variant scores differently: 216 x 4 = 864, 1600 x 3 = 4800
+    d1 = build("lmetric_plus1").decide(s)
+    assert d1.target == 0 and d1.scores == ((0, 864.0), (1, 4800.0))
+
+
+def test_lmetric_zero_batch_idle_instance_scores_zero_and_ties_go_to_the_lower_prefill():
+    # Instance 0 holds the prefix and runs 1 request; 1 and 2 are idle (B = 0 -> score 0), 2 holds half the prefix.
+    s = snap([inst(0, in_flight=1, gpu_hit_blocks=99), inst(1), inst(2, gpu_hit_blocks=50)])
+    d = build("lmetric").decide(s)
+    assert d.scores == ((0, 16.0), (1, 0.0), (2, 0.0))
+    assert d.target == 2  # among idle instances (product 0), the lower P: 800 < 1600
+    assert "idle" in d.reason
+    # the +1 variant never reaches zero: 16 x 2 = 32 beats 800 x 1, so it stays on the holder
+    d1 = build("lmetric_plus1").decide(s)
+    assert d1.target == 0 and d1.scores == ((0, 32.0), (1, 1600.0), (2, 800.0))
+
+
+def test_lmetric_plus1_dilution_cold_idle_wins():
+    # with a batch of 8 the multiplication dilutes the hit: (216) x 9 = 1944 > 1600.
+    s = snap([inst(0, in_flight=8, pending_prefill_tokens=200, gpu_hit_blocks=99), inst(1)])
+    d = build("lmetric_plus1").decide(s)
     assert d.target == 1 and d.scores == ((0, 1944.0), (1, 1600.0))
     # LPWL keeps the request on the cache holder: 216 < 1600.
     d2 = build("lpwl").decide(s)
     assert d2.target == 0 and d2.scores == ((0, 216.0), (1, 1600.0))
+
+
+ARGMIN_POLICIES = ["least_request", "lmetric", "lmetric_plus1", "linear", {"type": "linear", "params": {"variant": "dynamo"}},
+                   "unified", "lpwl", "lpwl_migrate", "route_query"]
+
+
+@pytest.mark.parametrize("cfg", ARGMIN_POLICIES, ids=str)
+def test_ties_go_to_fewer_in_flight_then_fewer_routed_not_lowest_index(cfg):
+    # Equal scores on every instance (all cold, no pending prefill, no blocks), nobody in flight:
+    # the instance routed least so far wins, not index 0.
+    s = snap([inst(0, routed=5), inst(1, routed=3), inst(2, routed=4)])
+    assert build(cfg).decide(s).target == 1
+    # fewer in flight first: 0 (routed least) is still decoding one request, 1 and 2 are idle -> 1 (routed 3 < 4)
+    s = snap([inst(0, routed=0, in_flight=1, decode_seqs=1), inst(1, routed=3), inst(2, routed=4)])
+    assert build(cfg).decide(s).target == 1
+
+
+def test_lpwl_and_route_query_rotate_cold_requests_over_all_instances():
+    # Replaying tie-break rounds: each decision increments the chosen instance's routed count; none is starved.
+    for cfg in ["lpwl", "route_query", "lmetric", "least_request"]:
+        routed = [0, 0, 0, 0]
+        for _ in range(8):
+            d = build(cfg).decide(snap([inst(i, routed=routed[i]) for i in range(4)]))
+            routed[d.target] += 1
+        assert routed == [2, 2, 2, 2], cfg
 
 
 def test_lpwl_ties_fewer_in_flight_then_index():
@@ -89,8 +133,8 @@ def test_lpwl_ties_fewer_in_flight_then_index():
 def test_linear_ratio_and_dynamo():
     s = snap([inst(0, in_flight=4, gpu_hit_blocks=50, active_blocks=400), inst(1, in_flight=2, active_blocks=0)])
     d = build("linear").decide(s)
-    # 0: 800/1600 - 4/4 = -0.5 ; 1: 0 - 2/4 = -0.5 -> tie -> lower index
-    assert d.target == 0 and d.scores == ((0, -0.5), (1, -0.5))
+    # 0: 800/1600 - 4/4 = -0.5 ; 1: 0 - 2/4 = -0.5 -> tie -> fewer in flight
+    assert d.target == 1 and d.scores == ((0, -0.5), (1, -0.5))
     d = build({"type": "linear", "params": {"hit_ratio_weight": 2.0}}).decide(s)
     assert d.target == 0 and d.scores == ((0, 0.0), (1, -0.5))
     dyn = build({"type": "linear", "params": {"variant": "dynamo"}}).decide(s)

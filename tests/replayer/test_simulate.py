@@ -30,10 +30,11 @@ def test_closed_loop_through_router_exact():
     rows = [(x.session, x.turn, x.instance, x.arrival, x.first_token, x.finish, x.realized_hit_tokens,
              x.implied_hit_tokens, x.error) for x in r.records]
     # a#0: 128 new tokens = 12.8 ms prefill, 3 more tokens x 10 ms; b#0 at 0.5 (trace mode)
-    # a#1 at finish(a#0) + think 1.0, hits 128 tokens on gpu0 (LPWL: least new prefill work)
+    # (both idle then: the tie goes to gpu1, routed fewer so far); a#1 at finish(a#0) + think 1.0,
+    # hits 128 tokens on gpu0 (LPWL: least new prefill work)
     assert rows == [
         ("a", 0, "gpu0", 0.0, pytest.approx(0.0128), pytest.approx(0.0428), 0, 0, ""),
-        ("b", 0, "gpu0", 0.5, pytest.approx(0.5064), pytest.approx(0.5364), 0, 0, ""),
+        ("b", 0, "gpu1", 0.5, pytest.approx(0.5064), pytest.approx(0.5364), 0, 0, ""),
         ("a", 1, "gpu0", pytest.approx(1.0428), pytest.approx(1.0492), pytest.approx(1.0792), 128, 128, ""),
     ]
     assert r.makespan == pytest.approx(1.0792)
