@@ -139,9 +139,11 @@ def run_stream(w: dict, model_dir: str, hash_fn) -> list[dict]:
         if step >= w.get("max_steps", 100000):
             raise RuntimeError(f"stream {w.get('name')} did not finish in {step} steps")
         ab = [rid for rid in aborts.get(step, ()) if rid in reqs and rid not in done]
-        if ab:
-            sched.finish_requests(ab, RequestStatus.FINISHED_ABORTED)
-            done.update(ab)
+        for rid in ab:
+            # one call per request, in the workload's order: given several ids at once, vLLM frees
+            # them in set order (arbitrary), which no emulator could follow
+            sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            done.add(rid)
         for i, r in enumerate(arrivals.get(step, ())):
             req = Request(
                 request_id=r["id"], prompt_token_ids=list(r["prompt"]),
