@@ -98,7 +98,7 @@ class FreeBlockQueue:
         self._chunks: deque[tuple[np.ndarray, int]] = deque()
         self._off = 0  # entries of the head chunk already passed over
         self._next = 0  # the next stamp
-        self._first = 0  # the lowest stamp given so far (prepends count down from it)
+        self._first = -1  # prepends count down from here (below -1: -1 means "not queued")
         self._entries = 0  # entries not yet passed over, live or stale
         self.num_free = 0
         self.append_many(as_block_ids(ids))

@@ -92,8 +92,12 @@ class EmulatedEngine:
         scheduling_policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
+        reserve_full_isl: bool = True,
     ):
         self.name = name
+        # vLLM's scheduler_reserve_full_isl (on by default in 0.32): admit a waiting request only
+        # if blocks for all its tokens fit, not just for its first chunk
+        self.reserve_full_isl = reserve_full_isl
         self.scheduling_policy = scheduling_policy
         self.enable_chunked_prefill = enable_chunked_prefill
         self.enable_prefix_caching = enable_prefix_caching
@@ -156,7 +160,7 @@ class EmulatedEngine:
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             external_lookup=self._external_lookup, policy=self.scheduling_policy,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=self.enable_chunked_prefill, reserve_full_isl=self.reserve_full_isl,
         )
 
     # ---- EngineClient --------------------------------------------------------------------------
@@ -654,6 +658,14 @@ class EmulatedEngine:
         free = self.pool.free_queue.num_free
         if len(allocs) > free:
             k = allocs[free][0] - 1
+        if self.kv.enable_caching:
+            # A request whose generated tokens are known caches each block its decodes fill, in
+            # the allocation of the step after (a BlockStored between that step's evictions, as
+            # vLLM orders them). The jump stops before the first such step; stepping does it.
+            for r in reqs:
+                if r.output_chain is not None:
+                    j_fill = (-r.num_computed_tokens) % bs
+                    k = min(k, (j_fill if j_fill >= 2 else j_fill + bs) - 1)
         if k >= 2 and self.scheduler.waiting:
             k, _ = self._blocked_plan(n, allocs, k)
         if k < 2:
@@ -712,6 +724,8 @@ class EmulatedEngine:
         for r in reqs:
             r.num_computed_tokens += m
             r.num_output_tokens += m
+            if r.output_chain is not None:
+                r.output_chain.extend(r)
             r.last_token_time = end
             if r.num_output_tokens >= r.max_tokens:
                 finished.append(r)

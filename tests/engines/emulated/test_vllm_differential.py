@@ -64,17 +64,29 @@ def _real_streams(config: str) -> list[dict]:
             for name, path in sources]
 
 
+# the engine's own step loop without the jump (slower to drive) runs on the real-trace streams and
+# the first generated ones; the scheduler stepped directly and the decode-jump loop run on all
+N_LOOP = 40
+
+
+# CPU cost ~3 min on 2 free cores; the limit leaves room for a loaded machine
+@pytest.mark.timeout(1200)
 def test_emulator_matches_vllm_scheduler_step_by_step():
     python = run.vllm_python()
     if python is None:
         pytest.skip("no vLLM venv (set GPUHIT_VLLM_PYTHON or build .venv-vllm): differential check skipped")
-    streams = []
+    streams, loop_idx = [], []
     for config in workload.CONFIGS:
+        real = _real_streams(config)
+        loop_idx.extend(range(len(streams), len(streams) + len(real) + N_LOOP))
+        streams.extend(real)
         streams.extend(workload.generated_streams(config, N_GENERATED))
-        streams.extend(_real_streams(config))
-    results = run.check(streams, python)
+    theirs = run.run_vllm(streams, python)
+    results = run.check(streams, python, modes=("step", "jump"), theirs=theirs)
+    results.update(run.check([streams[i] for i in loop_idx], python, modes=("loop",),
+                             theirs=[theirs[i] for i in loop_idx]))
     print("\n" + run.format_results(results))
     for name, r in results.items():
-        assert r.streams == N_GENERATED + 3
+        assert r.streams == (N_GENERATED + 3 if "[loop]" not in name else N_LOOP + 3)
         assert not r.mismatching_streams, f"{name}: {len(r.mismatching_streams)} streams differ\n{r.first_report}"
         assert r.steps > 0
