@@ -477,6 +477,7 @@ class EmulatedEngine:
             except Exception as exc:  # noqa: BLE001 - never leave a request hanging on an engine bug
                 self.last_error = exc
                 self._fail_all(exc)
+                sched = self.scheduler  # _fail_all built a fresh one
 
     def _has_pinned_blocks(self) -> bool:
         """Whether finished PD producers still hold blocks here (registered, leased, or claimed by a

@@ -163,13 +163,14 @@ async def _run_async(w: dict[str, Any], jump_decode: bool) -> list[dict[str, Any
     last_sched = [-1.0]
     state = {"merged": 1, "sched": [], "preempted": []}
     arrival_step = {r["id"]: r["arrival"] for r in w["requests"]}
+    unaligned: list[float] = []
 
     schedule = sched.schedule
 
     def wrapped_schedule():
         t = loop.time()
         if t == last_sched[0] or t != round(t):
-            raise Unaligned(f"step at t={t}")
+            unaligned.append(t)  # raised once the run is over (the engine's loop must not see it)
         last_sched[0] = t
         out = schedule()
         state["sched"] = [[r.request_id, n] for r, n in zip(out.reqs, out.num_tokens)]
@@ -241,4 +242,6 @@ async def _run_async(w: dict[str, Any], jump_decode: bool) -> list[dict[str, Any
         if loop.time() > w.get("max_steps", 100000):
             raise RuntimeError(f"stream {w.get('name')} did not finish")
     await eng.close()
+    if unaligned:
+        raise Unaligned(f"steps at t={unaligned[:3]}")
     return records
