@@ -3,8 +3,10 @@
 Allocation policy over the block pool: longest prefix hit, slot allocation for the tokens a step
 computes, caching of blocks as they fill, and freeing in reverse order. Requests carry their
 prompt's 64-bit block hashes; blocks past the prompt's full blocks (generated tokens, the partial
-tail) are allocated but never cached here, because the tokens a real engine would generate are
-unknown to the emulator (a later turn's prompt brings its own hashes for them).
+tail) are allocated but not cached, because the tokens a real engine would generate are unknown to
+the emulator (a later turn's prompt brings its own hashes for them), unless the request carries
+them (``EmuRequest.output_chain``): then its hashes grow as it decodes and those blocks are cached
+as vLLM caches them.
 """
 
 from __future__ import annotations

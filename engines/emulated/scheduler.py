@@ -1,14 +1,18 @@
-"""The step scheduler: vLLM v1's unified token-budget schedule, FCFS, chunked prefill, preemption.
+"""The step scheduler: vLLM v1's unified token-budget schedule, FCFS or priority, chunked prefill, preemption.
 
 One call to :meth:`Scheduler.schedule` decides one engine step, exactly as vLLM's
 ``Scheduler.schedule`` does for a single full-attention KV group without speculative decoding:
 
 1. Running requests first, in order: each gets ``min(remaining, budget)`` tokens (1 when decoding,
    the next chunk when its prefill was chunked). If its slots cannot be allocated, the *last*
-   running request is preempted (blocks freed, computed tokens reset, pushed to the front of the
-   waiting queue) and allocation retried; if the victim is the request itself it is not scheduled.
-2. Only if nothing was preempted in this step: waiting requests in FCFS order while the budget
-   lasts and fewer than ``max_num_seqs`` run. A fresh request first takes its local prefix hit,
+   running request (priority policy: the lowest priority, latest arrival) is preempted (blocks
+   freed, computed tokens reset, back to the front of the waiting queue, or to its place in
+   priority order) and allocation retried; if the victim is the request itself it is not scheduled.
+2. Only if nothing was preempted in this step: waiting requests in queue order (FCFS, or
+   priority, arrival, id) while the budget lasts and fewer than ``max_num_seqs`` run; without
+   chunked prefill a prompt longer than the budget left stops the loop; a request is admitted
+   only if blocks for its whole sequence fit (vLLM 0.32's ``scheduler_reserve_full_isl``), and
+   its prefix lookup is counted in the stats then. A fresh request first takes its local prefix hit,
    then asks ``external_lookup`` for more (CPU tier, remote store, PD transfer); a request with an
    external hit only reserves blocks and waits for the load (status LOADING), like vLLM's
    WAITING_FOR_REMOTE_KVS. The first waiting request that cannot get blocks stops the loop.
