@@ -18,22 +18,21 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+
+def _cfg(block_size: int, budget: int, max_seqs: int, chunked: bool, policy: str, prefix: bool) -> dict[str, Any]:
+    return {"block_size": block_size, "max_num_batched_tokens": budget, "max_num_seqs": max_seqs,
+            "chunked_prefill": chunked, "policy": policy, "prefix_caching": prefix}
+
+
 #: the checked vLLM configurations (name -> config); num_gpu_blocks is set per stream
 CONFIGS: dict[str, dict[str, Any]] = {
-    "bs16-small": dict(block_size=16, max_num_batched_tokens=64, max_num_seqs=4, chunked_prefill=True,
-                       policy="fcfs", prefix_caching=True),
-    "bs16-default": dict(block_size=16, max_num_batched_tokens=8192, max_num_seqs=256, chunked_prefill=True,
-                         policy="fcfs", prefix_caching=True),
-    "bs128-small": dict(block_size=128, max_num_batched_tokens=256, max_num_seqs=6, chunked_prefill=True,
-                        policy="fcfs", prefix_caching=True),
-    "bs16-nochunk": dict(block_size=16, max_num_batched_tokens=512, max_num_seqs=8, chunked_prefill=False,
-                         policy="fcfs", prefix_caching=True),
-    "bs16-priority": dict(block_size=16, max_num_batched_tokens=96, max_num_seqs=5, chunked_prefill=True,
-                          policy="priority", prefix_caching=True),
-    "bs128-priority-default": dict(block_size=128, max_num_batched_tokens=8192, max_num_seqs=256,
-                                   chunked_prefill=True, policy="priority", prefix_caching=True),
-    "bs16-noprefix": dict(block_size=16, max_num_batched_tokens=64, max_num_seqs=4, chunked_prefill=True,
-                          policy="fcfs", prefix_caching=False),
+    "bs16-small": _cfg(16, 64, 4, True, "fcfs", True),
+    "bs16-default": _cfg(16, 8192, 256, True, "fcfs", True),
+    "bs128-small": _cfg(128, 256, 6, True, "fcfs", True),
+    "bs16-nochunk": _cfg(16, 512, 8, False, "fcfs", True),
+    "bs16-priority": _cfg(16, 96, 5, True, "priority", True),
+    "bs128-priority-default": _cfg(128, 8192, 256, True, "priority", True),
+    "bs16-noprefix": _cfg(16, 64, 4, True, "fcfs", False),
 }
 
 

@@ -32,7 +32,7 @@ def test_engine_loop_matches_the_stepped_scheduler(config):
                 recs = emu_side.run_stream_async(w, jump_decode=jump)
             except emu_side.Unaligned:
                 continue
-            n, report = compare.compare_boundaries(stepped, recs)
+            _, report = compare.compare_boundaries(stepped, recs)
             assert report is None, f"{w['name']} jump={jump}: {report}"
             checked += 1
     assert checked >= 20
