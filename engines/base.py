@@ -34,6 +34,8 @@ class GenerateRequest:
     kv_transfer_params: Mapping[str, Any] | None = None
     # W3C trace context headers to propagate (OpenTelemetry), live path only.
     trace_headers: Mapping[str, str] | None = None
+    # vLLM's request priority (--scheduling-policy priority: smaller runs first; ignored under fcfs)
+    priority: int = 0
 
 
 @dataclass(slots=True)

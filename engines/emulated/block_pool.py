@@ -5,9 +5,10 @@ events that follow. vLLM's semantics, kept exactly because routers read them thr
 
 * Block 0 is the *null block*: popped from the free queue at start-up and never handed out, so
   ``num_blocks - 1`` blocks are usable (vLLM reserves it as a placeholder in block tables).
-* The free queue is ordered: allocation pops from the head; freed blocks are appended at the tail
-  in the order the caller gives (a finished request frees its blocks in *reverse*, so the tail of
-  a prompt is evicted before its head). A cached block whose ref count drops to 0 stays in the free
+* The free queue is ordered: allocation pops from the head; freed blocks holding a hash are
+  appended at the tail in the order the caller gives (a finished request frees its blocks in
+  *reverse*, so the tail of a prompt is evicted before its head); freed blocks holding no hash
+  are put at the *head*, in that order (vLLM 0.32 reuses them first: they can never be a hit). A cached block whose ref count drops to 0 stays in the free
   queue with its hash: it is an eviction candidate and still a prefix hit; a hit "touches" it out
   of the queue.
 * Reusing a cached block for a new allocation evicts it: its hash leaves the hash map and is
@@ -90,13 +91,14 @@ class FreeBlockQueue:
     ``first, first + 1, ...``. When stale entries outnumber the blocks the chunks are compacted.
     """
 
-    __slots__ = ("_chunks", "_entries", "_next", "_off", "num_free", "stamp")
+    __slots__ = ("_chunks", "_entries", "_first", "_next", "_off", "num_free", "stamp")
 
     def __init__(self, num_blocks: int, ids: Sequence[int] | np.ndarray = ()):
         self.stamp = np.full(num_blocks, -1, np.int64)
         self._chunks: deque[tuple[np.ndarray, int]] = deque()
         self._off = 0  # entries of the head chunk already passed over
         self._next = 0  # the next stamp
+        self._first = -1  # prepends count down from here (below -1: -1 means "not queued")
         self._entries = 0  # entries not yet passed over, live or stale
         self.num_free = 0
         self.append_many(as_block_ids(ids))
@@ -110,6 +112,25 @@ class FreeBlockQueue:
         self.stamp[ids] = np.arange(first, first + n)
         self._chunks.append((ids, first))
         self._next = first + n
+        self.num_free += n
+        self._entries += n
+        if self._entries > 4 * len(self.stamp) + 1024:
+            self._compact()
+
+    def prepend_many(self, ids: np.ndarray) -> None:
+        """Put ``ids`` (distinct, none queued) at the head, in this order (vLLM's ``prepend_n``)."""
+        n = len(ids)
+        if not n:
+            return
+        chunks = self._chunks
+        if self._off:  # the head chunk's passed-over entries stay passed over
+            head, first = chunks[0]
+            chunks[0] = (head[self._off:], first + self._off)
+            self._off = 0
+        first = self._first - n
+        self._first = first
+        self.stamp[ids] = np.arange(first, first + n)
+        chunks.appendleft((ids, first))
         self.num_free += n
         self._entries += n
         if self._entries > 4 * len(self.stamp) + 1024:
@@ -416,7 +437,17 @@ class BlockPool:
         ref[ids] = r
         joining = ids[r == 0]
         if len(joining):
-            self.free_queue.append_many(joining)
+            # vLLM 0.32: blocks holding no hash can never be a hit, so they are reused first
+            # (put at the head, for GPU locality); cached ones join the tail in LRU order
+            uncached = np.equal(self.block_hash[joining], None)
+            if uncached.any():
+                if uncached.all():
+                    self.free_queue.prepend_many(joining)
+                else:
+                    self.free_queue.prepend_many(joining[uncached])
+                    self.free_queue.append_many(joining[~uncached])
+            else:
+                self.free_queue.append_many(joining)
             # a watched block reaching ref count 0 (it only can by this call) joins the evictables
             if self.watching and not self.watch_dirty and self._watched_any(joining):
                 self.watch_dirty = True

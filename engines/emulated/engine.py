@@ -89,8 +89,18 @@ class EmulatedEngine:
         bootstrap_addr: str | None = None,
         util_bin_s: float = 1.0,
         remote_transfer: RemoteTransferClient | None = None,
+        scheduling_policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        reserve_full_isl: bool = True,
     ):
         self.name = name
+        # vLLM's scheduler_reserve_full_isl (on by default in 0.32): admit a waiting request only
+        # if blocks for all its tokens fit, not just for its first chunk
+        self.reserve_full_isl = reserve_full_isl
+        self.scheduling_policy = scheduling_policy
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.enable_prefix_caching = enable_prefix_caching
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         p = self.profile
         self.block_size = block_size or p.block_size
@@ -148,10 +158,12 @@ class EmulatedEngine:
         self.kv = KVCacheManager(
             self.pool, emit_token_ids=self.emit_token_ids,
             on_cached=self.remote.write_through if self.remote is not None else None,
+            enable_caching=self.enable_prefix_caching,
         )
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-            external_lookup=self._external_lookup,
+            external_lookup=self._external_lookup, policy=self.scheduling_policy,
+            enable_chunked_prefill=self.enable_chunked_prefill, reserve_full_isl=self.reserve_full_isl,
         )
 
     # ---- EngineClient --------------------------------------------------------------------------
@@ -181,6 +193,7 @@ class EmulatedEngine:
         req = EmuRequest(
             request.request_id, request.prompt_len, request.max_tokens, hashes,
             request.prompt_token_ids, now, fut, on_progress, request.kv_transfer_params,
+            request.priority,
         )
         self._requests[req.request_id] = req
         delay = self.profile.frontend_delay(request.prompt_len)
@@ -467,6 +480,7 @@ class EmulatedEngine:
             except Exception as exc:  # noqa: BLE001 - never leave a request hanging on an engine bug
                 self.last_error = exc
                 self._fail_all(exc)
+                sched = self.scheduler  # _fail_all built a fresh one
 
     def _has_pinned_blocks(self) -> bool:
         """Whether finished PD producers still hold blocks here (registered, leased, or claimed by a
@@ -567,7 +581,13 @@ class EmulatedEngine:
                         n_hit = i
                         evictable = int(np.count_nonzero(zero[:i]))
             n_local = n_hit * bs
-            n_new = cdiv(n_local + min(num_tokens - n_local, budget), bs) - n_hit
+            if not sched.enable_chunked_prefill and num_tokens - n_local > budget:
+                hits.append(n_local)  # the prompt waits for a whole budget: not admitted
+                continue
+            if sched.reserve_full_isl:  # vLLM's admission gate: blocks for every token
+                n_new = cdiv(num_tokens, bs) - n_hit
+            else:
+                n_new = cdiv(n_local + min(num_tokens - n_local, budget), bs) - n_hit
             if n_new + evictable <= free0 - a:
                 return j - 1, (head, hits)  # the head would be admitted at step j: stop before it
             hits.append(n_local)
@@ -591,6 +611,8 @@ class EmulatedEngine:
             if r.num_computed_tokens < r.num_tokens:
                 continue  # a prefill chunk that is not the last one
             r.num_output_tokens += 1
+            if r.output_chain is not None:
+                r.output_chain.extend(r)
             gen += 1
             if r.first_token_time is None:
                 r.first_token_time = end
@@ -640,9 +662,16 @@ class EmulatedEngine:
         free = self.pool.free_queue.num_free
         if len(allocs) > free:
             k = allocs[free][0] - 1
-        lookups = None
+        if self.kv.enable_caching:
+            # A request whose generated tokens are known caches each block its decodes fill, in
+            # the allocation of the step after (a BlockStored between that step's evictions, as
+            # vLLM orders them). The jump stops before the first such step; stepping does it.
+            for r in reqs:
+                if r.output_chain is not None:
+                    j_fill = (-r.num_computed_tokens) % bs
+                    k = min(k, (j_fill if j_fill >= 2 else j_fill + bs) - 1)
         if k >= 2 and self.scheduler.waiting:
-            k, lookups = self._blocked_plan(n, allocs, k)
+            k, _ = self._blocked_plan(n, allocs, k)
         if k < 2:
             # nothing to jump over: one ordinary step
             dsum = sum(out.contexts)
@@ -673,12 +702,6 @@ class EmulatedEngine:
                 if ends[m - 1] > now:
                     await self._sleep_until(ends[m - 1])
         self._apply_jump(reqs, m, ends, start, allocs)
-        if lookups is not None:
-            # the waiting head's lookups in steps 2..m, as stepping would have counted them
-            head, hits = lookups
-            record, preempted = self.kv.stats.record, head.num_preemptions > 0
-            for hit in hits[: m - 1]:
-                record(head.num_tokens, hit, preempted)
 
     def _apply_jump(self, reqs: list[EmuRequest], m: int, ends: list[float], start: float,
                     allocs: list[tuple[int, int]]) -> None:
@@ -705,6 +728,8 @@ class EmulatedEngine:
         for r in reqs:
             r.num_computed_tokens += m
             r.num_output_tokens += m
+            if r.output_chain is not None:
+                r.output_chain.extend(r)
             r.last_token_time = end
             if r.num_output_tokens >= r.max_tokens:
                 finished.append(r)

@@ -3,8 +3,10 @@
 Allocation policy over the block pool: longest prefix hit, slot allocation for the tokens a step
 computes, caching of blocks as they fill, and freeing in reverse order. Requests carry their
 prompt's 64-bit block hashes; blocks past the prompt's full blocks (generated tokens, the partial
-tail) are allocated but never cached here, because the tokens a real engine would generate are
-unknown to the emulator (a later turn's prompt brings its own hashes for them).
+tail) are allocated but not cached, because the tokens a real engine would generate are unknown to
+the emulator (a later turn's prompt brings its own hashes for them), unless the request carries
+them (``EmuRequest.output_chain``): then its hashes grow as it decodes and those blocks are cached
+as vLLM caches them.
 """
 
 from __future__ import annotations
@@ -60,8 +62,11 @@ class KVCacheManager:
         *,
         emit_token_ids: bool = True,
         on_cached: Callable[[Sequence[int]], None] | None = None,
+        enable_caching: bool = True,
     ):
         self.pool = pool
+        # vLLM's --no-enable-prefix-caching: no lookups, nothing cached (so no events, no hits)
+        self.enable_caching = enable_caching
         self.block_size = pool.block_size
         self.emit_token_ids = emit_token_ids
         self.on_cached = on_cached
@@ -174,6 +179,9 @@ class KVCacheManager:
         """Local prefix hit of a request about to be scheduled: (blocks, tokens).
 
         At most ``num_tokens - 1`` tokens: even a full hit recomputes the last token to get logits.
+        Not counted in the prefix-cache stats here: like vLLM 0.32, the scheduler counts a lookup
+        only when the request is admitted (:meth:`record_admission`), so a request blocked at the
+        head of the queue is counted once, not once per step.
 
         Why a memo: a waiting request that cannot get blocks stays at the queue head and vLLM
         looks its prefix up again on every step (each lookup counts in the stats, as in vLLM);
@@ -182,6 +190,8 @@ class KVCacheManager:
         evicted or crossing ref count zero (the pool's ``watch_dirty``), and the hash after the
         hit still not cached. Under those conditions the scan would return the same blocks.
         """
+        if not self.enable_caching:
+            return NO_BLOCKS, 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         if (
             self._memo_req is req
@@ -196,9 +206,13 @@ class KVCacheManager:
                 self._disarm()
             blocks = self.longest_hit(req.block_hashes, max_blocks)
         self._last_req, self._last_blocks, self._last_max = req, blocks, max_blocks
-        n = len(blocks) * self.block_size
-        self.stats.record(req.num_tokens, n, req.num_preemptions > 0)
-        return blocks, n
+        return blocks, len(blocks) * self.block_size
+
+    def record_admission(self, req: EmuRequest, num_hits: int) -> None:
+        """Count an admitted request's lookup in the prefix-cache stats (vLLM's
+        ``record_prefix_cache_stats``, called once the request's blocks are allocated)."""
+        if self.enable_caching:
+            self.stats.record(req.num_tokens, num_hits, req.num_preemptions > 0)
 
     def _memo_boundary_holds(self, hashes: Sequence[int], max_blocks: int) -> bool:
         """The block after the memoized hit is still not cached (else the hit would be longer)."""
@@ -223,11 +237,15 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: np.ndarray = NO_BLOCKS,
         delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> np.ndarray | None:
         """Blocks for ``num_new_tokens`` more tokens after the computed ones, or None if short.
 
         Like vLLM, a hit block sitting in the free queue counts against the free blocks (touching
         it takes it out), and full blocks are cached at allocation time, before the step runs.
+        ``full_sequence_must_fit`` is vLLM's admission gate (``scheduler_reserve_full_isl``, on by
+        default): a waiting request is admitted only if blocks for *all* its tokens fit, not just
+        for this step's chunk.
         """
         rid = req.request_id
         held = self.req_blocks.get(rid)
@@ -246,7 +264,13 @@ class KVCacheManager:
             evictable = n_hit - int(np.count_nonzero(self.pool.ref_cnt[new_computed_blocks]))
         else:
             evictable = 0
-        if n_new + evictable > self.pool.free_queue.num_free:
+        free = self.pool.free_queue.num_free
+        if full_sequence_must_fit and n_new < (
+                full := max(cdiv(req.num_tokens, self.block_size) - n_hit - n_held, 0)):
+            n_check = full
+        else:
+            n_check = n_new
+        if n_check + evictable > free:
             if not memo and req is self._last_req and new_computed_blocks is self._last_blocks:
                 # blocked at the head of the queue: it will look the same prefix up next step
                 self._arm(req, self._last_blocks, evictable)
@@ -264,7 +288,7 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(n_new) if n_new else NO_BLOCKS
         if n_new:
             held.extend(new_blocks)
-        if not delay_cache_blocks:
+        if not delay_cache_blocks and self.enable_caching:
             self.cache_blocks(req, min(need_tokens, req.num_tokens))
         return new_blocks
 

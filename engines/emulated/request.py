@@ -40,6 +40,8 @@ class EmuRequest:
         "num_output_tokens",
         "num_preemptions",
         "on_progress",
+        "output_chain",
+        "priority",
         "prompt_len",
         "queued_time",
         "request_id",
@@ -60,6 +62,7 @@ class EmuRequest:
         future: asyncio.Future | None,
         on_progress: Callable[[int], None] | None = None,
         kv_transfer_params: Mapping[str, Any] | None = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.prompt_len = prompt_len
@@ -90,6 +93,14 @@ class EmuRequest:
         self.load_hit = None  # the ExternalHit being loaded
         self.transfer_tried = False  # the PD transfer was claimed (or found missing) once
         self.admitted = False  # first scheduling done (stats recorded once per request)
+        # vLLM's priority scheduling: smaller first, then earlier arrival, then request id
+        self.priority = priority
+        # hashes the blocks that generated tokens fill, when those tokens are known (see OutputChain)
+        self.output_chain: OutputChain | None = None
+
+    def sort_key(self) -> tuple[int, float, str]:
+        """vLLM's ``Request.__lt__`` order for the priority waiting queue."""
+        return (self.priority, self.arrival, self.request_id)
 
     @property
     def num_tokens(self) -> int:
@@ -100,3 +111,32 @@ class EmuRequest:
             f"EmuRequest({self.request_id!r}, prompt={self.prompt_len}, out={self.num_output_tokens}/"
             f"{self.max_tokens}, computed={self.num_computed_tokens}, status={self.status})"
         )
+
+
+class OutputChain:
+    """The tokens a request will generate, when known, and the chain digest to hash them on.
+
+    vLLM hashes every full block of prompt *and* output tokens, so the blocks that decoding
+    fills are cached (a BlockStored), reused when a preempted request comes back, and evicted
+    like any other. The emulator does not know what a real model would generate, so by default
+    it hashes prompt blocks only; given the tokens (the differential check against vLLM feeds
+    both sides the same sampled tokens), :meth:`extend` grows ``block_hashes`` and ``token_ids``
+    exactly as vLLM's request block hasher does after each sampled token.
+    """
+
+    __slots__ = ("digest", "hasher", "tokens")
+
+    def __init__(self, hasher: Any, tokens: Sequence[int], digest: bytes | None):
+        self.hasher = hasher  # engines.hashing.BlockHasher
+        self.tokens = tokens  # prompt + output token ids
+        self.digest = digest  # full digest of the last hashed block (None: none yet)
+
+    def extend(self, req: EmuRequest) -> None:
+        """Hash the full blocks of ``req``'s first ``num_tokens`` tokens not hashed yet."""
+        bs = self.hasher.block_size
+        hashes = req.block_hashes
+        n = req.num_tokens // bs
+        while len(hashes) < n:
+            i = len(hashes)
+            self.digest = self.hasher.hash_block(self.digest, self.tokens[i * bs:(i + 1) * bs])
+            hashes.append(int.from_bytes(self.digest[-8:], "big"))

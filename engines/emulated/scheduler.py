@@ -1,14 +1,18 @@
-"""The step scheduler: vLLM v1's unified token-budget schedule, FCFS, chunked prefill, preemption.
+"""The step scheduler: vLLM v1's unified token-budget schedule, FCFS or priority, chunked prefill, preemption.
 
 One call to :meth:`Scheduler.schedule` decides one engine step, exactly as vLLM's
 ``Scheduler.schedule`` does for a single full-attention KV group without speculative decoding:
 
 1. Running requests first, in order: each gets ``min(remaining, budget)`` tokens (1 when decoding,
    the next chunk when its prefill was chunked). If its slots cannot be allocated, the *last*
-   running request is preempted (blocks freed, computed tokens reset, pushed to the front of the
-   waiting queue) and allocation retried; if the victim is the request itself it is not scheduled.
-2. Only if nothing was preempted in this step: waiting requests in FCFS order while the budget
-   lasts and fewer than ``max_num_seqs`` run. A fresh request first takes its local prefix hit,
+   running request (priority policy: the lowest priority, latest arrival) is preempted (blocks
+   freed, computed tokens reset, back to the front of the waiting queue, or to its place in
+   priority order) and allocation retried; if the victim is the request itself it is not scheduled.
+2. Only if nothing was preempted in this step: waiting requests in queue order (FCFS, or
+   priority, arrival, id) while the budget lasts and fewer than ``max_num_seqs`` run; without
+   chunked prefill a prompt longer than the budget left stops the loop; a request is admitted
+   only if blocks for its whole sequence fit (vLLM 0.32's ``scheduler_reserve_full_isl``), and
+   its prefix lookup is counted in the stats then. A fresh request first takes its local prefix hit,
    then asks ``external_lookup`` for more (CPU tier, remote store, PD transfer); a request with an
    external hit only reserves blocks and waits for the load (status LOADING), like vLLM's
    WAITING_FOR_REMOTE_KVS. The first waiting request that cannot get blocks stops the loop.
@@ -34,6 +38,14 @@ from dataclasses import dataclass, field
 from engines.emulated.block_pool import NO_BLOCKS
 from engines.emulated.kv_manager import KVCacheManager
 from engines.emulated.request import LOADING, RUNNING, WAITING, EmuRequest
+from gpuhit.errors import ConfigError
+
+#: vLLM's ``--scheduling-policy`` values
+POLICIES = ("fcfs", "priority")
+
+
+def _victim_key(r: EmuRequest) -> tuple[int, float]:
+    return (r.priority, r.arrival)
 
 
 @dataclass(slots=True)
@@ -71,10 +83,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         external_lookup: Callable[[EmuRequest, int], ExternalHit | None] | None = None,
+        policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+        reserve_full_isl: bool = True,
     ):
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.priority = policy == "priority"
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.reserve_full_isl = reserve_full_isl
         self.external_lookup = external_lookup
         self.waiting: deque[EmuRequest] = deque()
         self.running: list[EmuRequest] = []
@@ -82,7 +102,25 @@ class Scheduler:
 
     def add(self, req: EmuRequest) -> None:
         req.status = WAITING
-        self.waiting.append(req)
+        if self.priority:
+            self._insert_by_priority(req)
+        else:
+            self.waiting.append(req)
+
+    def _insert_by_priority(self, req: EmuRequest) -> None:
+        """Keep the waiting queue in vLLM's heap order (priority, arrival, request id).
+
+        vLLM's priority queue is a heap whose pops (and iteration) follow that total order, and
+        its "prepend" (a preempted or skipped request) is a plain push; a queue kept sorted gives
+        the same order, and leaves ``waiting[0]`` the next request as in FCFS.
+        """
+        key = req.sort_key()
+        waiting = self.waiting
+        for i, r in enumerate(waiting):
+            if key < r.sort_key():
+                waiting.insert(i, req)
+                return
+        waiting.append(req)
 
     def has_schedulable(self) -> bool:
         if self.running:
@@ -101,7 +139,10 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.priority:
+            self._insert_by_priority(req)
+        else:
+            self.waiting.appendleft(req)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -120,7 +161,19 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(req, n)
                 if new_blocks is not None:
                     break
-                victim = running.pop()
+                if self.priority:
+                    # the lowest priority, latest arrival (max() keeps the first of equals)
+                    victim = max(running, key=_victim_key)
+                    v = running.index(victim)
+                    del running[v]
+                    if v < i:
+                        i -= 1
+                        # scheduled earlier in this step: its tokens go back to the budget
+                        j = out.reqs.index(victim)
+                        budget += out.num_tokens[j]
+                        del out.reqs[j], out.num_tokens[j], out.contexts[j]
+                else:
+                    victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -158,14 +211,19 @@ class Scheduler:
                 alloc_tokens = ext.tokens
             else:
                 n_new = req.num_tokens - num_computed
+                if n_new > budget and not self.enable_chunked_prefill:
+                    break  # vLLM without chunked prefill: the prompt waits for a whole budget
                 n_new = min(n_new, budget)
                 alloc_tokens = n_new
             new_blocks = kv.allocate_slots(req, alloc_tokens, n_local, hit_blocks,
-                                           delay_cache_blocks=ext is not None)
+                                           delay_cache_blocks=ext is not None,
+                                           full_sequence_must_fit=self.reserve_full_isl)
             if new_blocks is None:
                 if not running and self._unblock(req, out):
                     continue
                 break
+            if req.num_computed_tokens == 0:
+                kv.record_admission(req, n_local)
             waiting.popleft()
             if not req.admitted:
                 req.admitted = True
@@ -188,7 +246,11 @@ class Scheduler:
             out.contexts.append(num_computed)
             budget -= n_new
         if skipped:
-            waiting.extendleft(reversed(skipped))
+            if self.priority:
+                for r in skipped:
+                    self._insert_by_priority(r)
+            else:
+                waiting.extendleft(reversed(skipped))
         return out
 
     def blocked_head(self) -> EmuRequest | None:

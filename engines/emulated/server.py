@@ -305,6 +305,9 @@ class EmulatedServer:
             ktp = body.get("kv_transfer_params")
             if ktp is not None and not isinstance(ktp, dict):
                 raise _bad("kv_transfer_params must be an object", "kv_transfer_params")
+            priority = body.get("priority", 0)
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise _bad("priority must be an integer", "priority")
             max_tokens = self._check_len(len(ids), max_tokens)
         except GpuhitError as exc:
             return self._error(exc)
@@ -317,6 +320,7 @@ class EmulatedServer:
             block_hashes=tuple(self._hashes.hashes(ids, request.headers.get("x-session-id"))),
             session_id=request.headers.get("x-session-id"),
             kv_transfer_params=ktp,
+            priority=priority,
         )
         span = None
         if self.tracer is not None:

@@ -33,9 +33,7 @@ class ReferenceKVCacheManager(KVCacheManager):
     def get_computed_blocks(self, req):
         max_blocks = (req.num_tokens - 1) // self.block_size
         blocks = self.longest_hit_scan(req.block_hashes, max_blocks)
-        n = len(blocks) * self.block_size
-        self.stats.record(req.num_tokens, n, req.num_preemptions > 0)
-        return blocks, n
+        return blocks, len(blocks) * self.block_size  # counted at admission (record_admission)
 
 
 # ---- longest_hit against the scan ----------------------------------------------------------------

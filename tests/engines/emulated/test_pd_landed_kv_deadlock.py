@@ -33,7 +33,9 @@ async def _a_then_landed_b(prof, a_prompt, a_max_tokens, a_hashes):
     loop = asyncio.get_running_loop()
     reg = TransferRegistry(timeout_s=1000.0)
     p = EmulatedEngine("P", prof, transfer_registry=reg)
-    d = EmulatedEngine("D", prof, num_gpu_blocks=10, transfer_registry=reg)
+    # vLLM 0.32's full-sequence admission gate would keep B out until A is done, so this
+    # situation needs it off (vLLM's scheduler_reserve_full_isl=False)
+    d = EmulatedEngine("D", prof, num_gpu_blocks=10, transfer_registry=reg, reserve_full_isl=False)
     prod = await p.generate(GenerateRequest("B::producer", 25, 1, block_hashes=B_HASHES, kv_transfer_params={
         "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "tB"}))
     t0 = loop.time()

@@ -80,3 +80,40 @@ def test_prefix_hit_leaves_the_last_token_to_compute():
     # both blocks are cached but a full hit still recomputes the last token: 1 block hit, 4 computed
     assert b.cached_tokens == 4 and out.num_tokens == [4]
     assert kv.stats.queries == 16 and kv.stats.hits == 4
+
+
+def _priority_sched(num_blocks=64, budget=8, max_seqs=16):
+    pool = BlockPool(num_blocks, 4, enable_events=False)
+    kv = KVCacheManager(pool)
+    return kv, Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_seqs, policy="priority")
+
+
+def test_priority_queue_order_is_priority_then_arrival_then_id():
+    _kv, s = _priority_sched(max_seqs=1)
+    reqs = [EmuRequest(rid, 4, 1, (), None, t, None, priority=p)
+            for rid, t, p in (("c", 1.0, 1), ("b", 2.0, 0), ("a", 2.0, 0), ("d", 0.5, 2))]
+    for r in reqs:
+        s.add(r)
+    assert [r.request_id for r in s.waiting] == ["a", "b", "c", "d"]
+
+
+def test_priority_preempts_the_lowest_priority_and_returns_its_budget():
+    # 5 usable blocks of 4 tokens. "lo" (priority 5) is scheduled first in the step; "hi" then
+    # needs a block: vLLM preempts "lo" (lowest priority), takes its tokens out of the step's batch
+    kv, s = _priority_sched(num_blocks=6, budget=16)
+    hi = EmuRequest("hi", 8, 10, (), None, 0.0, None, priority=0)
+    lo = EmuRequest("lo", 11, 10, (), None, 1.0, None, priority=5)
+    for r in (hi, lo):
+        s.add(r)
+    out = s.schedule()
+    assert [r.request_id for r in out.reqs] == ["hi", "lo"]
+    apply(s, kv, out)
+    s.running.reverse()  # put "lo" first in the running order: it is scheduled before "hi" needs a block
+    for _ in range(4):
+        out = s.schedule()
+        apply(s, kv, out)
+        if out.preempted:
+            break
+    assert [r.request_id for r in out.preempted] == ["lo"]
+    assert [r.request_id for r in out.reqs] == ["hi"] and out.num_tokens == [1]
+    assert [r.request_id for r in s.waiting] == ["lo"] and lo.num_computed_tokens == 0
