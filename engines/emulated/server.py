@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 VOCAB = 151_936  # Qwen's vocabulary size; any size > 256 works
 TOKEN_TEXT = " x"  # the text of every generated token (the emulator has no vocabulary to sample)
 SYSTEM_FINGERPRINT = "gpuhit-emulated"
+BUFFER_STEPS = 10_000  # KV-event replay buffer (steps) and ZMQ send high-water mark: vLLM's defaults
+HWM = 100_000
 _PIECES = re.compile(r"\s*\S+|\s+$")
 
 
@@ -187,7 +189,8 @@ class EmulatedServer:
         self._sources: dict[str, dict[str, Any]] = {}
         if kv_events_endpoint is not None:
             self._publisher = KVEventPublisher(
-                kv_events_endpoint, kv_replay_endpoint, topic=topic, shape=kv_event_shape
+                kv_events_endpoint, kv_replay_endpoint, topic=topic, shape=kv_event_shape,
+                buffer_steps=BUFFER_STEPS, hwm=HWM,
             )
             # vLLM 0.32's shape: the KV-events config of each data-parallel rank, keyed by rank.
             self._sources = {
@@ -196,6 +199,10 @@ class EmulatedServer:
                     "publisher": "zmq",
                     "endpoint": self._advertise(self._publisher.endpoint_bound, advertise_host),
                     "replay_endpoint": self._advertise(self._publisher.replay_endpoint_bound, advertise_host),
+                    "buffer_steps": BUFFER_STEPS,
+                    "hwm": HWM,
+                    # vLLM's engine-to-publisher queue bound; the emulator publishes in-line (no queue)
+                    "max_queue_size": HWM,
                     "topic": topic,
                 }
             }
@@ -449,7 +456,7 @@ class EmulatedServer:
         if chat:
             out["object"] = "chat.completion"
             message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                       "function_call": None, "tool_calls": [], "reasoning": None}
+                       "function_call": None, "reasoning": None}
             choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length",
                                       "stop_reason": None, "token_ids": None, "routed_experts": None}
         else:

@@ -34,7 +34,9 @@ def test_endpoints_errors_and_kv_transfer_passthrough():
             # vLLM 0.32's shape: the KV-events config keyed by data-parallel rank
             assert sources == {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
                                      "endpoint": srv.publisher.endpoint_bound,
-                                     "replay_endpoint": srv.publisher.replay_endpoint_bound, "topic": ""}}
+                                     "replay_endpoint": srv.publisher.replay_endpoint_bound,
+                                     "buffer_steps": 10_000, "hwm": 100_000, "max_queue_size": 100_000,
+                                     "topic": ""}}
             # a raw vLLM-style subscriber sees the older array shape when asked for it
             ctx = zmq.asyncio.Context()
             sub = ctx.socket(zmq.SUB)
