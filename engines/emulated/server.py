@@ -468,12 +468,15 @@ class EmulatedServer:
         out["usage"] = self._usage(res, chat, unary=True)
         if chat:
             out.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
-        out["kv_transfer_params"] = dict(res.kv_transfer_params) if res.kv_transfer_params else None
+        out["kv_transfer_params"] = self._returned_params(res)
         out["ec_transfer_params"] = None
         out["metrics"] = None
         return web.json_response(out)
 
     def _usage(self, res: GenerateResult, chat: bool, unary: bool) -> dict[str, Any]:
+        # A PD consumer reports what it holds after the load (local + loaded tokens); vLLM 0.32 reports
+        # the producer's `remote_prefill_cached_tokens` instead (README, "Emulator vs vLLM"): gpuhit's
+        # transfer accounting reads the loaded tokens from here.
         u = protocol.usage(res.prompt_tokens, res.completion_tokens, self._cached(res))
         details = u["prompt_tokens_details"]
         # vLLM fills these per endpoint: chat reports created_cache_tokens 0, completions null; the
@@ -489,8 +492,19 @@ class EmulatedServer:
 
     @staticmethod
     def _cached(res: GenerateResult) -> int:
-        # vLLM counts local prefix-cache hits and connector-imported tokens alike as cached.
+        # vLLM's prefill_stats.num_cached_tokens: local prefix-cache hits plus connector-loaded tokens.
         return res.cached_tokens + res.external_cached_tokens
+
+    def _returned_params(self, res: GenerateResult) -> dict[str, Any] | None:
+        """A producer's ``kv_transfer_params`` for the consumer, with vLLM 0.32's
+        ``remote_prefill_cached_tokens`` (the producer's own cached tokens) added, as its
+        scheduler adds them when a ``do_remote_decode`` request finishes."""
+        if not res.kv_transfer_params:
+            return None
+        out = dict(res.kv_transfer_params)
+        if out.get("do_remote_prefill"):
+            out.setdefault("remote_prefill_cached_tokens", self._cached(res))
+        return out
 
     @staticmethod
     def _chunk(head: dict[str, Any], chat: bool, finish: str | None, role: bool = False,
@@ -556,7 +570,7 @@ class EmulatedServer:
                     tail = {**head, "choices": [], "usage": self._usage(res, chat, unary=False),
                             "system_fingerprint": SYSTEM_FINGERPRINT}
                     if res.kv_transfer_params:
-                        tail["kv_transfer_params"] = dict(res.kv_transfer_params)
+                        tail["kv_transfer_params"] = self._returned_params(res)
                     await resp.write(protocol.sse(tail))
             await resp.write(protocol.SSE_DONE)
             await resp.write_eof()

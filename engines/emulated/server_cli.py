@@ -60,12 +60,11 @@ def build_engine(args: argparse.Namespace):
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from engines.emulated.server import EmulatedServer
-    from gpuhit import tracing
-
     import time
 
     from engines.emulated.hf_tokenizer import HFTokenizer
+    from engines.emulated.server import EmulatedServer
+    from gpuhit import tracing
 
     tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else None
     engine = build_engine(args)

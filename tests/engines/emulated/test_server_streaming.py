@@ -3,6 +3,7 @@ step's time even when the engine jumps over a decode stretch; `created` is Unix 
 wall clock; ids come from X-Request-ID; options the emulator cannot honour are refused."""
 
 import asyncio
+import itertools
 import json
 
 import aiohttp
@@ -45,7 +46,7 @@ def test_jumped_decode_reports_every_token_at_its_step_end():
     assert [n for _, n in seen] == list(range(1, 13))
     times = [t for t, _ in seen]
     assert times[-1] == pytest.approx(ra.finish_time)
-    assert [b - a for a, b in zip(times, times[1:])] == pytest.approx([1.0] * 11)
+    assert [b - a for a, b in itertools.pairwise(times)] == pytest.approx([1.0] * 11)
     # a callback that did not ask for it still gets the jump's tokens at once
     assert lumped[-1] == 12 and len(lumped) < 12
     assert rb.completion_tokens == 12
