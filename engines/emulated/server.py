@@ -2,15 +2,22 @@
 
 One :class:`EmulatedServer` wraps ONE engine (an ``EmulatedEngine`` or anything with the same
 surface: ``generate(request, on_progress=None)``, ``subscribe_kv_events(cb)``, ``stats()`` and
-``metrics.render_prometheus()``) and serves what gpuhit and OpenAI clients use of vLLM 0.33:
+``metrics.render_prometheus()``) and answers as vLLM 0.32 does (checked against a real one by
+``tests/e2e/test_emulated_vs_vllm.py``; the README lists what still differs and why):
 
-* ``POST /v1/completions``: ``prompt`` as a token-id list or a string; ``max_tokens`` (default 16),
+* ``POST /v1/completions``: ``prompt`` as a token-id list or a string; ``max_tokens`` (default 16,
+  clamped to what fits in ``max_model_len``; a longer prompt is a 400 with vLLM's message),
   ``min_tokens``/``ignore_eos`` accepted (the emulator has no EOS: it always generates exactly
-  ``max_tokens``), ``stream`` with ``stream_options.include_usage``, ``kv_transfer_params`` passed
-  to the engine and its answer returned at the top level, as vLLM's KV connectors do.
-* ``POST /v1/chat/completions``: ``messages`` rendered by :func:`chat_template` then tokenized.
-* ``GET /v1/models``, ``/health``, ``/metrics`` (the engine's vLLM-named metrics),
-  ``/kv_event_sources`` (bare JSON array like vLLM), plus the ZMQ KV-event publisher with replay.
+  ``max_tokens``), ``stream`` with ``stream_options.include_usage``: one SSE chunk per token, each
+  sent at its own decode step's time, ``kv_transfer_params`` passed to the engine and its answer
+  returned at the top level, as vLLM's KV connectors do. Options the emulator cannot honour (``n``,
+  ``logprobs``, ``echo``, ...) are refused with a 400, never ignored.
+* ``POST /v1/chat/completions``: ``messages`` through the tokenizer's chat template (or
+  :func:`chat_template`); vLLM's role chunk first when streaming.
+* ``GET /v1/models`` (vLLM's card), ``/health``, ``/metrics`` (vLLM-named families rendered by
+  prometheus_client), ``/kv_event_sources`` (vLLM 0.32's ``{"0": {...}}``), ``POST
+  /reset_prefix_cache``, plus the ZMQ KV-event publisher with replay. Ids are ``cmpl-`` /
+  ``chatcmpl-`` + the client's ``X-Request-ID``, else 16 random hex digits (unique across engines).
 * For an engine that can move KV (an ``EmulatedEngine``: it has a transfer ``registry``), the
   Mooncake-style bootstrap routes of :mod:`engines.emulated.remote_transfer` (``GET /query``,
   ``POST /kv_transfer/pull``, ``/kv_transfer/release``) on the same port, and a consumer client:
@@ -18,15 +25,15 @@ surface: ``generate(request, on_progress=None)``, ``subscribe_kv_events(cb)``, `
   ``bootstrap_addr`` is this server's URL, so the ``kv_transfer_params`` a producer step returns
   point consumers here.
 
-Text prompts are tokenized by :func:`simple_tokenize`, a deterministic stand-in for a real
-tokenizer: the text is split before every whitespace run (so ``"a b"`` -> ``"a"``, ``" b"``) and
-each piece maps to ``256 + crc32(piece) % (vocab - 256)``. It is prefix-stable (a text that extends
-another gives a token list that extends the other's, up to the last piece), which is all prefix
-caching needs. Output token text is ``" x"`` per token.
+Text and chat prompts are tokenized by the model directory's tokenizer when one is given
+(:mod:`engines.emulated.hf_tokenizer`), else by :func:`simple_tokenize`, a deterministic stand-in:
+the text is split before every whitespace run (so ``"a b"`` -> ``"a"``, ``" b"``) and each piece
+maps to ``256 + crc32(piece) % (vocab - 256)``; it is prefix-stable, which is all prefix caching
+needs. Output token text is ``" x"`` per token.
 
 ``usage.prompt_tokens_details.cached_tokens`` is always filled (vLLM needs
-``--enable-prompt-tokens-details``). ``created`` is the loop clock in whole seconds, not the Unix
-epoch: nothing under ``engines/`` reads the wall clock.
+``--enable-prompt-tokens-details``). ``created`` is Unix time from the injected ``wall_clock``
+(nothing under ``engines/`` reads the wall clock itself; without one, the loop clock).
 """
 
 from __future__ import annotations
