@@ -15,8 +15,10 @@ Actions that move KV (MIGRATE, FETCH, PD) use vLLM's KV-connector two-step, so o
 emulated and real engines: (1) a producer request on ``decision.source`` with ``max_tokens = 1`` and
 ``kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": T}``;
 (2) the real request on ``decision.target`` carrying the ``kv_transfer_params`` the producer returned.
-For MIGRATE and FETCH the producer prompt is only the prefix the source already holds (so the hot
-source computes nothing new; the consumer computes the rest); for PD it is the whole prompt. If the
+For every action the producer prompt is the WHOLE prompt, as vLLM's connectors require: the consumer
+(Nixl, Mooncake: ``get_num_new_matched_tokens`` with ``do_remote_prefill``) expects the remote KV of
+all its prompt tokens, and the producer's ``remote_block_ids`` cover the prompt it was given. For
+MIGRATE and FETCH the source holds a prefix already, so it computes only the rest of the prompt. If the
 producer step fails the request is recomputed on the target (a counted fallback, never silent).
 
 Counters are exact running totals updated at begin / first token / producer done / finish, never
@@ -198,20 +200,13 @@ class Ticket:
         if not self.needs_producer or self.source is None or self.transfer_id is None:
             raise ConfigError(f"request {self.request.request_id}: action {self.action} has no producer step")
         req = self.request
-        k = self.producer_prefix_blocks
-        if self.action == PD:
-            prompt_len, hashes, tokens = req.prompt_len, req.block_hashes, req.prompt_token_ids
-        else:
-            bs = self.router.block_size
-            prompt_len = k * bs
-            hashes = req.block_hashes[:k]
-            tokens = None if req.prompt_token_ids is None else req.prompt_token_ids[:prompt_len]
+        # The whole prompt, for PD and for MIGRATE / FETCH alike (see the module docstring).
         return GenerateRequest(
             request_id=f"{req.request_id}::producer",
-            prompt_len=prompt_len,
+            prompt_len=req.prompt_len,
             max_tokens=1,
-            prompt_token_ids=tokens,
-            block_hashes=hashes,
+            prompt_token_ids=req.prompt_token_ids,
+            block_hashes=req.block_hashes,
             session_id=req.session_id,
             kv_transfer_params=producer_transfer_params(self.transfer_id),
         )
@@ -556,8 +551,10 @@ class Router:
             hit_blocks = nblocks
         else:
             assert src is not None
+            # The producer computes the whole prompt (what it does not hold yet) and the target
+            # imports all of it, as for PD; the source's cached prefix only makes that step cheaper.
             t.producer_prefix_blocks = inst[src].gpu_hit_blocks
-            hit_blocks = max(inst[src].gpu_hit_blocks, inst[tgt].gpu_hit_blocks)
+            hit_blocks = nblocks
             if t.producer_prefix_blocks == 0:  # nothing to move: policies should not ask for this
                 raise ConfigError(
                     f"policy {self.policy_name!r}: {d.action} from instance {src}, which holds no prefix of "
@@ -573,12 +570,8 @@ class Router:
         if d.action != FORWARD:
             assert src is not None
             t.transfer_id = f"gpuhit-{next(self._xfer)}-{req.request_id}"
-            if d.action == PD:
-                t._prod_pending = req.prompt_len - min(inst[src].gpu_hit_blocks * bs, cap)
-                t._prod_blocks = -(-(req.prompt_len + 1) // bs)
-            else:
-                t._prod_pending = 1  # the prefix is cached; vLLM recomputes its last token
-                t._prod_blocks = t.producer_prefix_blocks
+            t._prod_pending = req.prompt_len - min(inst[src].gpu_hit_blocks * bs, cap)
+            t._prod_blocks = -(-(req.prompt_len + 1) // bs)
             t._prod_open = True
             self._in_flight[src] += 1
             self._routed[src] += 1

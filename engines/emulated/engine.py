@@ -687,11 +687,15 @@ class EmulatedEngine:
             t = t + prof.step_time(n, 0.0, s + n * j)
             ends.append(t)
         self._jump_state = [reqs, allocs, ends, start, 0]
+        timers = self._per_step_progress(reqs, ends)
         try:
             interrupted = await self._wait(ends[-1])
         except BaseException:
             self._jump_state = None
             raise
+        finally:
+            for h in timers:
+                h.cancel()
         self.num_jumps += 1
         m = k
         if interrupted:
@@ -702,6 +706,21 @@ class EmulatedEngine:
                 if ends[m - 1] > now:
                     await self._sleep_until(ends[m - 1])
         self._apply_jump(reqs, m, ends, start, allocs)
+
+    @staticmethod
+    def _per_step_progress(reqs: list[EmuRequest], ends: list[float]) -> list[asyncio.TimerHandle]:
+        """Report each jumped-over step's token at that step's end to the progress callbacks that ask
+        for it (``per_step``: a streaming HTTP client, which vLLM sends one chunk per token at its
+        step time); a jump otherwise reports its tokens at once, at its end. The step that ends the
+        jump is reported by :meth:`_apply_jump`, so callbacks past an interruption are cancelled."""
+        loop = asyncio.get_running_loop()
+        timers = []
+        for r in reqs:
+            cb = r.on_progress
+            if cb is not None and getattr(cb, "per_step", False):
+                base = r.num_output_tokens
+                timers.extend(loop.call_at(t, cb, base + j) for j, t in enumerate(ends[:-1], 1))
+        return timers
 
     def _apply_jump(self, reqs: list[EmuRequest], m: int, ends: list[float], start: float,
                     allocs: list[tuple[int, int]]) -> None:

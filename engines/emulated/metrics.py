@@ -9,8 +9,17 @@ is ``busy / elapsed``, with a binned series for plots.
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -58,14 +67,6 @@ class Histogram:
         return out
 
 
-def _fmt(v: float) -> str:
-    if isinstance(v, int):
-        return f"{float(v)!r}"
-    if math.isinf(v):
-        return "+Inf"
-    return repr(float(v))
-
-
 class EngineMetrics:
     """Counters, gauges and histograms of one engine, plus busy-time accounting."""
 
@@ -73,6 +74,9 @@ class EngineMetrics:
         self.model_name = model_name
         self.engine = engine
         self.util_bin_s = util_bin_s
+        # Unix time the series were created (prometheus_client's `_created` samples), set by whoever
+        # knows the wall clock (the HTTP server); None renders no `_created` series.
+        self.created: float | None = None
         # gauges (set by the engine after each step)
         self.num_requests_running = 0
         self.num_requests_waiting = 0
@@ -140,32 +144,31 @@ class EngineMetrics:
         return [(b * w, self._bins.get(b, 0.0) / w) for b in range(lo, hi + 1)]
 
     # ---- exposition ----------------------------------------------------------------------------
-    def render_prometheus(self) -> str:
-        """The Prometheus text exposition of every metric, with vLLM's names and labels."""
-        base = f'engine="{self.engine}",model_name="{self.model_name}"'
-        out: list[str] = []
-
-        def head(name: str, kind: str, help_: str) -> None:
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
+    def families(self, extra: Iterable[Metric] = ()) -> list[Metric]:
+        """Every metric as a prometheus_client family, with vLLM's names, labels and help texts."""
+        keys = ["engine", "model_name"]
+        vals = [self.engine, self.model_name]
+        out: list[Metric] = []
 
         def gauge(name: str, v: float, help_: str) -> None:
-            head(name, "gauge", help_)
-            out.append(f"{name}{{{base}}} {_fmt(v)}")
+            f = GaugeMetricFamily(name, help_, labels=keys)
+            f.add_metric(vals, float(v))
+            out.append(f)
 
-        def counter(name: str, v: float, help_: str, extra: str = "") -> None:
-            head(name, "counter", help_)
-            labels = base + ("," + extra if extra else "")
-            out.append(f"{name}_total{{{labels}}} {_fmt(v)}")
+        def counter(name: str, v: float, help_: str, extra_labels: dict[str, str] | None = None) -> None:
+            ex = extra_labels or {}
+            f = CounterMetricFamily(name, help_, labels=keys + list(ex))
+            f.add_metric(vals + list(ex.values()), float(v), created=self.created)
+            out.append(f)
 
         def hist(name: str, h: Histogram, help_: str) -> None:
-            head(name, "histogram", help_)
+            f = HistogramMetricFamily(name, help_, labels=keys)
             cum = h.cumulative()
-            for le, c in zip(h.buckets, cum):
-                out.append(f'{name}_bucket{{{base},le="{le}"}} {_fmt(c)}')
-            out.append(f'{name}_bucket{{{base},le="+Inf"}} {_fmt(cum[-1])}')
-            out.append(f"{name}_count{{{base}}} {_fmt(h.count)}")
-            out.append(f"{name}_sum{{{base}}} {_fmt(h.sum)}")
+            buckets = [(_le(le), float(c)) for le, c in zip(h.buckets, cum)] + [("+Inf", float(cum[-1]))]
+            f.add_metric(vals, buckets, float(h.sum))
+            if self.created is not None:  # HistogramMetricFamily takes no `created=`
+                f.samples.append(Sample(f"{name}_created", dict(zip(keys, vals)), self.created))
+            out.append(f)
 
         gauge("vllm:num_requests_running", self.num_requests_running, "Number of requests in model execution batches.")
         gauge("vllm:num_requests_waiting", self.num_requests_waiting, "Number of requests waiting to be processed.")
@@ -178,15 +181,16 @@ class EngineMetrics:
                 "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.")
         counter("vllm:external_prefix_cache_hits", self.external_prefix_cache_hits,
                 "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.")
-        head("vllm:prompt_tokens_by_source", "counter", "Number of prompt tokens by source.")
+        by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                        labels=[*keys, "source"])
         for src in SOURCES:
-            out.append(f'vllm:prompt_tokens_by_source_total{{{base},source="{src}"}} '
-                       f"{_fmt(self.prompt_tokens_by_source[src])}")
+            by_source.add_metric([*vals, src], float(self.prompt_tokens_by_source[src]), created=self.created)
+        out.append(by_source)
         counter("vllm:prompt_tokens", self.prompt_tokens, "Number of prefill tokens processed.")
         counter("vllm:generation_tokens", self.generation_tokens, "Number of generation tokens processed.")
         counter("vllm:num_preemptions", self.num_preemptions, "Cumulative number of preemption from the engine.")
         counter("vllm:request_success", self.request_success, "Count of successfully processed requests.",
-                'finished_reason="length"')
+                {"finished_reason": "length"})
         hist("vllm:time_to_first_token_seconds", self.ttft, "Histogram of time to first token in seconds.")
         hist("vllm:inter_token_latency_seconds", self.itl, "Histogram of inter-token latency in seconds.")
         hist("vllm:e2e_request_latency_seconds", self.e2e, "Histogram of e2e request latency in seconds.")
@@ -202,4 +206,36 @@ class EngineMetrics:
         counter("gpuhit:kv_transfer_bytes", self.kv_transfer_bytes, "Bytes received by KV transfers.")
         counter("gpuhit:kv_transfer_seconds", self.kv_transfer_seconds, "Loop seconds spent in KV transfers.")
         counter("gpuhit:engine_busy_seconds", self.busy_s, "Seconds the emulated GPU spent executing steps.")
-        return "\n".join(out) + "\n"
+        out.extend(extra)
+        return out
+
+    def render_prometheus(self, extra: Iterable[Metric] = ()) -> str:
+        """The Prometheus text exposition of every metric (plus ``extra`` families), rendered by
+        prometheus_client exactly as vLLM's ``/metrics`` is (counters get ``_total``)."""
+        return render(self.families(extra))
+
+
+def _le(bound: float) -> str:
+    # prometheus_client writes bucket bounds as floatToGoString does: 0.5 -> "0.5", 1 -> "1.0"
+    return floatToGoString(bound)
+
+
+class _Families:
+    """A one-shot collector: the families built for one scrape."""
+
+    def __init__(self, families: list[Metric]):
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def render(families: Iterable[Metric]) -> str:
+    """Prometheus text exposition of ``families`` through prometheus_client's own renderer."""
+    fams = list(families)
+    for f in fams:
+        # vLLM's multiprocess collector writes labels sorted by name (engine, le, model_name)
+        f.samples = [s._replace(labels=dict(sorted(s.labels.items()))) for s in f.samples]
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Families(fams))  # type: ignore[arg-type]
+    return generate_latest(reg).decode()

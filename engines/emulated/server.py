@@ -2,15 +2,22 @@
 
 One :class:`EmulatedServer` wraps ONE engine (an ``EmulatedEngine`` or anything with the same
 surface: ``generate(request, on_progress=None)``, ``subscribe_kv_events(cb)``, ``stats()`` and
-``metrics.render_prometheus()``) and serves what gpuhit and OpenAI clients use of vLLM 0.33:
+``metrics.render_prometheus()``) and answers as vLLM 0.32 does (checked against a real one by
+``tests/e2e/test_emulated_vs_vllm.py``; the README lists what still differs and why):
 
-* ``POST /v1/completions``: ``prompt`` as a token-id list or a string; ``max_tokens`` (default 16),
+* ``POST /v1/completions``: ``prompt`` as a token-id list or a string; ``max_tokens`` (default 16,
+  clamped to what fits in ``max_model_len``; a longer prompt is a 400 with vLLM's message),
   ``min_tokens``/``ignore_eos`` accepted (the emulator has no EOS: it always generates exactly
-  ``max_tokens``), ``stream`` with ``stream_options.include_usage``, ``kv_transfer_params`` passed
-  to the engine and its answer returned at the top level, as vLLM's KV connectors do.
-* ``POST /v1/chat/completions``: ``messages`` rendered by :func:`chat_template` then tokenized.
-* ``GET /v1/models``, ``/health``, ``/metrics`` (the engine's vLLM-named metrics),
-  ``/kv_event_sources`` (bare JSON array like vLLM), plus the ZMQ KV-event publisher with replay.
+  ``max_tokens``), ``stream`` with ``stream_options.include_usage``: one SSE chunk per token, each
+  sent at its own decode step's time, ``kv_transfer_params`` passed to the engine and its answer
+  returned at the top level, as vLLM's KV connectors do. Options the emulator cannot honour (``n``,
+  ``logprobs``, ``echo``, ...) are refused with a 400, never ignored.
+* ``POST /v1/chat/completions``: ``messages`` through the tokenizer's chat template (or
+  :func:`chat_template`); vLLM's role chunk first when streaming.
+* ``GET /v1/models`` (vLLM's card), ``/health``, ``/metrics`` (vLLM-named families rendered by
+  prometheus_client), ``/kv_event_sources`` (vLLM 0.32's ``{"0": {...}}``), ``POST
+  /reset_prefix_cache``, plus the ZMQ KV-event publisher with replay. Ids are ``cmpl-`` /
+  ``chatcmpl-`` + the client's ``X-Request-ID``, else 16 random hex digits (unique across engines).
 * For an engine that can move KV (an ``EmulatedEngine``: it has a transfer ``registry``), the
   Mooncake-style bootstrap routes of :mod:`engines.emulated.remote_transfer` (``GET /query``,
   ``POST /kv_transfer/pull``, ``/kv_transfer/release``) on the same port, and a consumer client:
@@ -18,25 +25,25 @@ surface: ``generate(request, on_progress=None)``, ``subscribe_kv_events(cb)``, `
   ``bootstrap_addr`` is this server's URL, so the ``kv_transfer_params`` a producer step returns
   point consumers here.
 
-Text prompts are tokenized by :func:`simple_tokenize`, a deterministic stand-in for a real
-tokenizer: the text is split before every whitespace run (so ``"a b"`` -> ``"a"``, ``" b"``) and
-each piece maps to ``256 + crc32(piece) % (vocab - 256)``. It is prefix-stable (a text that extends
-another gives a token list that extends the other's, up to the last piece), which is all prefix
-caching needs. Output token text is ``" x"`` per token.
+Text and chat prompts are tokenized by the model directory's tokenizer when one is given
+(:mod:`engines.emulated.hf_tokenizer`), else by :func:`simple_tokenize`, a deterministic stand-in:
+the text is split before every whitespace run (so ``"a b"`` -> ``"a"``, ``" b"``) and each piece
+maps to ``256 + crc32(piece) % (vocab - 256)``; it is prefix-stable, which is all prefix caching
+needs. Output token text is ``" x"`` per token.
 
 ``usage.prompt_tokens_details.cached_tokens`` is always filled (vLLM needs
-``--enable-prompt-tokens-details``). ``created`` is the loop clock in whole seconds, not the Unix
-epoch: nothing under ``engines/`` reads the wall clock.
+``--enable-prompt-tokens-details``). ``created`` is Unix time from the injected ``wall_clock``
+(nothing under ``engines/`` reads the wall clock itself; without one, the loop clock).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import re
+import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -52,6 +59,10 @@ from gpuhit.errors import CapacityError, GpuhitError
 log = logging.getLogger(__name__)
 
 VOCAB = 151_936  # Qwen's vocabulary size; any size > 256 works
+TOKEN_TEXT = " x"  # the text of every generated token (the emulator has no vocabulary to sample)
+SYSTEM_FINGERPRINT = "gpuhit-emulated"
+BUFFER_STEPS = 10_000  # KV-event replay buffer (steps) and ZMQ send high-water mark: vLLM's defaults
+HWM = 100_000
 _PIECES = re.compile(r"\s*\S+|\s+$")
 
 
@@ -75,6 +86,19 @@ def chat_template(messages: list[Mapping[str, Any]]) -> str:
 
 
 _bad = protocol.bad_request
+_invalid = protocol.validation_error
+
+# Options vLLM honours that the emulator cannot (it has no logits and one sequence per request):
+# refused with a 400 instead of silently ignored. A value equal to the default is accepted.
+_UNSUPPORTED: dict[str, Any] = {
+    "n": 1, "best_of": None, "logprobs": None, "top_logprobs": None, "prompt_logprobs": None, "echo": False,
+    "use_beam_search": False, "suffix": None, "response_format": None, "tools": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "structured_outputs": None, "prompt_embeds": None,
+}
+# pydantic's lax bool parsing, which vLLM's request models use ("yes" -> True).
+_TRUE = {"true", "1", "yes", "y", "on", "t"}
+_FALSE = {"false", "0", "no", "n", "off", "f"}
 
 
 def _int_field(body: Mapping[str, Any], name: str, default: int | None, minimum: int) -> int | None:
@@ -82,24 +106,46 @@ def _int_field(body: Mapping[str, Any], name: str, default: int | None, minimum:
     if v is None:
         return default
     if not isinstance(v, int) or isinstance(v, bool):
-        raise _bad(f"{name} must be an integer, got {type(v).__name__}", name)
+        raise _invalid(name, "Input should be a valid integer", v)
     if v < minimum:
-        raise _bad(f"{name} must be at least {minimum}, got {v}", name)
+        raise _bad(f"{name} must be at least {minimum}, got {v}. (parameter={name}, value={v})", name)
     return v
 
 
+def _bool_field(body: Mapping[str, Any], name: str) -> bool:
+    v = body.get(name, False)
+    if v is None or isinstance(v, bool):
+        return bool(v)
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.lower() in _TRUE | _FALSE:
+        return v.lower() in _TRUE
+    raise _invalid(name, "Input should be a valid boolean", v)
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    for name, default in _UNSUPPORTED.items():
+        v = body.get(name, default)
+        if v is not None and v != default and not (name == "logprobs" and v is False):
+            raise _bad(f"the emulated engine does not support {name}={v!r} (no logits, one sequence per "
+                       f"request); leave it out", name)
+
+
 class _Progress:
-    """Output-token count reported by the engine, awaited by the streaming writer."""
+    """Output-token count reported by the engine, awaited by the streaming writer. ``per_step``
+    asks the engine to report every decode step at its own time, even inside a decode jump."""
 
     __slots__ = ("changed", "count")
+    per_step = True
 
     def __init__(self) -> None:
         self.count = 0
         self.changed = asyncio.Event()
 
     def __call__(self, total: int) -> None:
-        self.count = total
-        self.changed.set()
+        if total > self.count:  # per-step reports scheduled ahead can land after a catch-up
+            self.count = total
+            self.changed.set()
 
 
 class EmulatedServer:
@@ -125,6 +171,9 @@ class EmulatedServer:
         tracer: Any = None,
         hash_name: str = "sha256",
         kv_transfer: bool | None = None,
+        wall_clock: Callable[[], float] | None = None,
+        tokenizer: Any = None,
+        root: str | None = None,
     ):
         from engines.hashing import SessionHashCache
 
@@ -137,21 +186,33 @@ class EmulatedServer:
         self.model = model
         self.max_model_len = max_model_len
         self.tracer = tracer
-        self._ids = itertools.count()
+        # Unix time for `created` fields (injected: nothing under engines/ reads the wall clock);
+        # without one, the loop clock stands in.
+        self._wall = wall_clock
+        self.root = root  # the model's path, for the /v1/models card (vLLM's `root`)
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size if tokenizer is not None else VOCAB
         self._publisher: KVEventPublisher | None = None
-        self._sources: list[dict[str, Any]] = []
+        self._sources: dict[str, dict[str, Any]] = {}
         if kv_events_endpoint is not None:
             self._publisher = KVEventPublisher(
-                kv_events_endpoint, kv_replay_endpoint, topic=topic, shape=kv_event_shape
+                kv_events_endpoint, kv_replay_endpoint, topic=topic, shape=kv_event_shape,
+                buffer_steps=BUFFER_STEPS, hwm=HWM,
             )
-            self._sources = [
-                {
-                    "data_parallel_rank": 0,
+            # vLLM 0.32's shape: the KV-events config of each data-parallel rank, keyed by rank.
+            self._sources = {
+                "0": {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
                     "endpoint": self._advertise(self._publisher.endpoint_bound, advertise_host),
                     "replay_endpoint": self._advertise(self._publisher.replay_endpoint_bound, advertise_host),
+                    "buffer_steps": BUFFER_STEPS,
+                    "hwm": HWM,
+                    # vLLM's engine-to-publisher queue bound; the emulator publishes in-line (no queue)
+                    "max_queue_size": HWM,
                     "topic": topic,
                 }
-            ]
+            }
             engine.subscribe_kv_events(self._on_kv_batch)
         self.app = web.Application(client_max_size=256 * 1024**2)
         self.app.add_routes(
@@ -213,6 +274,9 @@ class EmulatedServer:
         await site.start()
         sockets = self._runner.addresses
         self.port = int(sockets[0][1])
+        m = getattr(self.engine, "metrics", None)
+        if self._wall is not None and m is not None and hasattr(m, "created"):
+            m.created = self._wall()  # the `_created` series vLLM's prometheus_client writes
         if self.bootstrap is not None:
             from engines.emulated.remote_transfer import bootstrap_url
 
@@ -233,25 +297,53 @@ class EmulatedServer:
         status, body = protocol.error_from_exc(exc)
         return web.json_response(body, status=status)
 
+    def _now(self) -> float:
+        return self._wall() if self._wall is not None else asyncio.get_running_loop().time()
+
     async def _json(self, request: web.Request) -> Mapping[str, Any]:
-        return protocol.parse_body(await request.read(), self.model)
+        body = protocol.parse_body(await request.read(), self.model, f" Valid aliases: {self.model}.")
+        _refuse_unsupported(body)
+        return body
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is not None:
+            return self.tokenizer.encode(text)
+        return simple_tokenize(text)
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
+        if prompt is None or prompt == "":
+            raise _bad("Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+                       "prompt")
         if isinstance(prompt, str):
-            return simple_tokenize(prompt)
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            return self._tokenize(prompt)
+        if not isinstance(prompt, list):
+            raise _invalid("prompt", "Input should be a valid string or list", prompt)
+        if not prompt:
+            raise _bad("You must pass at least one prompt")
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             return self._prompt_ids(prompt[0])  # a batch of one
-        if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
-        ):
-            return prompt
-        raise _bad("prompt must be a string or a non-empty list of non-negative token ids (one prompt)", "prompt")
+        if isinstance(prompt[0], (str, list)):
+            raise _bad(f"the emulated engine serves one prompt per request, got a batch of {len(prompt)}",
+                       "prompt")
+        for i, t in enumerate(prompt):
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise _invalid(f"prompt.{i}", "Input should be greater than or equal to 0", t)
+            if t >= self.vocab_size:
+                raise _bad(f"Token id {t} is out of vocabulary")
+        return prompt
 
-    def _check_len(self, n: int, max_tokens: int) -> int:
-        """The max_tokens vLLM runs the request with (clamped to the context left), or vLLM's 400."""
+    def _max_tokens(self, n: int, requested: int | None, chat: bool) -> int:
+        """The output budget vLLM runs the request with: completions default to 16 tokens, chat without
+        ``max_tokens`` may fill the context; then vLLM's context-length rule
+        (:func:`engines.vllm.protocol.check_context_length`: refuse, or clamp to what still fits)."""
         if n == 0:
-            raise _bad("prompt is empty", "prompt")
-        max_tokens = protocol.check_context_length(n, max_tokens, self.max_model_len)
+            raise _bad("You must pass at least one prompt")
+        mml = self.max_model_len
+        if requested is None:
+            requested = 16 if not chat or mml is None else max(mml - n, 0)
+        return protocol.check_context_length(n, requested, mml)
+
+    def _check_capacity(self, n: int, max_tokens: int) -> None:
         cap = self.engine.stats().kv_capacity_blocks
         need = -(-(n + max_tokens) // self.block_size)
         if cap is not None and need > cap:
@@ -259,7 +351,6 @@ class EmulatedServer:
                 f"request needs {need} KV cache blocks ({n} prompt + {max_tokens} output tokens) but the "
                 f"engine holds only {cap}"
             )
-        return max_tokens
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         """vLLM's dev route: ``{"success": bool}``; false while blocks are in use (callers may retry)."""
@@ -282,9 +373,14 @@ class EmulatedServer:
         try:
             body = await self._json(request)
             messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-                raise _bad("messages must be a non-empty list of objects", "messages")
-            ids = simple_tokenize(chat_template(messages))
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise _invalid("messages", "Input should be a valid list", messages)
+            if not messages:
+                raise _bad("Cannot apply chat template to an empty conversation. Provide at least one message.")
+            if self.tokenizer is not None:
+                ids = self.tokenizer.encode_chat(messages)
+            else:
+                ids = simple_tokenize(chat_template(messages))
         except GpuhitError as exc:
             return self._error(exc)
         return await self._serve(request, body, ids, chat=True)
@@ -292,26 +388,26 @@ class EmulatedServer:
     async def _serve(self, request: web.Request, body: Mapping[str, Any], ids: list[int], chat: bool) -> web.StreamResponse:
         try:
             name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-            max_tokens = _int_field(body, name, 16, 1)
-            assert max_tokens is not None
+            requested = _int_field(body, name, None, 1)
             _int_field(body, "min_tokens", 0, 0)
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise _bad("stream must be a boolean", "stream")
-            opts = body.get("stream_options") or {}
-            if not isinstance(opts, dict):
-                raise _bad("stream_options must be an object", "stream_options")
-            include_usage = bool(opts.get("include_usage", False))
+            stream = _bool_field(body, "stream")
+            opts = body.get("stream_options")
+            if opts is not None and not isinstance(opts, dict):
+                raise _invalid("stream_options", "Input should be a valid dictionary", opts)
+            include_usage = bool((opts or {}).get("include_usage", False))
             ktp = body.get("kv_transfer_params")
             if ktp is not None and not isinstance(ktp, dict):
-                raise _bad("kv_transfer_params must be an object", "kv_transfer_params")
+                raise _invalid("kv_transfer_params", "Input should be a valid dictionary", ktp)
             priority = body.get("priority", 0)
             if not isinstance(priority, int) or isinstance(priority, bool):
-                raise _bad("priority must be an integer", "priority")
-            max_tokens = self._check_len(len(ids), max_tokens)
+                raise _invalid("priority", "Input should be a valid integer", priority)
+            max_tokens = self._max_tokens(len(ids), requested, chat)
+            self._check_capacity(len(ids), max_tokens)
         except GpuhitError as exc:
             return self._error(exc)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
+        # vLLM's ids: the client's X-Request-ID when given, else a random one (unique across engines).
+        base = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
         greq = GenerateRequest(
             request_id=rid,
             prompt_len=len(ids),
@@ -339,7 +435,7 @@ class EmulatedServer:
         return {
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(asyncio.get_running_loop().time()),
+            "created": int(self._now()),
             "model": self.model,
         }
 
@@ -363,56 +459,107 @@ class EmulatedServer:
         self._finish_span(span, res)
         if res.error is not None:
             return web.json_response(protocol.error_body(res.error, 500), status=500)
-        text = " x" * res.completion_tokens
+        text = TOKEN_TEXT * res.completion_tokens
         out = self._head(greq.request_id, chat)
+        # The keys (and null fields) of vLLM 0.32's CompletionResponse / ChatCompletionResponse.
         if chat:
             out["object"] = "chat.completion"
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-            }
+            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                       "function_call": None, "reasoning": None}
+            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length",
+                                      "stop_reason": None, "token_ids": None, "routed_experts": None}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                      "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}
         out["choices"] = [choice]
-        out["usage"] = protocol.usage(res.prompt_tokens, res.completion_tokens, self._cached(res))
-        out["kv_transfer_params"] = dict(res.kv_transfer_params) if res.kv_transfer_params else None
+        out["service_tier"] = None
+        out["system_fingerprint"] = SYSTEM_FINGERPRINT
+        out["usage"] = self._usage(res, chat, unary=True)
+        if chat:
+            out.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        out["kv_transfer_params"] = self._returned_params(res)
+        out["ec_transfer_params"] = None
+        out["metrics"] = None
         return web.json_response(out)
+
+    def _usage(self, res: GenerateResult, chat: bool, unary: bool) -> dict[str, Any]:
+        # A PD consumer reports what it holds after the load (local + loaded tokens); vLLM 0.32 reports
+        # the producer's `remote_prefill_cached_tokens` instead (README, "Emulator vs vLLM"): gpuhit's
+        # transfer accounting reads the loaded tokens from here.
+        u = protocol.usage(res.prompt_tokens, res.completion_tokens, self._cached(res))
+        details = u["prompt_tokens_details"]
+        # vLLM fills these per endpoint: chat reports created_cache_tokens 0, completions null; the
+        # streaming usage chunk of a completion has cached_tokens only.
+        if chat:
+            details["created_cache_tokens"] = 0
+        elif unary:
+            details["created_cache_tokens"] = None
+        if unary:
+            details["multimodal_tokens"] = None
+            u["completion_tokens_details"] = None
+        return u
 
     @staticmethod
     def _cached(res: GenerateResult) -> int:
-        # vLLM counts local prefix-cache hits and connector-imported tokens alike as cached.
+        # vLLM's prefill_stats.num_cached_tokens: local prefix-cache hits plus connector-loaded tokens.
         return res.cached_tokens + res.external_cached_tokens
 
-    def _chunk(self, head: dict[str, Any], chat: bool, n_tokens: int, first: bool, finish: str | None) -> bytes:
-        text = " x" * n_tokens
+    def _returned_params(self, res: GenerateResult) -> dict[str, Any] | None:
+        """A producer's ``kv_transfer_params`` for the consumer, with vLLM 0.32's
+        ``remote_prefill_cached_tokens`` (the producer's own cached tokens) added, as its
+        scheduler adds them when a ``do_remote_decode`` request finishes."""
+        if not res.kv_transfer_params:
+            return None
+        out = dict(res.kv_transfer_params)
+        if out.get("do_remote_prefill"):
+            out.setdefault("remote_prefill_cached_tokens", self._cached(res))
+        return out
+
+    @staticmethod
+    def _chunk(head: dict[str, Any], chat: bool, finish: str | None, role: bool = False,
+               fingerprint: bool = False) -> bytes:
+        """One SSE chunk of one generated token (vLLM streams one per token); ``role``: chat's first
+        chunk, which vLLM sends before any token with the role and empty content."""
         if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if role:
+                choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}
+                return protocol.sse({**head, "choices": [choice], "prompt_token_ids": None, "prompt_text": None})
+            choice = {"index": 0, "delta": {"content": TOKEN_TEXT}, "logprobs": None, "finish_reason": finish,
+                      "token_ids": None}
+            if finish is not None:
+                choice["stop_reason"] = None
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-        return protocol.sse({**head, "choices": [choice]})
+            choice = {"index": 0, "text": TOKEN_TEXT, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                      "prompt_token_ids": None, "token_ids": None}
+        obj = {**head, "choices": [choice]}
+        if fingerprint:  # vLLM's last chunk of a stream without a usage chunk
+            obj["system_fingerprint"] = SYSTEM_FINGERPRINT
+        return protocol.sse(obj)
 
     async def _stream(
         self, request: web.Request, greq: GenerateRequest, chat: bool, include_usage: bool, span: Any
     ) -> web.StreamResponse:
         progress = _Progress()
         task = asyncio.ensure_future(self._run(greq, progress))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
         head = self._head(greq.request_id, chat)
         sent = 0
         try:
             await resp.prepare(request)
+            if chat:
+                await resp.write(self._chunk(head, chat, None, role=True))
             while not task.done():
                 waiter = asyncio.ensure_future(progress.changed.wait())
                 await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
                 progress.changed.clear()
-                if progress.count > sent and not task.done():
-                    await resp.write(self._chunk(head, chat, progress.count - sent, sent == 0, None))
-                    sent = progress.count
+                # One chunk per token, the final one held back for its finish_reason. The engine
+                # reports each decode step at its own time, so tokens leave at their step times.
+                while sent < min(progress.count, greq.max_tokens - 1) and not task.done():
+                    await resp.write(self._chunk(head, chat, None))
+                    sent += 1
             try:
                 res = task.result()
             except GpuhitError as exc:
@@ -424,12 +571,15 @@ class EmulatedServer:
             if res.error is not None:
                 await resp.write(protocol.sse(protocol.error_body(res.error, 500)))
             else:
-                await resp.write(self._chunk(head, chat, res.completion_tokens - sent, sent == 0, "length"))
+                for k in range(sent, res.completion_tokens):
+                    last = k == res.completion_tokens - 1
+                    await resp.write(self._chunk(head, chat, "length" if last else None,
+                                                 fingerprint=last and not include_usage))
                 if include_usage:
-                    tail = {**head, "choices": [], "usage": protocol.usage(res.prompt_tokens, res.completion_tokens,
-                                                                          self._cached(res))}
+                    tail = {**head, "choices": [], "usage": self._usage(res, chat, unary=False),
+                            "system_fingerprint": SYSTEM_FINGERPRINT}
                     if res.kv_transfer_params:
-                        tail["kv_transfer_params"] = dict(res.kv_transfer_params)
+                        tail["kv_transfer_params"] = self._returned_params(res)
                     await resp.write(protocol.sse(tail))
             await resp.write(protocol.SSE_DONE)
             await resp.write_eof()
@@ -443,14 +593,22 @@ class EmulatedServer:
                 task.cancel()
 
     async def models(self, request: web.Request) -> web.Response:
+        created = int(self._now())
+        permission = {
+            "id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False,
+        }
         card = {
             "id": self.model,
             "object": "model",
-            "created": int(asyncio.get_running_loop().time()),
+            "created": created,
             "owned_by": "vllm",
-            "root": self.model,
+            "root": self.root or self.model,
             "parent": None,
             "max_model_len": self.max_model_len,
+            "permission": [permission],
         }
         return web.json_response({"object": "list", "data": [card]})
 
@@ -458,18 +616,28 @@ class EmulatedServer:
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client.core import GaugeMetricFamily
+
+        from engines.emulated.metrics import render
+
         st = self.engine.stats()
+        # vLLM's cache_config_info info-gauge: block size and pool size ride in its labels.
+        info = {"block_size": str(self.block_size), "engine": "0", "num_gpu_blocks": str(st.kv_capacity_blocks or 0),
+                "enable_prefix_caching": "True"}
+        cache_info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                       labels=list(info))
+        cache_info.add_metric(list(info.values()), 1.0)
         m = getattr(self.engine, "metrics", None)
         if m is not None:
-            text = m.render_prometheus()
+            text = m.render_prometheus([cache_info])
         else:  # an engine without vLLM metrics (e.g. engines.fake): the gauges routing reads
-            lab = f'engine="0",model_name="{self.model}"'
-            text = (f"vllm:num_requests_running{{{lab}}} {float(st.running or 0)}\n"
-                    f"vllm:num_requests_waiting{{{lab}}} {float(st.waiting or 0)}\n"
-                    f"vllm:kv_cache_usage_perc{{{lab}}} {float(st.kv_usage or 0.0)}\n")
-        # vLLM's cache_config_info info-gauge: block size and pool size ride in its labels.
-        text += (f'vllm:cache_config_info{{block_size="{self.block_size}",engine="0",'
-                 f'num_gpu_blocks="{st.kv_capacity_blocks or 0}"}} 1.0\n')
+            fams = []
+            for name, v in (("vllm:num_requests_running", st.running), ("vllm:num_requests_waiting", st.waiting),
+                            ("vllm:kv_cache_usage_perc", st.kv_usage)):
+                f = GaugeMetricFamily(name, name, labels=["engine", "model_name"])
+                f.add_metric(["0", self.model], float(v or 0))
+                fams.append(f)
+            text = render([*fams, cache_info])
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def kv_event_sources(self, request: web.Request) -> web.Response:

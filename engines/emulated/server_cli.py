@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-offload-gb", type=float, default=0.0)
     p.add_argument("--zero-cost", action="store_true",
                    help="every step and frontend cost 0 s (gateway benchmarks: the engine is never the bottleneck)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a model directory whose tokenizer.json (and chat template) tokenizes text and chat "
+                        "prompts as vLLM serving it does (default: a stand-in word hash)")
     p.add_argument("--otel", action="store_true", default=None,
                    help="export llm_request spans over OTLP/HTTP (OTEL_EXPORTER_OTLP_* variables)")
     p.set_defaults(func=_run)
@@ -57,9 +60,13 @@ def build_engine(args: argparse.Namespace):
 
 
 async def serve(args: argparse.Namespace) -> None:
+    import time
+
+    from engines.emulated.hf_tokenizer import HFTokenizer
     from engines.emulated.server import EmulatedServer
     from gpuhit import tracing
 
+    tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else None
     engine = build_engine(args)
     if args.no_kv_events:
         pub = replay = None
@@ -71,9 +78,10 @@ async def serve(args: argparse.Namespace) -> None:
     tracer = tracing.setup("gpuhit-emulated-vllm", args.otel)
     srv = EmulatedServer(engine, model=args.model or engine.model_name, kv_events_endpoint=pub,
                          kv_replay_endpoint=replay, advertise_host=args.host, max_model_len=engine.max_model_len,
-                         kv_event_shape=args.kv_event_shape, tracer=tracer)
+                         kv_event_shape=args.kv_event_shape, tracer=tracer, tokenizer=tokenizer,
+                         root=args.tokenizer, wall_clock=time.time)  # `created` is Unix time, as vLLM's
     port = await srv.start(args.host, args.port)
-    src = srv._sources[0]["endpoint"] if srv._sources else "off"
+    src = srv._sources["0"]["endpoint"] if srv._sources else "off"
     print(f"gpuhit emulate: {engine.name} serving {srv.model} on http://{args.host}:{port} (KV events {src})",
           flush=True)
     try:

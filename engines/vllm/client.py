@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -45,6 +46,12 @@ async def discover_kv_sources(session: aiohttp.ClientSession, base_url: str, tim
             doc = await resp.json(content_type=None)
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise EngineError(f"cannot discover KV event sources at {url}: {exc or type(exc).__name__}") from None
+    if isinstance(doc, dict):
+        # vLLM 0.32 (and the emulator): {"<dp rank>": {kv-events config}}; `*` binds mean the engine's host.
+        host = urllib.parse.urlsplit(base_url).hostname or "127.0.0.1"
+        doc = [{**{k: (v.replace("*", host, 1) if isinstance(v, str) and k.endswith("endpoint") else v)
+                   for k, v in cfg.items()}, "data_parallel_rank": int(rank)}
+               for rank, cfg in doc.items() if isinstance(cfg, dict) and str(rank).isdigit()]
     if not isinstance(doc, list) or not all(isinstance(d, dict) and isinstance(d.get("endpoint"), str) for d in doc):
         raise EngineError(f"{url} answered {str(doc)[:120]!r}, not a list of {{endpoint, ...}} objects")
     return doc

@@ -44,7 +44,7 @@ def error_body(message: str, status: int, param: str | None = None, type_: str |
 def error_from_exc(exc: GpuhitError) -> tuple[int, dict[str, Any]]:
     """(status, body) for one of our errors, in vLLM's shape."""
     status = int(getattr(exc, "http_status", 500))
-    return status, error_body(str(exc), status, getattr(exc, "param", None))
+    return status, error_body(str(exc), status, getattr(exc, "param", None), getattr(exc, "error_type", None))
 
 
 def sse(obj: Mapping[str, Any]) -> bytes:
@@ -105,6 +105,16 @@ def bad_request(message: str, param: str | None = None) -> BadRequestError:
     return err
 
 
+def validation_error(field: str, msg: str, value: Any) -> BadRequestError:
+    """A 400 for a field of the wrong type, shaped as vLLM's request-validation errors are (pydantic:
+    type ``Bad Request``, param ``body.<field>``, a ``1 validation error:`` message)."""
+    loc = f"body.{field}"
+    err = BadRequestError(f"1 validation error:\n  {{'loc': '{loc}', 'msg': '{msg}', 'input': {str(value)[:50]!r}}}")
+    err.param = loc  # type: ignore[attr-defined]
+    err.error_type = "Bad Request"  # type: ignore[attr-defined]
+    return err
+
+
 def parse_body(raw: bytes, served_model: str, unknown_model_hint: str = "") -> dict[str, Any]:
     """The JSON object of an OpenAI request body, checked the way vLLM checks it: valid JSON, an
     object, and a ``model`` (when given) equal to the served one (else 404, vLLM's message plus
@@ -112,12 +122,18 @@ def parse_body(raw: bytes, served_model: str, unknown_model_hint: str = "") -> d
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
+        err = bad_request(f"1 validation error:\n  request body is not valid JSON: {exc}")
+        err.error_type = "Bad Request"  # type: ignore[attr-defined]
+        raise err from None
     if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
+        err = bad_request("1 validation error:\n  request body must be a JSON object (Input should be a valid dictionary)", "body")
+        err.error_type = "Bad Request"  # type: ignore[attr-defined]
+        raise err
     model = body.get("model")
     if model is not None and model != served_model:
-        raise NotFoundError(f"The model `{model}` does not exist.{unknown_model_hint}")
+        err = NotFoundError(f"The model `{model}` does not exist.{unknown_model_hint}")
+        err.param = "model"  # type: ignore[attr-defined]
+        raise err
     return body
 
 
@@ -136,12 +152,15 @@ def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int | 
         return max_tokens
     if max_tokens > max_model_len:
         raise bad_request(f"{max_tokens_param}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
-                          "Please request fewer output tokens.", max_tokens_param)
+                          f"Please request fewer output tokens. (parameter={max_tokens_param}, value={max_tokens})",
+                          max_tokens_param)
     if prompt_len > max_model_len:
+        # vLLM's VLLMValidationError appends "(parameter=..., value=...)" to its message.
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
             f"{prompt_len} input tokens, which exceeds this limit even without any output tokens. "
-            "Please reduce the length of the input prompt.", "input_tokens")
+            f"Please reduce the length of the input prompt. (parameter=input_tokens, value={prompt_len})",
+            "input_tokens")
     if prompt_len == max_model_len:
         raise bad_request(
             f"The decoder prompt (length {prompt_len}) plus the number of requested output tokens (at least 1) "

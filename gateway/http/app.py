@@ -149,6 +149,10 @@ def usage_from_tail(tail: bytes, sse: bool = True) -> Mapping[str, Any] | None:
     return None
 
 
+# What a NixlConnector producer returns for its consumer (vLLM 0.32, engines/vllm/pd_check.py).
+_NIXL_PARAMS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
+
+
 class Gateway:
     """The gateway's state and request logic. ``listen(host, port)`` starts the engines' side
     (``start``) and the configured transport; ``shutdown()`` stops both. ``app`` is the aiohttp
@@ -534,6 +538,10 @@ class Gateway:
         params = dict(returned) if isinstance(returned, Mapping) else {}
         params["do_remote_prefill"] = True
         params["do_remote_decode"] = False
+        if all(params.get(k) is not None for k in _NIXL_PARAMS):
+            # vLLM's NixlConnector (the one its CPU build runs) returns all its consumer needs
+            # (engine id, side-channel host/port, block ids): no bootstrap server, passed as is.
+            return params
         params.setdefault("transfer_id", transfer_id)
         configured = self.cfg.engines[src].bootstrap
         if configured is not None:

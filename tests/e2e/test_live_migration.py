@@ -85,16 +85,17 @@ def test_migration_two_step_rebinds_and_next_turn_hits_on_target():
             turn2 = turn1 + list(range(5, 40))  # 104 tokens: 6 full blocks, the first 4 on e0
             h, usage, text = await post(http, url, turn2, "s1")
             assert (h["x-gpuhit-instance"], h["x-gpuhit-decision"]) == ("e1", "migrate")
-            assert h["x-gpuhit-predicted-hit"] == "64"
+            assert h["x-gpuhit-predicted-hit"] == "96"
             assert text == " x" * 3 and usage["completion_tokens"] == 3 and usage["prompt_tokens"] == 104
-            # The 4 blocks came over the connector: the target reports them as cached.
-            assert usage["prompt_tokens_details"]["cached_tokens"] == 64
+            # vLLM's connector semantics: the producer prefilled the whole prompt (4 blocks cached, 2
+            # computed) and all 6 full blocks came over the connector: the target reports them as cached.
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 96
             assert engs[1].metrics.kv_transfers == 1 and engs[1].metrics.kv_transfer_failures == 0
-            assert engs[1].metrics.kv_transfer_bytes == 4 * engs[1].block_bytes
+            assert engs[1].metrics.kv_transfer_bytes == 6 * engs[1].block_bytes
             assert srvs[0].bootstrap.pulls == 1
             assert gw.router.bindings.get("s1") == 1
             st = gw.router.stats
-            assert (st.migrations, st.fallbacks, st.transferred_tokens) == (1, 0, 64)
+            assert (st.migrations, st.fallbacks, st.transferred_tokens) == (1, 0, 96)
             # The consumer hands the producer its pinned blocks back once loaded.
             await wait_until(lambda: len(engs[0].registry) == 0 and srvs[0].bootstrap.releases == 1,
                              what="release of the producer's blocks")

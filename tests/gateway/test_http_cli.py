@@ -38,3 +38,18 @@ def test_bootstrap_and_transport_config():
     doc = {"engines": [{"url": "http://a:1", "bootstrap": "a:8998"}]}
     with pytest.raises(ConfigError, match="bootstrap must be"):
         gcfg.from_mapping(doc).validate()
+
+
+def test_nixl_producer_params_pass_to_the_consumer_as_they_are():
+    """vLLM 0.32's NixlConnector producer answer (recorded by engines/vllm/pd_check.py against real
+    vLLM) needs no bootstrap address: the gateway hands it to the consumer unchanged."""
+    import asyncio
+
+    from gateway.http.app import Gateway
+
+    gw = Gateway(gcfg.with_overrides(gcfg.GatewayConfig(), engines=["http://a:1", "http://b:1"]))
+    returned = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3, 4]],
+                "remote_engine_id": "8729d2e7", "remote_request_id": "cmpl-86e3-0-bf13", "remote_host": "127.0.0.1",
+                "remote_port": 49759, "tp_size": 1, "remote_num_tokens": 100, "remote_prefill_cached_tokens": 0}
+    params = asyncio.run(gw._consumer_params(0, "gpuhit-0-x", returned))
+    assert params == returned

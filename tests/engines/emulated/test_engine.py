@@ -235,7 +235,7 @@ def test_metrics_exposition_and_utilization(tiny):
     text, util, series = run(main())
     for name in ("vllm:num_requests_running{", "vllm:kv_cache_usage_perc{", "vllm:prefix_cache_queries_total{",
                  "vllm:prefix_cache_hits_total{", "vllm:generation_tokens_total{", "vllm:num_preemptions_total{",
-                 'vllm:time_to_first_token_seconds_bucket{engine="e",model_name="tiny",le="0.001"}',
+                 'vllm:time_to_first_token_seconds_bucket{engine="e",le="0.001",model_name="tiny"}',
                  "vllm:inter_token_latency_seconds_count{", "vllm:e2e_request_latency_seconds_sum{",
                  "vllm:request_queue_time_seconds_bucket{", "vllm:request_prefill_time_seconds_count{",
                  "vllm:request_decode_time_seconds_count{"):

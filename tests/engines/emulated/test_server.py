@@ -31,13 +31,17 @@ def test_endpoints_errors_and_kv_transfer_passthrough():
         async with aiohttp.ClientSession() as http:
             async with http.get(url + "/kv_event_sources") as r:
                 sources = await r.json()
-            assert sources == [{"data_parallel_rank": 0, "endpoint": srv.publisher.endpoint_bound,
-                                "replay_endpoint": srv.publisher.replay_endpoint_bound, "topic": ""}]
+            # vLLM 0.32's shape: the KV-events config keyed by data-parallel rank
+            assert sources == {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                     "endpoint": srv.publisher.endpoint_bound,
+                                     "replay_endpoint": srv.publisher.replay_endpoint_bound,
+                                     "buffer_steps": 10_000, "hwm": 100_000, "max_queue_size": 100_000,
+                                     "topic": ""}}
             # a raw vLLM-style subscriber sees the older array shape when asked for it
             ctx = zmq.asyncio.Context()
             sub = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(sources[0]["endpoint"])
+            sub.connect(sources["0"]["endpoint"])
             await srv.publisher.wait_subscribers(1)
             prompt = list(range(40))
             producer = {"model": "m", "prompt": prompt, "max_tokens": 1,
@@ -49,7 +53,9 @@ def test_endpoints_errors_and_kv_transfer_passthrough():
             assert doc["kv_transfer_params"]["do_remote_prefill"] is True
             assert doc["kv_transfer_params"]["transfer_id"] == "t1"
             assert doc["usage"] == {"prompt_tokens": 40, "total_tokens": 41, "completion_tokens": 1,
-                                    "prompt_tokens_details": {"cached_tokens": 0}}
+                                    "prompt_tokens_details": {"cached_tokens": 0, "created_cache_tokens": None,
+                                                              "multimodal_tokens": None},
+                                    "completion_tokens_details": None}
             _topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 10)
             assert seq == (0).to_bytes(8, "big")
             _ts, events, rank = msgpack.unpackb(payload)
@@ -59,11 +65,13 @@ def test_endpoints_errors_and_kv_transfer_passthrough():
             # errors in vLLM's shape
             async with http.post(url + "/v1/completions", json={"model": "x", "prompt": [1]}) as r:
                 assert r.status == 404
-                assert (await r.json())["error"] == {"message": "The model `x` does not exist.",
-                                                     "type": "NotFoundError", "param": None, "code": 404}
+                assert (await r.json())["error"] == {"message": "The model `x` does not exist. Valid aliases: m.",
+                                                     "type": "NotFoundError", "param": "model", "code": 404}
+            # vLLM refuses a prompt longer than the context (a max_tokens beyond it is clamped instead)
             async with http.post(url + "/v1/completions", json={"prompt": [1] * 201, "max_tokens": 20}) as r:
                 assert r.status == 400
-                assert "maximum context length is 200 tokens" in (await r.json())["error"]["message"]
+                err = (await r.json())["error"]
+                assert "maximum context length is 200 tokens" in err["message"] and err["param"] == "input_tokens"
             async with http.post(url + "/reset_prefix_cache") as r:  # vLLM's dev route; FakeEngine lacks it
                 assert r.status == 501 and "cannot reset its prefix cache" in (await r.json())["error"]["message"]
             async with http.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 0}) as r:
