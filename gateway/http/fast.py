@@ -69,6 +69,7 @@ MAX_HEADERS = 100
 # their framing (": ", CRLF). httptools grows a header value by bytes concatenation, so what it
 # is fed must be bounded before it parses, not only checked after.
 _HEAD_MAX = MAX_LINE + MAX_HEADER_BYTES + 4 * MAX_HEADERS + 4
+_LINGER_S = 2.0  # how long a refused connection's remaining bytes are read and discarded
 
 
 def _nodelay(transport: asyncio.BaseTransport) -> None:
@@ -263,7 +264,7 @@ class _ServerConn(asyncio.Protocol):
         self._timer_kind = ""
         if self.closed:
             return
-        if not self._partial and self._task is None:
+        if kind == "linger" or (not self._partial and self._task is None):
             self.close()  # idle keep-alive, or a connection that never sent a request: nothing to answer
             return
         if kind == "body":
@@ -368,6 +369,9 @@ class _ServerConn(asyncio.Protocol):
                     self._reading_paused = False
                     self.transport.resume_reading()
                 await self._dispatch(req)
+                if req.reject is not None:
+                    self._linger_close()
+                    return
                 if not req.keep_alive:
                     self.close()
                     return
@@ -420,6 +424,22 @@ class _ServerConn(asyncio.Protocol):
         self._disarm()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+
+    def _linger_close(self) -> None:
+        """Close after a refusal without losing the answer: closing a socket with unread client
+        bytes (the rest of a refused head or body) sends an RST that can destroy the answer in
+        flight. So: FIN our side, discard what still arrives, close at the client's FIN or after
+        ``_LINGER_S``."""
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if not t.can_write_eof():
+            return self.close()
+        t.write_eof()
+        if self._reading_paused:
+            self._reading_paused = False
+            t.resume_reading()
+        self._arm("linger", _LINGER_S)
 
 
 class FastServer:
