@@ -69,9 +69,9 @@ def test_api_key_guards_admin_endpoints_and_is_checked_before_the_body(transport
 def test_metrics_auth_flag_guards_metrics(transport):
     async def main():
         async with servers([FakeEngine("a")]) as srvs, \
-                gateway(urls(srvs), transport=transport, api_key=KEY, metrics_auth=True) as (gw, url):
+                gateway(urls(srvs), transport=transport, api_key=KEY, metrics_auth=True) as (_gw, url):
             assert (await _ask(url, _get("/metrics")))[0] == 401
-            s, h, b = await _ask(url, _get("/metrics", AUTH))
+            s, _h, b = await _ask(url, _get("/metrics", AUTH))
             assert s == 200 and b"gpuhit_gateway_requests_total" in b
             assert (await _ask(url, _get("/health")))[0] == 200
 

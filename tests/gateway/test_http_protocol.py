@@ -97,7 +97,7 @@ def test_request_line_header_size_and_count_limits_answer_json_errors(transport)
 @BOTH
 def test_head_answers_carry_no_body_and_the_connection_stays_usable(transport):
     async def main():
-        async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport=transport) as (gw, url):
+        async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport=transport) as (_gw, url):
             reader, writer = await _open(url)
             writer.write(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             status = await reader.readline()
@@ -118,7 +118,7 @@ def test_head_answers_carry_no_body_and_the_connection_stays_usable(transport):
 @BOTH
 def test_unknown_paths_and_wrong_methods_are_labelled_json_errors(transport):
     async def main():
-        async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport=transport) as (gw, url):
+        async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport=transport) as (_gw, url):
             reader, writer = await _open(url)
             writer.write(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
             s, _, b = await read_response(reader)
@@ -182,7 +182,7 @@ def test_body_shorter_than_content_length_times_out(transport):
 def test_idle_keep_alive_connection_is_closed(transport):
     async def main():
         async with servers([FakeEngine("a")]) as srvs, \
-                gateway(urls(srvs), transport=transport, keepalive_timeout=0.3) as (gw, url):
+                gateway(urls(srvs), transport=transport, keepalive_timeout=0.3) as (_gw, url):
             reader, writer = await _open(url)
             writer.write(request(completion([1] * 20)))
             assert (await read_response(reader))[0] == 200
