@@ -43,7 +43,6 @@ import asyncio
 import hmac
 import itertools
 import logging
-from array import array
 from collections.abc import Mapping
 from time import perf_counter_ns
 from typing import Any
@@ -62,7 +61,9 @@ from gateway.config import GatewayConfig
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
     chat_text,
+    header_value,
     load_tokenizer,
+    pack_token_ids,
     text_chunk_hashes,
     vocab_size_of,
 )
@@ -99,19 +100,6 @@ _TAIL = 4096  # bytes of the stream end kept to find the usage chunk without par
 
 
 _bad = protocol.bad_request
-
-
-def _pack_token_ids(prompt: list[Any]) -> array | None:
-    """``array('Q', prompt)`` if every element is a non-negative 64-bit int, else None: validation
-    in one C conversion (negative -> OverflowError, non-int -> TypeError), reused for hashing."""
-    try:
-        return array("Q", prompt)
-    except (TypeError, OverflowError):
-        return None
-
-
-def _ascii(s: str) -> str:
-    return s.encode("ascii", "replace").decode()[:200].replace("\r", " ").replace("\n", " ")
 
 
 class Gateway:
@@ -379,7 +367,7 @@ class Gateway:
             n, hashes, ids = self._text_route(prompt)
             max_tokens = self._check_len(n, max_tokens)
             return n, max_tokens, stream, hashes, ids
-        if isinstance(prompt, list) and prompt and (packed := _pack_token_ids(prompt)) is not None:
+        if isinstance(prompt, list) and prompt and (packed := pack_token_ids(prompt)) is not None:
             n = len(prompt)
             if self.vocab_size and (top := max(packed)) >= self.vocab_size:
                 raise _bad(f"Token id {top} is out of vocabulary", "prompt")  # vLLM's words
@@ -431,7 +419,7 @@ class Gateway:
             resp_headers = {
                 "x-gpuhit-instance": name,
                 "x-gpuhit-decision": d.action,
-                "x-gpuhit-reason": _ascii(d.reason),
+                "x-gpuhit-reason": header_value(d.reason),
                 "x-gpuhit-predicted-hit": str(ticket.predicted_hit_tokens),
             }
             up_headers = {"x-request-id": rid}
@@ -458,7 +446,7 @@ class Gateway:
                 ticket.finish(None, "client disconnected")
                 m.requests.inc((endpoint, "499"))
                 raise
-            m.observe_latency(endpoint, (perf_counter_ns() - ns0) * 1e-9)
+            m.observe_latency(endpoint, loop.time() - t0)  # the loop's clock, as TTFT (routing: perf_counter_ns)
             if res.first_token_time is not None:
                 m.observe_ttft(endpoint, res.first_token_time - t0)
         finally:

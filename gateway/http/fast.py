@@ -173,6 +173,7 @@ class _ServerConn(asyncio.Protocol):
         self._in_head = True  # the next bytes belong to a request head
         self._head_room = _HEAD_MAX
         self._partial = False  # a request has begun and is not complete
+        self._heads = 0  # request heads parsed on this connection
         self._timer: asyncio.TimerHandle | None = None
         self._timer_kind = ""
 
@@ -217,22 +218,25 @@ class _ServerConn(asyncio.Protocol):
         if self._stop_parsing or self.closed:
             return
         try:
-            if self._in_head:
-                # Bound what a head may cost before the parser sees it (see _HEAD_MAX).
+            while data:
                 room = self._head_room
-                if len(data) > room:
-                    if room > 0:
-                        self._head_room = 0
-                        self.parser.feed_data(data[:room])
-                    if self._in_head and not self._stop_parsing:
-                        self._reject(self._head_error())
+                if not self._in_head or len(data) <= room:
+                    if self._in_head:
+                        self._head_room = room - len(data)
+                    self.parser.feed_data(data)
+                    return
+                # More bytes than the head in progress may still take (see _HEAD_MAX): feed its
+                # room; if that head is still incomplete, refuse before the parser sees more.
+                heads = self._heads
+                if room > 0:
+                    self._head_room = 0
+                    self.parser.feed_data(data[:room])
+                    if self._stop_parsing:
                         return
-                    data = data[room:]
-                    if not data or self._stop_parsing:
-                        return
-                else:
-                    self._head_room = room - len(data)
-            self.parser.feed_data(data)
+                if self._heads == heads:
+                    self._reject(self._head_error())
+                    return
+                data = data[room:]  # the head completed (pipelined requests, a body): go on
         except httptools.HttpParserUpgrade:
             self._reject(BadRequestError("protocol upgrades are not supported"))
         except httptools.HttpParserError as exc:
@@ -306,6 +310,7 @@ class _ServerConn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._heads += 1
         self._arm("body", self.server.body_timeout)
         url = b"".join(self._url)
         q = url.find(b"?")

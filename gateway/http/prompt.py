@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -86,3 +87,17 @@ def vocab_size_of(path: str) -> int:
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         raise ConfigError(f"{file} names no positive vocab_size (or text_config.vocab_size)")
     return size
+
+
+def pack_token_ids(prompt: list[Any]) -> array | None:
+    """``array('Q', prompt)`` if every element is a non-negative 64-bit int, else None: validation
+    in one C conversion (negative -> OverflowError, non-int -> TypeError), reused for hashing."""
+    try:
+        return array("Q", prompt)
+    except (TypeError, OverflowError):
+        return None
+
+
+def header_value(s: str) -> str:
+    """``s`` made safe for an HTTP header value: ASCII, one line, at most 200 characters."""
+    return s.encode("ascii", "replace").decode()[:200].replace("\r", " ").replace("\n", " ")

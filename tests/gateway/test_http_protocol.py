@@ -95,6 +95,22 @@ def test_request_line_header_size_and_count_limits_answer_json_errors(transport)
 
 
 @BOTH
+def test_a_pipelined_burst_longer_than_the_head_limit_is_served(transport):
+    """The head-size bound is per request: 2,500 pipelined GETs in one write (~90 KB, more than
+    one head may take) are all answered, in order."""
+    async def main():
+        async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport=transport) as (_gw, url):
+            reader, writer = await _open(url)
+            n = 2500
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * n)
+            for _ in range(n):
+                assert (await asyncio.wait_for(read_response(reader), GUARD))[0] == 200
+            writer.close()
+
+    asyncio.run(main())
+
+
+@BOTH
 def test_head_answers_carry_no_body_and_the_connection_stays_usable(transport):
     async def main():
         async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport=transport) as (_gw, url):
