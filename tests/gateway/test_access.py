@@ -153,3 +153,17 @@ def test_serve_port_in_use_engine_down_and_public_bind_warning():
             await emu.stop()
 
     asyncio.run(main())
+
+
+def test_limit_and_timeout_settings_are_validated():
+    from gateway.config import EngineEntry, GatewayConfig, from_mapping
+
+    base = {"engines": (EngineEntry("http://127.0.0.1:1", "e0"),)}
+    for name in ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout", "upstream_idle_timeout"):
+        with pytest.raises(ConfigError, match=f"{name} must be positive"):
+            GatewayConfig(**base, **{name: 0}).validate()
+    for name in ("vocab_size", "upstream_max_idle"):
+        with pytest.raises(ConfigError, match=f"{name} must be >= 0"):
+            GatewayConfig(**base, **{name: -1}).validate()
+    cfg = from_mapping({"gateway": {"metrics_auth": True, "vocab_size": 1000, "header_timeout": 2}})
+    assert cfg.metrics_auth and cfg.vocab_size == 1000 and cfg.header_timeout == 2.0
