@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import sys
 from collections import Counter
+from collections.abc import Mapping
+from dataclasses import replace
 
 from gpuhit.errors import ConfigError
 
@@ -38,7 +42,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="reject longer prompts with 400 (0 = off)")
     p.add_argument("--timeout", type=float, default=None, help="upstream timeout in seconds (0 = none)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    # -- issue 16: access, limits, vocabulary (one block)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (visible in `ps`: prefer --api-key-file or "
+                        f"${API_KEY_ENV})")
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
+    p.add_argument("--metrics-auth", action="store_true", default=None,
+                   help="/metrics needs the API key too (/debug/state, /v1/*, /reset_prefix_cache always do)")
+    p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= N with 400 (vLLM's check)")
+    p.add_argument("--model-config", default=None, metavar="PATH",
+                   help="the model's config.json (or its folder): its vocab_size, as --vocab-size")
+    p.add_argument("--max-connections", type=int, default=None, help="client connections held at once (4096)")
+    p.add_argument("--header-timeout", type=float, default=None, help="seconds to receive a request head (10)")
+    p.add_argument("--body-timeout", type=float, default=None, help="seconds to receive a request body (60)")
+    p.add_argument("--keepalive-timeout", type=float, default=None, help="idle keep-alive seconds (60)")
     p.add_argument("--otel", action="store_true", default=None,
                    help="export OpenTelemetry spans over OTLP/HTTP (OTEL_EXPORTER_OTLP_* variables)")
     p.set_defaults(func=_serve)
@@ -64,6 +81,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(func=_vllm_cmd)
 
 
+API_KEY_ENV = "GPUHIT_API_KEY"
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def api_key(flag: str | None, path: str | None, env: Mapping[str, str], configured: str | None) -> str | None:
+    """The API key: ``--api-key``, else ``--api-key-file`` (its content, stripped), else
+    ``$GPUHIT_API_KEY``, else the config file's ``api_key``; None = no key."""
+    if flag is not None:
+        print("gpuhit serve: warning: --api-key is visible to every user in `ps`; prefer --api-key-file or "
+              f"${API_KEY_ENV}", file=sys.stderr)
+        return flag
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file {path}: {exc.strerror or exc}") from None
+        if not key:
+            raise ConfigError(f"--api-key-file {path} is empty")
+        return key
+    return env.get(API_KEY_ENV) or configured
+
+
 def _serve(args: argparse.Namespace) -> int:
     from gateway import config as gcfg
     from gateway.http.app import run
@@ -74,8 +114,15 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port, policy=args.policy, index=args.index, model=args.model, block_size=args.block_size,
         hash=args.hash, tokenizer=args.tokenizer,
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout,
-        api_key=args.api_key, otel=args.otel,
-    ).validate()
+        otel=args.otel, metrics_auth=args.metrics_auth, vocab_size=args.vocab_size, model_config=args.model_config,
+        max_connections=args.max_connections, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+        keepalive_timeout=args.keepalive_timeout,
+    )
+    cfg = replace(cfg, api_key=api_key(args.api_key, args.api_key_file, os.environ, cfg.api_key)).validate()
+    if cfg.api_key is None and cfg.host not in _LOOPBACK:
+        print(f"gpuhit serve: warning: listening on {cfg.host} without an API key: anyone who can reach it may "
+              "send requests, reset the engines' caches and read /debug/state (the KV replay socket follows "
+              f"--host too); set --api-key-file or ${API_KEY_ENV}", file=sys.stderr)
     run(cfg)
     return 0
 

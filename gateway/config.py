@@ -17,6 +17,10 @@ Example::
     health_fail_threshold = 2
     scrape_interval = 0.5
     otel = false
+    metrics_auth = false         # true: /metrics needs the API key too (/debug/state always does)
+    vocab_size = 151936          # optional: token ids beyond it get 400 (or model_config = "config.json")
+    max_connections = 4096       # client connections; header_timeout / body_timeout / keepalive_timeout
+    upstream_max_idle = 64       # idle connections kept per engine (upstream_idle_timeout = 30 s)
     transport = "fast"           # fast (httptools on uvloop, default) | aiohttp
 
     [policy]                     # or:  policy = "lpwl"  in [gateway]
@@ -83,6 +87,16 @@ class GatewayConfig:
     scrape_interval: float = 0.5
     otel: bool = False
     transport: str = "fast"  # the HTTP implementation of the hot path (gateway.http.fast | aiohttp)
+    # -- issue 16: access, HTTP limits / timeouts, vocabulary (one block; see README "Gateway")
+    metrics_auth: bool = False  # /metrics needs the API key too (/debug/state always does)
+    vocab_size: int = 0  # token ids >= this get 400 (0: from model_config, else unchecked)
+    model_config: str | None = None  # the model's HF config.json (or its folder): vocab_size
+    max_connections: int = 4096  # client connections held at once; more get 503 and are closed
+    header_timeout: float = 10.0  # seconds from a request's first byte to its complete head
+    body_timeout: float = 60.0  # seconds from the head to the complete body
+    keepalive_timeout: float = 60.0  # idle seconds before a keep-alive client connection is closed
+    upstream_max_idle: int = 64  # idle keep-alive connections kept per engine
+    upstream_idle_timeout: float = 30.0  # idle seconds before an upstream connection is closed
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def validate(self) -> GatewayConfig:
@@ -105,7 +119,11 @@ class GatewayConfig:
         for name in ("block_size", "max_body_bytes", "health_fail_threshold", "text_chunk_chars"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_prompt_tokens", "timeout"):
+        for name in ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout",
+                     "upstream_idle_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "timeout", "vocab_size", "upstream_max_idle"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:

@@ -1,15 +1,22 @@
-"""The gateway's Prometheus metrics: plain running totals, rendered only when scraped.
+"""The gateway's Prometheus metrics, rendered by ``prometheus_client`` from a private registry.
 
-Per request the hot path does a few dict increments (no label-object creation, no locking: one
-event loop); ``render()`` formats everything in the Prometheus text format. Names:
+Counters are exact running totals kept in plain dicts (the hot path does a few dict increments:
+no label-object lookup, no lock; one event loop) and exported at scrape time by a collector, so a
+token counter of 123,456,789 renders as ``1.23456789e+08`` (every digit; prometheus_client's Go
+float format), never rounded. Histograms are prometheus_client's own. Each :class:`GatewayMetrics`
+owns its :class:`~prometheus_client.CollectorRegistry` (two gateways in one process never share
+series). Names:
 
 * ``gpuhit_gateway_requests_total{endpoint,code}``
 * ``gpuhit_gateway_decisions_total{policy,instance,action}``
 * ``gpuhit_gateway_prompt_tokens_total{instance}``, ``gpuhit_gateway_predicted_hit_tokens_total{instance}``,
   ``gpuhit_gateway_realized_hit_tokens_total{instance}`` (realized = engine-reported cached tokens)
-* ``gpuhit_gateway_routing_seconds`` histogram (parse + hash + snapshot + decide)
-* ``gpuhit_gateway_upstream_errors_total{instance,kind}`` (connect, status, midstream, timeout)
-* ``gpuhit_gateway_instance_healthy{instance}`` gauge
+* ``gpuhit_gateway_routing_seconds`` histogram (parse + hash + snapshot + decide, ``perf_counter_ns``)
+* ``gpuhit_gateway_request_seconds{endpoint}`` / ``gpuhit_gateway_ttft_seconds{endpoint}`` histograms:
+  a routed request from its arrival to its last byte / its first upstream byte
+* ``gpuhit_gateway_upstream_errors_total{instance,kind}`` (connect, status, midstream, timeout, producer)
+* ``gpuhit_gateway_instance_healthy{instance}``, ``gpuhit_gateway_instance_in_flight{instance}``,
+  ``gpuhit_gateway_instance_pending_prefill_tokens{instance}`` gauges (read from the router at scrape time)
 * ``gpuhit_gateway_kv_moves_total{action,outcome}``: KV-moving two-steps (migrate, fetch, pd) by
   outcome: ``transferred`` (the target's realized hit covered the moved prefix), ``recomputed``
   (it fell at least a block short: the consumer could not pull and recomputed), ``producer_failed``
@@ -18,76 +25,81 @@ event loop); ``render()`` formats everything in the Prometheus text format. Name
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterable
 
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
 ROUTING_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1)
-
-
-def _labels(names: tuple[str, ...], values: tuple) -> str:
-    if not names:
-        return ""
-    inner = ",".join(f'{n}="{_escape(str(v))}"' for n, v in zip(names, values))
-    return "{" + inner + "}"
-
-
-def _escape(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Counter:
+    """A labelled counter as a dict of exact totals (ints stay ints)."""
+
     __slots__ = ("help", "labelnames", "name", "values")
 
     def __init__(self, name: str, help_: str, labelnames: tuple[str, ...] = ()):
         self.name = name
         self.help = help_
         self.labelnames = labelnames
-        self.values: dict[tuple, float] = {}
+        self.values: dict[tuple, int | float] = {}
 
-    def inc(self, labels: tuple = (), amount: float = 1.0) -> None:
+    def inc(self, labels: tuple = (), amount: float = 1) -> None:
         v = self.values
-        v[labels] = v.get(labels, 0.0) + amount
+        v[labels] = v.get(labels, 0) + amount
 
-    def get(self, labels: tuple = ()) -> float:
-        return self.values.get(labels, 0.0)
+    def get(self, labels: tuple = ()) -> int | float:
+        return self.values.get(labels, 0)
 
-    def render(self, kind: str = "counter") -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} {kind}"
+    def family(self) -> Metric:
+        # prometheus_client appends _total to a counter family's samples.
+        fam = CounterMetricFamily(self.name.removesuffix("_total"), self.help, labels=self.labelnames)
         for labels, value in sorted(self.values.items()):
-            yield f"{self.name}{_labels(self.labelnames, labels)} {value:g}"
+            fam.add_metric([str(x) for x in labels], value)
+        return fam
 
 
-class Histogram:
-    __slots__ = ("buckets", "count", "counts", "help", "name", "sum")
+class _Collector:
+    """Exports the dict counters and the per-instance gauges when the registry is scraped."""
 
-    def __init__(self, name: str, help_: str, buckets: tuple[float, ...]):
-        self.name = name
-        self.help = help_
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
+    def __init__(self, m: GatewayMetrics):
+        self.m = m
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+    def describe(self) -> list[Metric]:
+        return []  # no up-front description: collect() runs only at scrape time
 
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} histogram"
-        acc = 0
-        for bound, c in zip(self.buckets, self.counts):
-            acc += c
-            yield f'{self.name}_bucket{{le="{bound:g}"}} {acc}'
-        yield f'{self.name}_bucket{{le="+Inf"}} {self.count}'
-        yield f"{self.name}_sum {self.sum:.9g}"
-        yield f"{self.name}_count {self.count}"
+    def collect(self) -> Iterable[Metric]:
+        m = self.m
+        for c in m.counters:
+            yield c.family()
+        healthy = GaugeMetricFamily("gpuhit_gateway_instance_healthy", "1 if the instance takes traffic.",
+                                    labels=("instance",))
+        for (name,), v in sorted(m.healthy.items()):
+            healthy.add_metric([name], v)
+        yield healthy
+        if m.instances is not None:
+            inflight = GaugeMetricFamily("gpuhit_gateway_instance_in_flight",
+                                         "Requests the gateway has routed to the instance and not finished.",
+                                         labels=("instance",))
+            pending = GaugeMetricFamily("gpuhit_gateway_instance_pending_prefill_tokens",
+                                        "Prompt tokens routed to the instance whose prefill has not finished "
+                                        "(no first token yet).", labels=("instance",))
+            for name, c in m.instances():
+                inflight.add_metric([name], c["in_flight"])
+                pending.add_metric([name], c["pending_prefill_tokens"])
+            yield inflight
+            yield pending
+        for fn in m.extra:
+            yield from fn()
 
 
 class GatewayMetrics:
+    """Every metric of one gateway; ``render()`` is the ``/metrics`` body (``CONTENT_TYPE``)."""
+
     def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter("gpuhit_gateway_requests_total", "Requests answered, by endpoint and HTTP status.",
                                 ("endpoint", "code"))
         self.decisions = Counter("gpuhit_gateway_decisions_total", "Routing decisions.",
@@ -100,20 +112,33 @@ class GatewayMetrics:
                                     ("instance",))
         self.upstream_errors = Counter("gpuhit_gateway_upstream_errors_total", "Failed upstream requests.",
                                        ("instance", "kind"))
-        self.routing = Histogram("gpuhit_gateway_routing_seconds",
-                                 "Time to route one request (parse, hash, snapshot, decide).", ROUTING_BUCKETS)
         self.kv_moves = Counter("gpuhit_gateway_kv_moves_total",
                                 "KV-moving two-step requests (migration, fetch, PD) by outcome.", ("action", "outcome"))
-        self.healthy = Counter("gpuhit_gateway_instance_healthy", "1 if the instance takes traffic.", ("instance",))
-        self.extra: list[Callable[[], Iterable[str]]] = []
+        self.counters = (self.requests, self.decisions, self.prompt_tokens, self.predicted_hit, self.realized_hit,
+                         self.upstream_errors, self.kv_moves)
+        self.healthy: dict[tuple[str], float] = {}
+        # () -> [(instance name, router counters)]: set by the gateway once its router exists.
+        self.instances: Callable[[], Iterable[tuple[str, dict[str, int]]]] | None = None
+        self.extra: list[Callable[[], Iterable[Metric]]] = []
+        r = self.registry
+        self.routing = Histogram("gpuhit_gateway_routing_seconds",
+                                 "Time to route one request (parse, hash, snapshot, decide).",
+                                 buckets=ROUTING_BUCKETS, registry=r)
+        self.latency = Histogram("gpuhit_gateway_request_seconds",
+                                 "Routed requests: arrival to the answer's last byte (errors included).",
+                                 ("endpoint",), buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("gpuhit_gateway_ttft_seconds",
+                              "Routed requests: arrival to the engine's first answer byte.",
+                              ("endpoint",), buckets=LATENCY_BUCKETS, registry=r)
+        self._latency = {e: self.latency.labels(e) for e in ("/v1/completions", "/v1/chat/completions")}
+        self._ttft = {e: self.ttft.labels(e) for e in ("/v1/completions", "/v1/chat/completions")}
+        r.register(_Collector(self))
+
+    def observe_latency(self, endpoint: str, seconds: float) -> None:
+        self._latency[endpoint].observe(seconds)
+
+    def observe_ttft(self, endpoint: str, seconds: float) -> None:
+        self._ttft[endpoint].observe(seconds)
 
     def render(self) -> str:
-        lines: list[str] = []
-        for c in (self.requests, self.decisions, self.prompt_tokens, self.predicted_hit, self.realized_hit,
-                  self.upstream_errors, self.kv_moves):
-            lines.extend(c.render())
-        lines.extend(self.routing.render())
-        lines.extend(self.healthy.render("gauge"))
-        for fn in self.extra:
-            lines.extend(fn())
-        return "\n".join(lines) + "\n"
+        return generate_latest(self.registry).decode()

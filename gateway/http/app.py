@@ -40,10 +40,11 @@ per request.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
-from array import array
 from collections.abc import Mapping
+from time import perf_counter_ns
 from typing import Any
 
 import aiohttp
@@ -60,17 +61,25 @@ from gateway.config import GatewayConfig
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
     chat_text,
+    header_value,
     load_tokenizer,
+    pack_token_ids,
     text_chunk_hashes,
+    vocab_size_of,
 )
 from gateway.http.transport import (
+    CHAT,
+    COMPLETIONS,
     AioUpstream,
     Downstream,
     Upstream,
     UpstreamClosedError,
     UpstreamConnectError,
+    needs_auth,
 )
+from gateway.http.usage import usage_from_tail
 from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router, RouteRequest, Ticket
 from gateway.snapshot import FORWARD
@@ -88,65 +97,9 @@ from policies import registry
 log = logging.getLogger(__name__)
 
 _TAIL = 4096  # bytes of the stream end kept to find the usage chunk without parsing every chunk
-COMPLETIONS = "/v1/completions"
-RESET_PREFIX_CACHE = "/reset_prefix_cache"  # admin: fans out to every engine (vLLM dev route)
-CHAT = "/v1/chat/completions"
 
 
 _bad = protocol.bad_request
-
-
-def _pack_token_ids(prompt: list[Any]) -> array | None:
-    """``array('Q', prompt)`` if every element is a non-negative 64-bit int, else None: validation
-    in one C conversion (negative -> OverflowError, non-int -> TypeError), reused for hashing."""
-    try:
-        return array("Q", prompt)
-    except (TypeError, OverflowError):
-        return None
-
-
-def _ascii(s: str) -> str:
-    return s.encode("ascii", "replace").decode()[:200].replace("\r", " ").replace("\n", " ")
-
-
-def usage_from_tail(tail: bytes, sse: bool = True) -> Mapping[str, Any] | None:
-    """The ``usage`` object of the last SSE event that has one, found in the stream's tail
-    (``sse=False``: of a plain JSON body's tail, where ``"usage": {...}`` holds only scalars and
-    the flat ``prompt_tokens_details`` object)."""
-    if not sse:
-        at = tail.rfind(b'"usage"')
-        if at < 0:
-            return None
-        start = tail.find(b"{", at)
-        if start < 0 or tail[at + 7 : start].strip() != b":":  # "usage": null, or cut off
-            return None
-        depth = 0
-        for j in range(start, len(tail)):
-            c = tail[j]
-            if c == 123:  # {
-                depth += 1
-            elif c == 125:  # }
-                depth -= 1
-                if depth == 0:
-                    try:
-                        obj = orjson.loads(tail[start : j + 1])
-                    except ValueError:
-                        return None
-                    return obj if isinstance(obj, dict) else None
-        return None
-    at = tail.rfind(b'"usage"')
-    while at >= 0:
-        start = tail.rfind(b"data:", 0, at)
-        end = tail.find(b"\n\n", at)
-        if start >= 0:
-            try:
-                obj = orjson.loads(tail[start + 5 : end if end >= 0 else len(tail)])
-            except ValueError:
-                obj = None
-            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                return obj["usage"]
-        at = tail.rfind(b'"usage"', 0, start if start >= 0 else at)
-    return None
 
 
 # What a NixlConnector producer returns for its consumer (vLLM 0.32, engines/vllm/pd_check.py).
@@ -180,6 +133,9 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         self._server: Any = None  # the running transport (AppRunner or FastServer)
         self.port: int | None = None
+        self._closed = False
+        self._auth = None if cfg.api_key is None else f"Bearer {cfg.api_key}".encode("latin-1", "replace")
+        self.vocab_size = cfg.vocab_size or (vocab_size_of(cfg.model_config) if cfg.model_config else 0)
 
     @property
     def app(self) -> web.Application:
@@ -195,19 +151,27 @@ class Gateway:
         """Start everything on the running loop with ``cfg.transport``; returns the bound port."""
         host = self.cfg.host if host is None else host
         port = self.cfg.port if port is None else port
-        if self.cfg.transport == "aiohttp":
-            runner = web.AppRunner(self.app, access_log=None)
-            await runner.setup()  # runs start() through on_startup
-            self._server = runner
-            await web.TCPSite(runner, host, port).start()
-            self.port = int(runner.addresses[0][1])
-        else:
-            from gateway.http.fast import FastServer
+        try:
+            if self.cfg.transport == "aiohttp":
+                from gateway.http.aio import runner
 
-            await self.start()
-            srv = FastServer(self, self.cfg.max_body_bytes)
-            self._server = srv
-            self.port = await srv.start(host, port)
+                run = runner(self)
+                self._server = run
+                await run.setup()  # runs start() through on_startup
+                await web.TCPSite(run, host, port).start()
+                self.port = int(run.addresses[0][1])
+            else:
+                from gateway.http.fast import FastServer
+
+                self._server = FastServer(self, self.cfg)
+                await self.start()
+                self.port = await self._server.start(host, port)
+        except BaseException as exc:
+            # Close what start() opened (the engines' client session: no "Unclosed client session").
+            await self.shutdown()
+            if isinstance(exc, OSError):
+                raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            raise
         return self.port
 
     async def shutdown(self) -> None:
@@ -215,7 +179,8 @@ class Gateway:
         if srv is None:
             return
         if isinstance(srv, web.AppRunner):
-            await srv.cleanup()  # runs close() through on_cleanup
+            await srv.cleanup()  # runs close() through on_cleanup, when setup() got that far
+            await self.close()
         else:
             await srv.close()
             await self.close()
@@ -223,7 +188,8 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.cfg
         self._loop = asyncio.get_running_loop()
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=None)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=cfg.upstream_idle_timeout,
+                                         ttl_dns_cache=None)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         urls = [e.url.rstrip("/") for e in cfg.engines]
         if cfg.transport == "aiohttp":
@@ -231,7 +197,7 @@ class Gateway:
         else:
             from gateway.http.fast import FastUpstream
 
-            self.upstream = FastUpstream(urls)
+            self.upstream = FastUpstream(urls, max_idle=cfg.upstream_max_idle, idle_timeout=cfg.upstream_idle_timeout)
         for e in cfg.engines:
             sources = None
             if e.kv_events:
@@ -258,7 +224,10 @@ class Gateway:
                                     self._on_healthy, cfg.health_interval, fail_threshold=cfg.health_fail_threshold)
         self.health.start()
         for e in self.engines:
-            self.metrics.healthy.values[(e.name,)] = 1.0
+            self.metrics.healthy[(e.name,)] = 1.0
+        router = self.router
+        names = [e.name for e in self.engines]
+        self.metrics.instances = lambda: zip(names, router.counters())
 
     async def _first_scrape(self, eng: VLLMEngine) -> None:
         try:
@@ -275,6 +244,9 @@ class Gateway:
             self.max_model_len = mm
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self.health is not None:
             await self.health.close()
         for e in self.engines:
@@ -287,12 +259,12 @@ class Gateway:
     def _on_unhealthy(self, i: int) -> None:
         assert self.router is not None
         self.router.mark_unhealthy(i, "failed health checks")
-        self.metrics.healthy.values[(self.engines[i].name,)] = 0.0
+        self.metrics.healthy[(self.engines[i].name,)] = 0.0
 
     def _on_healthy(self, i: int) -> None:
         assert self.router is not None
         self.router.mark_healthy(i)
-        self.metrics.healthy.values[(self.engines[i].name,)] = 1.0
+        self.metrics.healthy[(self.engines[i].name,)] = 1.0
         if self.cfg.index == "precise":
             # It may have restarted with an empty cache and a fresh event sequence: resubscribe.
             asyncio.get_running_loop().create_task(self._resubscribe(i))
@@ -319,7 +291,8 @@ class Gateway:
 
     def error_payload(self, exc: GpuhitError, endpoint: str) -> tuple[int, bytes]:
         """(status, JSON body) of an error answer in vLLM's shape; counted in the metrics."""
-        status, body = protocol.error_from_exc(exc)
+        status = int(exc.http_status)
+        body = protocol.error_body(str(exc), status, getattr(exc, "param", None), getattr(exc, "error_type", None))
         self.metrics.requests.inc((endpoint, str(status)))
         return status, orjson.dumps(body)
 
@@ -334,10 +307,18 @@ class Gateway:
             return PayloadTooLargeError(f"request body exceeds the {limit}-byte limit")
         return PayloadTooLargeError(f"request body of {size} bytes exceeds the {limit}-byte limit")
 
+    def auth_error(self, headers: Mapping[str, str], path: str) -> UnauthorizedError | None:
+        """The 401 for a request to ``path`` that needs the API key and lacks it, else None. Decided
+        on the headers alone (transports call it before reading a body), in constant time."""
+        key = self._auth
+        if key is None or not needs_auth(path, self.cfg.metrics_auth):
+            return None
+        got = headers.get("authorization")
+        if got is not None and hmac.compare_digest(got.encode("latin-1", "replace"), key):
+            return None
+        return UnauthorizedError("missing or wrong API key (send 'Authorization: Bearer <key>')")
+
     def _parse_body(self, headers: Mapping[str, str], raw: bytes) -> dict[str, Any]:
-        key = self.cfg.api_key
-        if key is not None and headers.get("authorization") != f"Bearer {key}":
-            raise UnauthorizedError("missing or wrong API key (send 'Authorization: Bearer <key>')")
         return protocol.parse_body(raw, self.model, f" Served: `{self.model}`.")
 
     def _common(self, body: Mapping[str, Any], chat: bool) -> tuple[int, bool]:
@@ -390,8 +371,10 @@ class Gateway:
             n, hashes, ids = self._text_route(prompt)
             max_tokens = self._check_len(n, max_tokens)
             return n, max_tokens, stream, hashes, ids
-        if isinstance(prompt, list) and prompt and (packed := _pack_token_ids(prompt)) is not None:
+        if isinstance(prompt, list) and prompt and (packed := pack_token_ids(prompt)) is not None:
             n = len(prompt)
+            if self.vocab_size and (top := max(packed)) >= self.vocab_size:
+                raise _bad(f"Token id {top} is out of vocabulary", "prompt")  # vLLM's words
             max_tokens = self._check_len(n, max_tokens)
             return n, max_tokens, stream, tuple(self.hash_cache.hashes(prompt, session, packed)), prompt
         raise _bad("prompt must be a string or a non-empty list of non-negative token ids (one prompt)", "prompt")
@@ -404,8 +387,11 @@ class Gateway:
         case-insensitive mapping)."""
         loop = self._loop
         t0 = loop.time()
+        ns0 = perf_counter_ns()
         session = headers.get("x-session-id")
         try:
+            if (denied := self.auth_error(headers, endpoint)) is not None:
+                raise denied
             body = self._parse_body(headers, raw)
             n, max_tokens, stream, hashes, ids = self._parse(endpoint, headers, body, session)
         except GpuhitError as exc:
@@ -421,7 +407,7 @@ class Gateway:
                 return await self._send_error(down, _bad(str(exc)), endpoint)
             except GpuhitError as exc:
                 return await self._send_error(down, exc, endpoint)
-            self.metrics.routing.observe(loop.time() - t0)
+            self.metrics.routing.observe((perf_counter_ns() - ns0) * 1e-9)
             own_hit = 0
             if ticket.action != FORWARD:
                 # The target's own prefix hit, before this request adds to it: the rest of its
@@ -437,7 +423,7 @@ class Gateway:
             resp_headers = {
                 "x-gpuhit-instance": name,
                 "x-gpuhit-decision": d.action,
-                "x-gpuhit-reason": _ascii(d.reason),
+                "x-gpuhit-reason": header_value(d.reason),
                 "x-gpuhit-predicted-hit": str(ticket.predicted_hit_tokens),
             }
             up_headers = {"x-request-id": rid}
@@ -464,6 +450,9 @@ class Gateway:
                 ticket.finish(None, "client disconnected")
                 m.requests.inc((endpoint, "499"))
                 raise
+            m.observe_latency(endpoint, loop.time() - t0)  # the loop's clock, as TTFT (routing: perf_counter_ns)
+            if res.first_token_time is not None:
+                m.observe_ttft(endpoint, res.first_token_time - t0)
         finally:
             if span is not None:
                 span.end()
@@ -603,6 +592,7 @@ class Gateway:
                     return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
                                                        f"engine {name} closed the connection: {exc}")
                 ticket.first_token()
+                res.first_token_time = self._loop.time()
                 # The usage object is at the end of vLLM's JSON: find it without parsing the rest.
                 self._finish_ok(ticket, res, usage_from_tail(data[-_TAIL:], sse=False), name, own_hit)
                 m.requests.inc((endpoint, "200"))
@@ -719,7 +709,7 @@ class Gateway:
             ok = router is not None and any(router.healthy(i) for i in range(len(self.engines)))
             return (200 if ok else 503), "application/json", orjson.dumps({"ready": ok})
         if path == "/metrics":
-            return 200, "text/plain; version=0.0.4", self.metrics.render().encode()
+            return 200, METRICS_CONTENT_TYPE, self.metrics.render().encode()
         if path == "/debug/state":
             return 200, "application/json", orjson.dumps(self.debug_state())
         return None

@@ -34,20 +34,42 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.http.app import CHAT, COMPLETIONS, RESET_PREFIX_CACHE
-from gateway.http.transport import UpstreamClosedError, UpstreamConnectError
+from gateway.http.transport import (
+    CHAT,
+    COMPLETIONS,
+    GET_PATHS,
+    RESET_PREFIX_CACHE,
+    ExpectationFailedError,
+    HeadersTooLargeError,
+    MethodNotAllowedError,
+    OverloadedError,
+    RequestTimeoutError,
+    UpstreamClosedError,
+    UpstreamConnectError,
+    UriTooLongError,
+)
 from gpuhit.errors import BadRequestError, ConfigError, GpuhitError, NotFoundError
 
 if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
     from gateway.http.app import Gateway
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
-            413: b"Payload Too Large", 417: b"Expectation Failed", 500: b"Internal Server Error",
-            502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout"}
-_GET_PATHS = ("/v1/models", "/health", "/ready", "/metrics", "/debug/state")
+            408: b"Request Timeout", 413: b"Payload Too Large", 414: b"URI Too Long", 417: b"Expectation Failed",
+            431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 502: b"Bad Gateway",
+            503: b"Service Unavailable", 504: b"Gateway Timeout"}
 _POST_PATHS = (COMPLETIONS, CHAT)
 _HIGH_WATER = 1 << 20  # bytes of upstream answer buffered before the engine's socket is paused
 _PIPELINE_MAX = 8  # queued pipelined requests before the client's socket is paused
+# h11's / aiohttp's limits: the request line, the header block, the number of header fields.
+MAX_LINE = 8 * 1024
+MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADERS = 100
+# Bytes of one request head fed to the parser before it is refused: the line, the fields and
+# their framing (": ", CRLF). httptools grows a header value by bytes concatenation, so what it
+# is fed must be bounded before it parses, not only checked after.
+_HEAD_MAX = MAX_LINE + MAX_HEADER_BYTES + 4 * MAX_HEADERS + 4
+_LINGER_S = 2.0  # how long a refused connection's remaining bytes are read and discarded
 
 
 def _nodelay(transport: asyncio.BaseTransport) -> None:
@@ -58,16 +80,6 @@ def _nodelay(transport: asyncio.BaseTransport) -> None:
 
 def _status_line(status: int) -> bytes:
     return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Status"))
-
-
-class MethodNotAllowedError(GpuhitError):
-    code = "method_not_allowed"
-    http_status = 405
-
-
-class ExpectationFailedError(BadRequestError):
-    code = "expectation_failed"
-    http_status = 417
 
 
 # ------------------------------------------------------------------------------------ server
@@ -89,11 +101,12 @@ class _Request:
 class _Downstream:
     """:class:`~gateway.http.transport.Downstream` of one request on a ``_ServerConn``."""
 
-    __slots__ = ("conn", "keep_alive", "started")
+    __slots__ = ("conn", "head_only", "keep_alive", "started")
 
-    def __init__(self, conn: _ServerConn, keep_alive: bool):
+    def __init__(self, conn: _ServerConn, keep_alive: bool, head_only: bool = False):
         self.conn = conn
         self.keep_alive = keep_alive
+        self.head_only = head_only  # a HEAD request: the GET answer's head, no body
         self.started = False
 
     def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> list[bytes]:
@@ -108,7 +121,8 @@ class _Downstream:
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes, content_type: str) -> None:
         extra = b"content-type: %s\r\ncontent-length: %d\r\n" % (content_type.encode("latin-1"), len(body))
         head = self._head(status, headers, extra)
-        head.append(body)
+        if not self.head_only:
+            head.append(body)
         self.conn.write(b"".join(head))
 
     async def start_stream(self, headers: Mapping[str, str]) -> None:
@@ -128,7 +142,13 @@ class _Downstream:
 
 
 class _ServerConn(asyncio.Protocol):
-    """One client connection (see the module docstring)."""
+    """One client connection (see the module docstring).
+
+    Timers (one ``call_later`` handle at a time): a request's head must be complete within
+    ``header_timeout`` of its first byte (of the connection's opening, for the first one), its
+    body within ``body_timeout`` of the head; a keep-alive connection with nothing in flight is
+    closed after ``keepalive_timeout`` idle seconds. A request that runs (routing, the engine's
+    answer) is not timed here: the gateway's upstream timeouts apply to it."""
 
     def __init__(self, server: FastServer):
         self.server = server
@@ -143,21 +163,42 @@ class _ServerConn(asyncio.Protocol):
         self._task: asyncio.Task | None = None
         self._reading_paused = False
         self._stop_parsing = False
-        self._url = b""
+        self._url: list[bytes] = []
+        self._url_len = 0
+        self._path = ""
         self._headers: dict[str, str] = {}
+        self._header_bytes = 0
         self._body: list[bytes] = []
         self._size = 0
+        self._in_head = True  # the next bytes belong to a request head
+        self._head_room = _HEAD_MAX
+        self._partial = False  # a request has begun and is not complete
+        self._heads = 0  # request heads parsed on this connection
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = ""
 
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
+        server = self.server
+        if len(server.conns) >= server.max_connections:
+            # Over the bound: one short answer, no parsing, no timer.
+            self.closed = True
+            err = OverloadedError(f"the gateway holds its limit of {server.max_connections} connections")
+            status, data = self.gw.error_payload(err, "other")
+            transport.write(b"%bcontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"  # type: ignore[attr-defined]
+                            % (_status_line(status), len(data), data))
+            transport.close()
+            return
         _nodelay(transport)
-        self.server.conns.add(self)
+        server.conns.add(self)
+        self._arm("head", server.header_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.conns.discard(self)
+        self._disarm()
         d = self._drain
         if d is not None and not d.done():
             d.set_exception(ConnectionResetError("the client closed the connection"))
@@ -174,35 +215,111 @@ class _ServerConn(asyncio.Protocol):
             d.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if self._stop_parsing:
+        if self._stop_parsing or self.closed:
             return
         try:
-            self.parser.feed_data(data)
+            while data:
+                room = self._head_room
+                if not self._in_head or len(data) <= room:
+                    if self._in_head:
+                        self._head_room = room - len(data)
+                    self.parser.feed_data(data)
+                    return
+                # More bytes than the head in progress may still take (see _HEAD_MAX): feed its
+                # room; if that head is still incomplete, refuse before the parser sees more.
+                heads = self._heads
+                if room > 0:
+                    self._head_room = 0
+                    self.parser.feed_data(data[:room])
+                    if self._stop_parsing:
+                        return
+                if self._heads == heads:
+                    self._reject(self._head_error())
+                    return
+                data = data[room:]  # the head completed (pipelined requests, a body): go on
         except httptools.HttpParserUpgrade:
             self._reject(BadRequestError("protocol upgrades are not supported"))
         except httptools.HttpParserError as exc:
             if not self._stop_parsing:  # not a rejection raised from one of our callbacks
                 self._reject(BadRequestError(f"malformed HTTP request: {exc}"))
 
+    def _head_error(self) -> GpuhitError:
+        if not self._headers and self._url_len >= MAX_LINE:
+            return UriTooLongError(f"request line longer than {MAX_LINE} bytes")
+        return HeadersTooLargeError(f"request head longer than {_HEAD_MAX} bytes (at most {MAX_HEADER_BYTES} bytes "
+                                    f"of header fields, {MAX_HEADERS} fields)")
+
+    # -- timers
+
+    def _arm(self, kind: str, delay: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_kind = kind
+        self._timer = self.server.loop.call_later(delay, self._expired, kind)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_kind = ""
+
+    def _expired(self, kind: str) -> None:
+        self._timer = None
+        self._timer_kind = ""
+        if self.closed:
+            return
+        if kind == "linger" or (not self._partial and self._task is None):
+            self.close()  # idle keep-alive, or a connection that never sent a request: nothing to answer
+            return
+        if kind == "body":
+            self._reject(RequestTimeoutError(f"request body not received within {self.server.body_timeout:g} s"))
+        else:
+            self._reject(RequestTimeoutError(f"request head not received within {self.server.header_timeout:g} s"))
+
     # -- httptools callbacks
 
     def on_message_begin(self) -> None:
-        self._url = b""
+        self._url = []
+        self._url_len = 0
         self._headers = {}
+        self._header_bytes = 0
         self._body = []
         self._size = 0
+        self._partial = True
+        if self._timer_kind != "head":  # the connection's first request keeps its opening deadline
+            self._arm("head", self.server.header_timeout)
 
     def on_url(self, url: bytes) -> None:
-        self._url += url
+        self._url.append(url)
+        self._url_len += len(url)
+        if self._url_len > MAX_LINE:
+            self._reject(UriTooLongError(f"request target longer than {MAX_LINE} bytes"))
+            raise httptools.HttpParserCallbackError("URI too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        h = self._headers
+        if self._header_bytes > MAX_HEADER_BYTES or len(h) >= MAX_HEADERS:
+            self._reject(HeadersTooLargeError(f"request header fields over {MAX_HEADER_BYTES} bytes or "
+                                              f"{MAX_HEADERS} fields"))
+            raise httptools.HttpParserCallbackError("headers too large")
         key = name.decode("latin-1").lower()
         v = value.decode("latin-1")
-        old = self._headers.get(key)
-        self._headers[key] = v if old is None else f"{old}, {v}"
+        old = h.get(key)
+        h[key] = v if old is None else f"{old}, {v}"
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._heads += 1
+        self._arm("body", self.server.body_timeout)
+        url = b"".join(self._url)
+        q = url.find(b"?")
+        self._path = path = (url if q < 0 else url[:q]).decode("latin-1")
         h = self._headers
+        denied = self.gw.auth_error(h, path)
+        if denied is not None:  # before any byte of the body is read
+            self._reject(denied)
+            raise httptools.HttpParserCallbackError("unauthorized")
         cl = h.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > self.limit:
             self._reject(self.gw.body_limit_error(int(cl)))
@@ -223,11 +340,13 @@ class _ServerConn(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        url = self._url
-        q = url.find(b"?")
-        path = (url if q < 0 else url[:q]).decode("latin-1")
+        self._partial = False
+        self._in_head = True
+        self._head_room = _HEAD_MAX
+        self._disarm()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._enqueue(_Request(self.parser.get_method(), path, self._headers, body, self.parser.should_keep_alive()))
+        self._enqueue(_Request(self.parser.get_method(), self._path, self._headers, body,
+                               self.parser.should_keep_alive()))
 
     # -- request processing
 
@@ -235,8 +354,9 @@ class _ServerConn(asyncio.Protocol):
         """Answer ``err`` after the requests already queued, then close: the rest of this
         connection's bytes cannot be trusted to frame requests."""
         self._stop_parsing = True
-        path = self._url.split(b"?", 1)[0].decode("latin-1") or "-"
-        self._enqueue(_Request(b"", path, self._headers, b"", False, reject=err))
+        self._disarm()
+        path = self._path if not self._in_head else b"".join(self._url).split(b"?", 1)[0].decode("latin-1")
+        self._enqueue(_Request(b"", path or "-", self._headers, b"", False, reject=err))
 
     def _enqueue(self, req: _Request) -> None:
         self._queue.append(req)
@@ -254,6 +374,9 @@ class _ServerConn(asyncio.Protocol):
                     self._reading_paused = False
                     self.transport.resume_reading()
                 await self._dispatch(req)
+                if req.reject is not None:
+                    self._linger_close()
+                    return
                 if not req.keep_alive:
                     self.close()
                     return
@@ -261,15 +384,17 @@ class _ServerConn(asyncio.Protocol):
             pass  # connection lost: Gateway.handle has already accounted for its request
         finally:
             self._task = None
+        if not self._partial and not self.closed and not self._stop_parsing:
+            self._arm("idle", self.server.keepalive_timeout)
 
     async def _dispatch(self, req: _Request) -> None:
         gw = self.gw
-        down = _Downstream(self, req.keep_alive)
+        method = req.method
+        down = _Downstream(self, req.keep_alive, method == b"HEAD")
         path = req.path
         if req.reject is not None:
-            status, data = gw.error_payload(req.reject, path)
+            status, data = gw.error_payload(req.reject, path if path in _POST_PATHS else "other")
             return await down.respond(status, {}, data, "application/json")
-        method = req.method
         if method == b"POST" and path in _POST_PATHS:
             return await gw.handle(path, req.headers, req.body, down)
         if method == b"POST" and path == RESET_PREFIX_CACHE:
@@ -279,7 +404,7 @@ class _ServerConn(asyncio.Protocol):
             status, ctype, data = out
             await down.respond(status, {}, data, ctype)
             return
-        if path in _POST_PATHS or path in _GET_PATHS or path == RESET_PREFIX_CACHE:
+        if path in _POST_PATHS or path in GET_PATHS or path == RESET_PREFIX_CACHE:
             err: GpuhitError = MethodNotAllowedError(f"method {method.decode('latin-1')} is not allowed on {path}")
         else:
             err = NotFoundError(f"no such endpoint: {path}")
@@ -301,16 +426,39 @@ class _ServerConn(asyncio.Protocol):
         await self._drain
 
     def close(self) -> None:
+        self._disarm()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
+    def _linger_close(self) -> None:
+        """Close after a refusal without losing the answer: closing a socket with unread client
+        bytes (the rest of a refused head or body) sends an RST that can destroy the answer in
+        flight. So: FIN our side, discard what still arrives, close at the client's FIN or after
+        ``_LINGER_S``."""
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if not t.can_write_eof():
+            return self.close()
+        t.write_eof()
+        if self._reading_paused:
+            self._reading_paused = False
+            t.resume_reading()
+        self._arm("linger", _LINGER_S)
+
 
 class FastServer:
-    """The listening side of the fast transport for one :class:`~gateway.http.app.Gateway`."""
+    """The listening side of the fast transport for one :class:`~gateway.http.app.Gateway`:
+    limits and timeouts from its config (``max_body_bytes``, ``max_connections``,
+    ``header_timeout``, ``body_timeout``, ``keepalive_timeout``)."""
 
-    def __init__(self, gw: Gateway, max_body_bytes: int):
+    def __init__(self, gw: Gateway, cfg: GatewayConfig):
         self.gw = gw
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes = cfg.max_body_bytes
+        self.max_connections = cfg.max_connections
+        self.header_timeout = cfg.header_timeout
+        self.body_timeout = cfg.body_timeout
+        self.keepalive_timeout = cfg.keepalive_timeout
         self.conns: set[_ServerConn] = set()
         self._server: asyncio.AbstractServer | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
@@ -420,6 +568,7 @@ class _UpConn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.resp: FastUpstreamResponse | None = None
         self.closed = False
+        self.idle_since = 0.0
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -496,9 +645,13 @@ class _UpConn(asyncio.Protocol):
 
 
 class _Pool:
-    __slots__ = ("all", "host", "host_header", "idle", "port", "prefix")
+    """Keep-alive connections to one engine: at most ``max_idle`` idle ones (the oldest closed
+    first), and none idle longer than ``idle_timeout`` (a trim timer runs while any is idle), so a
+    load peak leaves no thousand idle sockets behind."""
 
-    def __init__(self, url: str):
+    __slots__ = ("_trim", "all", "host", "host_header", "idle", "idle_timeout", "max_idle", "port", "prefix")
+
+    def __init__(self, url: str, max_idle: int, idle_timeout: float):
         u = urlsplit(url)
         if u.scheme != "http" or not u.hostname:
             raise ConfigError(f"the fast transport speaks plain http://host:port to engines, got {url!r}; "
@@ -507,11 +660,34 @@ class _Pool:
         self.port = u.port or 80
         self.prefix = u.path.rstrip("/").encode()
         self.host_header = (u.netloc).encode("latin-1")
-        self.idle: list[_UpConn] = []
+        self.max_idle = max_idle
+        self.idle_timeout = idle_timeout
+        self.idle: deque[_UpConn] = deque()  # oldest left, most recently used right
         self.all: set[_UpConn] = set()
+        self._trim: asyncio.TimerHandle | None = None
 
     def put(self, conn: _UpConn) -> None:
-        self.idle.append(conn)
+        if self.max_idle <= 0:
+            conn.close()
+            return
+        conn.idle_since = conn.loop.time()
+        idle = self.idle
+        idle.append(conn)
+        while len(idle) > self.max_idle:
+            idle.popleft().close()
+        if self._trim is None:
+            self._trim = conn.loop.call_later(self.idle_timeout, self.trim, conn.loop)
+
+    def trim(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close the connections idle for ``idle_timeout``; again later while any stays idle."""
+        self._trim = None
+        idle = self.idle
+        horizon = loop.time() - self.idle_timeout
+        while idle and (idle[0].closed or idle[0].idle_since <= horizon):
+            idle.popleft().close()
+        if idle:
+            wait = max(idle[0].idle_since + self.idle_timeout - loop.time(), 0.05 * self.idle_timeout)
+            self._trim = loop.call_later(wait, self.trim, loop)
 
     def take(self) -> _UpConn | None:
         idle = self.idle
@@ -521,13 +697,26 @@ class _Pool:
                 return c
         return None
 
+    def close(self) -> None:
+        if self._trim is not None:
+            self._trim.cancel()
+            self._trim = None
+        for c in list(self.all):
+            c.close()
+        self.idle.clear()
+
 
 class FastUpstream:
     """Pooled keep-alive HTTP/1.1 client to the engines (see the module docstring)."""
 
-    def __init__(self, base_urls: Sequence[str], connect_timeout: float = 5.0):
-        self.pools = [_Pool(u) for u in base_urls]
+    def __init__(self, base_urls: Sequence[str], connect_timeout: float = 5.0, max_idle: int = 64,
+                 idle_timeout: float = 30.0):
+        self.pools = [_Pool(u, max_idle, idle_timeout) for u in base_urls]
         self.connect_timeout = connect_timeout
+
+    def idle_connections(self) -> list[int]:
+        """Idle pooled connections per engine (tests, /debug/state)."""
+        return [sum(1 for c in p.idle if not c.closed) for p in self.pools]
 
     async def _connect(self, pool: _Pool) -> _UpConn:
         loop = asyncio.get_running_loop()
@@ -571,7 +760,5 @@ class FastUpstream:
 
     async def close(self) -> None:
         for pool in self.pools:
-            for c in list(pool.all):
-                c.close()
-            pool.idle.clear()
+            pool.close()
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,3 +66,38 @@ def chat_text(messages: Sequence[Mapping[str, Any]]) -> str:
             raise BadRequestError("messages[].content must be a string or a list of content parts")
         parts.append(f"{m.get('role')}\n{content or ''}\n")
     return "".join(parts)
+
+
+def vocab_size_of(path: str) -> int:
+    """The model's vocabulary size from its Hugging Face ``config.json`` (a file, or a model folder
+    holding one): ``vocab_size``, or ``text_config.vocab_size`` for multimodal configs (what vLLM's
+    ``ModelConfig.get_vocab_size`` reads)."""
+    import json
+    import os
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the model config {file}: {exc}") from None
+    size = doc.get("vocab_size") if isinstance(doc, dict) else None
+    if size is None and isinstance(doc, dict) and isinstance(doc.get("text_config"), dict):
+        size = doc["text_config"].get("vocab_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise ConfigError(f"{file} names no positive vocab_size (or text_config.vocab_size)")
+    return size
+
+
+def pack_token_ids(prompt: list[Any]) -> array | None:
+    """``array('Q', prompt)`` if every element is a non-negative 64-bit int, else None: validation
+    in one C conversion (negative -> OverflowError, non-int -> TypeError), reused for hashing."""
+    try:
+        return array("Q", prompt)
+    except (TypeError, OverflowError):
+        return None
+
+
+def header_value(s: str) -> str:
+    """``s`` made safe for an HTTP header value: ASCII, one line, at most 200 characters."""
+    return s.encode("ascii", "replace").decode()[:200].replace("\r", " ").replace("\n", " ")

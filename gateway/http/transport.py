@@ -23,7 +23,62 @@ from typing import Protocol
 
 import aiohttp
 
-from gpuhit.errors import EngineError
+from gpuhit.errors import BadRequestError, EngineError, GpuhitError
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+RESET_PREFIX_CACHE = "/reset_prefix_cache"  # admin: fans out to every engine (vLLM dev route)
+GET_PATHS = ("/v1/models", "/health", "/ready", "/metrics", "/debug/state")
+# Answered without the API key: load balancers' probes.
+_OPEN = frozenset(("/health", "/ready"))
+
+
+def needs_auth(path: str, metrics_auth: bool) -> bool:
+    """Whether a request to ``path`` must carry the API key (when one is set): everything but the
+    probes (/health, /ready), and /metrics only with ``metrics_auth``."""
+    if path in _OPEN:
+        return False
+    return metrics_auth or path != "/metrics"
+
+
+# HTTP-level refusals: ``error_type`` is the ``type`` of vLLM's error body (FastAPI's
+# HTTPException handler names it after the status phrase).
+
+
+class MethodNotAllowedError(GpuhitError):
+    http_status = 405
+    code = "method_not_allowed"
+    error_type = "Method Not Allowed"
+
+
+class RequestTimeoutError(BadRequestError):
+    http_status = 408
+    code = "request_timeout"
+    error_type = "Request Timeout"
+
+
+class UriTooLongError(BadRequestError):
+    http_status = 414
+    code = "uri_too_long"
+    error_type = "URI Too Long"
+
+
+class HeadersTooLargeError(BadRequestError):
+    http_status = 431
+    code = "request_header_fields_too_large"
+    error_type = "Request Header Fields Too Large"
+
+
+class ExpectationFailedError(BadRequestError):
+    http_status = 417
+    code = "expectation_failed"
+    error_type = "Expectation Failed"
+
+
+class OverloadedError(GpuhitError):
+    http_status = 503
+    code = "too_many_connections"
+    error_type = "Service Unavailable"
 
 
 class UpstreamConnectError(EngineError):

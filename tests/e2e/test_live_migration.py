@@ -110,7 +110,7 @@ def test_migration_two_step_rebinds_and_next_turn_hits_on_target():
             load.finish()
             text = await metrics_text(http, url)
             assert 'gpuhit_gateway_kv_moves_total{action="migrate",outcome="transferred"} 1' in text
-            assert 'gpuhit_gateway_decisions_total{policy="lpwl_migrate",instance="e1",action="migrate"} 1' in text
+            assert 'gpuhit_gateway_decisions_total{action="migrate",instance="e1",policy="lpwl_migrate"} 1' in text
             assert all(c == {"in_flight": 0, "pending_prefill_tokens": 0, "decode_seqs": 0, "active_blocks": 0}
                        for c in gw.router.counters())
 

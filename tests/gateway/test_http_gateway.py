@@ -69,7 +69,7 @@ def test_routes_streams_and_index_tracks_engines():
                 async with http.get(url + "/metrics") as r:
                     text = await r.text()
                 assert f'gpuhit_gateway_realized_hit_tokens_total{{instance="{first}"}} 64' in text
-                assert f'gpuhit_gateway_decisions_total{{policy="lpwl",instance="{first}",action="forward"}} 2' in text
+                assert f'gpuhit_gateway_decisions_total{{action="forward",instance="{first}",policy="lpwl"}} 2' in text
                 async with http.get(url + "/debug/state") as r:
                     state = await r.json()
                 assert state["instances"][i]["index_gpu_blocks"] == len(engines[i].cache)

@@ -1,0 +1,49 @@
+"""The realized prefix hit of an answer: its ``usage`` object, found in the answer's tail without
+parsing the rest (vLLM puts ``usage`` last, in the final SSE event or at the end of the JSON)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+
+def usage_from_tail(tail: bytes, sse: bool = True) -> Mapping[str, Any] | None:
+    """The ``usage`` object of the last SSE event that has one, found in the stream's tail
+    (``sse=False``: of a plain JSON body's tail, where ``"usage": {...}`` holds only scalars and
+    the flat ``prompt_tokens_details`` object)."""
+    if not sse:
+        at = tail.rfind(b'"usage"')
+        if at < 0:
+            return None
+        start = tail.find(b"{", at)
+        if start < 0 or tail[at + 7 : start].strip() != b":":  # "usage": null, or cut off
+            return None
+        depth = 0
+        for j in range(start, len(tail)):
+            c = tail[j]
+            if c == 123:  # {
+                depth += 1
+            elif c == 125:  # }
+                depth -= 1
+                if depth == 0:
+                    try:
+                        obj = orjson.loads(tail[start : j + 1])
+                    except ValueError:
+                        return None
+                    return obj if isinstance(obj, dict) else None
+        return None
+    at = tail.rfind(b'"usage"')
+    while at >= 0:
+        start = tail.rfind(b"data:", 0, at)
+        end = tail.find(b"\n\n", at)
+        if start >= 0:
+            try:
+                obj = orjson.loads(tail[start + 5 : end if end >= 0 else len(tail)])
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                return obj["usage"]
+        at = tail.rfind(b'"usage"', 0, start if start >= 0 else at)
+    return None
