@@ -92,3 +92,20 @@ def test_killed_worker_is_retried_and_counted_once(local_ray, local_run, tmp_pat
     assert sorted(seen) == [0, 1, 2, 3]  # each run delivered once
     assert sorted(p.name for p in marks.iterdir()) == ["0", "1", "2", "3"]  # each one was killed once
     assert _records(out) == _records(local_run)
+
+
+def test_sweep_on_ray_matches_local_sweep(local_ray, tmp_path):
+    """Two traces in the object store (Zipf redraws) and a KV axis: the same files as the local pool."""
+    args = ["sweep", "--zipf", "0,1.4", "--kv-gib", "20", "--policies", "lpwl,lmetric", "--seeds", "1",
+            "--max-sessions", "2", "--max-requests", "20", "--json"]
+    assert main(args + ["--out", str(tmp_path / "local")]) == 0
+    assert main(args + ["--out", str(tmp_path / "ray"), "--ray"]) == 0
+
+    def files(root: pathlib.Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.glob("points/*/records/*.csv"))}
+
+    want = files(tmp_path / "local")
+    assert len(want) == 4
+    assert files(tmp_path / "ray") == want
+    rows = (tmp_path / "ray" / "summary.csv").read_text(encoding="utf-8").splitlines()
+    assert len(rows) == 1 + 4
