@@ -26,6 +26,7 @@ only when asked):
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pathlib
@@ -176,7 +177,8 @@ def run_ray(jobs: Sequence[dict[str, Any]], traces: Mapping[str, Any], *, addres
     ray = require_ray()
     started = False
     if not ray.is_initialized():
-        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+        # Ray's INFO lines (connecting, packaging) would bury the replay's own output; warnings stay.
+        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "logging_level": logging.WARNING}
         if ship_code or (ship_code is None and address is not None):
             kw["runtime_env"] = code_runtime_env()
         if address is None:
@@ -184,7 +186,9 @@ def run_ray(jobs: Sequence[dict[str, Any]], traces: Mapping[str, Any], *, addres
         try:
             ray.init(address=address, **kw)
         except (ConnectionError, ValueError, RuntimeError) as exc:
-            raise GpuhitError(f"cannot connect to Ray at {address or 'a new local instance'}: {exc}") from None
+            hint = ("; a cluster with token authentication (Ray's default since 2.5x) also needs RAY_AUTH_MODE=token "
+                    "and its token in RAY_AUTH_TOKEN or ~/.ray/auth_token" if address is not None else "")
+            raise GpuhitError(f"cannot connect to Ray at {address or 'a new local instance'}: {exc}{hint}") from None
         started = True
     if on_start is not None:
         res = ray.cluster_resources()

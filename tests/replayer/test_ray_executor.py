@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -109,3 +111,16 @@ def test_sweep_on_ray_matches_local_sweep(local_ray, tmp_path):
     assert files(tmp_path / "ray") == want
     rows = (tmp_path / "ray" / "summary.csv").read_text(encoding="utf-8").splitlines()
     assert len(rows) == 1 + 4
+
+
+def test_replay_on_an_existing_cluster_by_address(local_ray, local_run, tmp_path):
+    """Another process connects by address (as to a remote cluster) and ships this checkout's code."""
+    addr = ray.get_runtime_context().gcs_address
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    env.setdefault("RAY_AUTH_MODE", "token" if (pathlib.Path.home() / ".ray" / "auth_token").exists() else "disabled")
+    out = tmp_path / "addr"
+    proc = subprocess.run([sys.executable, "-m", "gpuhit.cli", *SMALL, "--out", str(out), "--ray", addr],
+                          check=False, capture_output=True, text=True, env=env, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _records(out) == _records(local_run)
