@@ -186,7 +186,7 @@ def run_ray(jobs: Sequence[dict[str, Any]], traces: Mapping[str, Any], *, addres
         try:
             ray.init(address=address, **kw)
         except (ConnectionError, ValueError, RuntimeError) as exc:
-            hint = ("; a cluster with token authentication (Ray's default since 2.5x) also needs RAY_AUTH_MODE=token "
+            hint = ("; a cluster with token authentication (recent Ray's default) also needs RAY_AUTH_MODE=token "
                     "and its token in RAY_AUTH_TOKEN or ~/.ray/auth_token" if address is not None else "")
             raise GpuhitError(f"cannot connect to Ray at {address or 'a new local instance'}: {exc}{hint}") from None
         started = True
