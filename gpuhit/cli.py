@@ -18,6 +18,7 @@ from gpuhit.errors import GpuhitError
 COMMAND_MODULES: tuple[str, ...] = (
     "replayer.cli_trace",  # gpuhit trace stats|convert
     "replayer.cli_replay",  # gpuhit replay
+    "replayer.cli_sweep",  # gpuhit sweep
     "engines.emulated.cli",  # gpuhit experiment tiers|knee
     "engines.emulated.server_cli",  # gpuhit emulate
     "gateway.cli",  # gpuhit serve, gpuhit vllm-cmd

@@ -12,6 +12,8 @@ completes (``records/<run>.csv`` and ``runs/<run>.json``: summary, latencies, ut
 and ``plan.json`` keeps the options, so after Ctrl-C (exit 130) ``--resume DIR`` finishes the
 comparison: saved runs are read back, not redone; a run that had not finished starts over (a
 simulation is deterministic, so the table equals an uninterrupted one's).
+``--ray [ADDRESS]`` runs them as Ray tasks instead, on a cluster or a local Ray started for the
+replay (:mod:`replayer.executors`): same records, same results folder, same ``--resume``.
 
 Defaults, and why:
 
@@ -124,6 +126,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="router KV index: precise (KV events) or approximate (routing history)")
     p.add_argument("--jobs", type=int, default=None, metavar="J",
                    help="parallel worker processes (default: min(2, CPU cores, runs))")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run each (policy, seed) as a Ray task: on the cluster at ADDRESS (ray://HOST:10001, "
+                        "HOST:6379 or auto), or on a local Ray started for this replay when no ADDRESS is given "
+                        "(needs the ray extra; records are identical to the local pool's)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots and the HTML report's images")
     p.add_argument("--progress", action="store_true", help="show the progress line even when stderr is not a TTY")
     p.add_argument("--gateway", default=None, metavar="URL",
@@ -319,13 +325,18 @@ def _synth(seed: int, block_size: int) -> Any:
     return synth
 
 
-def _run_one(job: dict[str, Any]) -> dict[str, Any]:
-    """One simulation (in a worker process, or inline). Returns JSON-able results for the parent."""
+def _run_one(job: dict[str, Any], trace: Any = None, progress_q: Any = None) -> dict[str, Any]:
+    """One simulation (in a worker process, inline, or a Ray task). Returns JSON-able results.
+
+    ``trace`` / ``progress_q``: default the ones this process inherited (:data:`_TRACE`,
+    :data:`_PROGRESS_Q`); the executors in :mod:`replayer.executors` pass their own.
+    """
     from replayer.records import RecordWriter
     from replayer.simulate import simulate
 
     spec: RunSpec = job["spec"]
-    q = _PROGRESS_Q
+    q = _PROGRESS_Q if progress_q is None else progress_q
+    trace = _TRACE if trace is None else trace
     idx = job["index"]
     last = [0.0]
 
@@ -340,12 +351,12 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
     path = pathlib.Path(job["records"])
     with RecordWriter(path, resume=False, policy=spec.label, seed=spec.seed) as w:
         res = simulate(
-            _TRACE, spec.policy, instances=job["instances"], profile=job["profile"], seed=spec.seed,
+            trace, spec.policy, instances=job["instances"], profile=job["profile"], seed=spec.seed,
             roles=spec.roles, index=job["index_kind"], max_requests=job["max_requests"],
             max_sessions=job["max_sessions"], open_loop=job["open_loop"], progress=progress,
             sink=w.write, label=spec.label, block_size=job["block_size"],
             synth=_synth(spec.seed, job["block_size"]),
-            engine_kwargs={"block_size": job["block_size"]}, **job["arrival"],
+            engine_kwargs={"block_size": job["block_size"], **job.get("engine_kwargs", {})}, **job["arrival"],
         )
     summary = res.summary()
     summary["label"] = spec.label
@@ -404,7 +415,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 # Options a resumed replay takes from its folder's plan.json (the rest: how to run, not what).
-_NOT_RESUMED = frozenset({"resume", "jobs", "progress", "json", "no_plots", "func", "out", "gateway"})
+_NOT_RESUMED = frozenset({"resume", "jobs", "progress", "json", "no_plots", "func", "out", "gateway", "ray"})
 
 
 def _plan_doc(args: argparse.Namespace, specs: Sequence[RunSpec]) -> dict[str, Any]:
@@ -456,6 +467,13 @@ def _simulated(args: argparse.Namespace) -> int:
         raise ConfigError("--block-size must be positive")
     if args.jobs is not None and args.jobs <= 0:
         raise ConfigError("--jobs must be positive")
+    on_ray = getattr(args, "ray", None) is not None
+    if on_ray:
+        if args.jobs is not None:
+            raise ConfigError("--jobs is for the local pool; on Ray every free CPU of the cluster runs a run")
+        from replayer.executors import require_ray
+
+        require_ray()  # not installed: one clear line before any folder is made
     if args.profile is not None:
         from engines.emulated.profile import load_profile
 
@@ -496,7 +514,7 @@ def _simulated(args: argparse.Namespace) -> int:
 
     _TRACE = trace
     show = args.progress or sys.stderr.isatty()
-    ctx = mp.get_context("fork") if n_jobs > 1 else None
+    ctx = mp.get_context("fork") if n_jobs > 1 and not on_ray else None
     stop = threading.Event()
     pthread = None
     if show and jobs:
@@ -504,7 +522,15 @@ def _simulated(args: argparse.Namespace) -> int:
         pthread = _progress_thread(_PROGRESS_Q, [total_one] * len(specs), stop, force=args.progress)
     wall0 = time.perf_counter()
     try:
-        if n_jobs == 1:
+        if on_ray and jobs:
+            from replayer.executors import ray_address, run_ray
+
+            ordered = [jobs[i] for i in longest_first([j["spec"] for j in jobs])]
+            for idx, r in run_ray(ordered, {"": trace}, address=ray_address(args.ray), progress_q=_PROGRESS_Q,
+                                  on_start=lambda msg: print(f"gpuhit replay: {msg}", file=sys.stderr)):
+                results[idx] = r
+                _note_done(r, show)
+        elif n_jobs == 1:
             for j in jobs:
                 results[j["index"]] = _run_one(j)
                 _note_done(results[j["index"]], show)
@@ -545,7 +571,7 @@ def _simulated(args: argparse.Namespace) -> int:
         "requests_per_run": total_one, "instances": args.instances,
         "profile": args.profile or DEFAULT_PROFILE, "index": args.index, "block_size": args.block_size,
         **arrival,
-        "open_loop": args.open_loop, "runs": len(specs), "jobs": n_jobs, "wall_s": round(wall, 2),
+        "open_loop": args.open_loop, "runs": len(specs), "jobs": "ray" if on_ray else n_jobs, "wall_s": round(wall, 2),
         "resumed": resuming,
         "utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
