@@ -30,11 +30,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--index", choices=("precise", "approximate"), default=None,
                    help="KV index: precise (engines' KV events) or approximate (routing history)")
     p.add_argument("--model", default=None, help="served model name (default: the first engine's)")
-    p.add_argument("--block-size", type=int, default=None, help="engines' KV block size (default 16)")
-    p.add_argument("--hash", default=None, help="engines' prefix-caching hash: sha256 | sha256_cbor")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer for text prompts (needs the `tokenizers` package); without it text "
-                        "prompts are routed by an approximate text-chunk hash")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="engines' KV block size (default: read from their /metrics, vllm:cache_config_info)")
+    p.add_argument("--hash", default=None, choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
+                   help="engines' --prefix-caching-hash-algo (default sha256; xxhash* need gpuhit[xxhash])")
+    p.add_argument("--hash-seed", default=None, metavar="SEED",
+                   help="the engines' PYTHONHASHSEED, which seeds vLLM's block hashes (default: this process's "
+                        "PYTHONHASHSEED, else vLLM's fixed seed for sha256*)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="model directory with tokenizer.json (+ tokenizer_config.json chat template) for exact text "
+                        "and chat routing (needs gpuhit[tokenizer]); default: the engines' model directory when "
+                        "it is a local path")
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="reject longer prompts with 400 (0 = off)")
     p.add_argument("--timeout", type=float, default=None, help="upstream timeout in seconds (0 = none)")
@@ -72,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = gcfg.with_overrides(
         cfg, engines=args.engine, bootstraps=args.bootstrap, transport=args.transport, host=args.host,
         port=args.port, policy=args.policy, index=args.index, model=args.model, block_size=args.block_size,
-        hash=args.hash, tokenizer=args.tokenizer,
+        hash=args.hash, hash_seed=args.hash_seed, tokenizer=args.tokenizer,
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout,
         api_key=args.api_key, otel=args.otel,
     ).validate()
