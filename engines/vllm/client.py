@@ -212,7 +212,9 @@ class VLLMEngine:
                         res.error = f"{self.name}: {_message(obj)}"
                         break
                     choices = obj.get("choices") or []
-                    if choices and choices[0].get("text"):
+                    # One chunk per generated token; its text may be "" (a byte-level token that ends
+                    # mid-character, a special token), so any chunk with a choice counts.
+                    if choices:
                         chunks += 1
                         if res.first_token_time is None:
                             res.first_token_time = loop.time()
