@@ -170,7 +170,8 @@ def test_exact_hits_for_token_text_and_chat_then_replay_after_restart(real_vllm_
                 assert cached > 0 and int(headers["x-gpuhit-predicted-hit"]) == cached
         assert not [r for r in caplog.records if "mismatch" in r.getMessage()]
         print("exact hits:", json.dumps({k: f"{sum(p == c for p, c in v)}/{len(v)} requests, "
-                                            f"{sum(c for _, c in v)} cached tokens" for k, v in EXACT.items()}))
+                                            f"{sum(c for _, c in v)} cached tokens, (predicted, cached): {v}"
+                                         for k, v in EXACT.items()}))
 
     asyncio.run(main())
 
