@@ -29,7 +29,7 @@ import json
 import pathlib
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from gpuhit.errors import BadRequestError, ConfigError, UnavailableError
 
@@ -182,7 +182,7 @@ def compile_template(source: str) -> Any:
     class _Generation(jinja2.ext.Extension):
         """transformers' ``{% generation %}`` tag, which only marks assistant text: rendered as is."""
 
-        tags = {"generation"}
+        tags: ClassVar[set[str]] = {"generation"}
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno

@@ -81,8 +81,8 @@ def _ids_for(gw: Gateway, kind: str, body: dict) -> list[int]:
     return gw.tokenizer.chat_ids(body) if kind == "chat" else gw.tokenizer.completion_ids(body["prompt"], body)
 
 
-WORDS = ("gateway engine prefix cache block session turn agent tool route query token stream replay trace "
-         "policy latency").split()
+WORDS = ("gateway", "engine", "prefix", "cache", "block", "session", "turn", "agent", "tool", "route", "query",
+         "token", "stream", "replay", "trace", "policy", "latency")
 
 
 def _sentence(seed: int, n: int) -> str:
