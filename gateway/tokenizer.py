@@ -25,12 +25,15 @@ the post-processor inside that file: the same in the ``tokenizers`` library as i
 
 from __future__ import annotations
 
+import bisect
 import json
 import pathlib
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, ClassVar
 
+from engines.hashing import common_prefix_len
 from gpuhit.errors import BadRequestError, ConfigError, UnavailableError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -53,7 +56,7 @@ class PromptTokenizer:
     holding ``tokenizer.json`` (and ``tokenizer_config.json`` for the template and special tokens) or
     a ``tokenizer.json`` path."""
 
-    def __init__(self, source: str | pathlib.Path):
+    def __init__(self, source: str | pathlib.Path, memo_sessions: int = 1024):
         try:
             import tokenizers
         except ImportError:
@@ -91,6 +94,20 @@ class PromptTokenizer:
         self.chat_template: str | None = template if isinstance(template, str) else None
         self.special_tokens = {k: s for k in SPECIAL_TOKEN_KEYS if (s := _token_str(config.get(k))) is not None}
         self._compiled: Any = None
+        # Incremental chat tokenization (see chat_ids): the added tokens the template writes, when
+        # every one of them splits the text cleanly (no whitespace stripping around it).
+        added = self.tokenizer.get_added_tokens_decoder()
+        clean = all(not (a.lstrip or a.rstrip or a.single_word or a.normalized) for a in added.values())
+        # Metaspace (prepend_scheme "first") and Prepend normalizers treat the very start of the
+        # input differently from a segment after an added token: no reuse for those tokenizers.
+        spec = json.loads(self.tokenizer.to_str())
+        clean = clean and not any(k in json.dumps([spec.get("normalizer"), spec.get("pre_tokenizer")])
+                                  for k in ('"Metaspace"', '"Prepend"'))
+        self._splitters = {a.content: i for i, a in added.items()
+                           if clean and self.chat_template and a.content in self.chat_template}
+        self._memo: OrderedDict[str, tuple[str, list[int], list[int]]] = OrderedDict()
+        self.memo_sessions = memo_sessions
+        self.tokens_encoded = 0  # work counter (tests): tokens produced by the tokenizer itself
 
     # ------------------------------------------------------------------------------ tokenizing
 
@@ -104,12 +121,49 @@ class PromptTokenizer:
             raise BadRequestError("add_special_tokens must be a boolean")
         return self.encode(prompt, add)
 
-    def chat_ids(self, body: Mapping[str, Any]) -> list[int]:
-        """A ``/v1/chat/completions`` request: template rendered, then tokenized without added specials."""
+    def chat_ids(self, body: Mapping[str, Any], session: str | None = None) -> list[int]:
+        """A ``/v1/chat/completions`` request: template rendered, then tokenized without added specials.
+
+        Agentic conversations resend the whole history every turn, so the ids of the previous
+        rendering of this conversation (keyed by ``session``, else the text's start) are reused up
+        to the last template-written special token inside the common prefix: the tokenizer splits
+        the text at added tokens before anything else, so what precedes such a token tokenizes the
+        same whatever follows. Only the new tail is tokenized (a 100k-token history is not
+        re-tokenized per turn)."""
         add = body.get("add_special_tokens", False)
         if not isinstance(add, bool):
             raise BadRequestError("add_special_tokens must be a boolean")
-        return self.encode(self.render_chat(body), add)
+        text = self.render_chat(body)
+        if add or not self._splitters:
+            ids = self.encode(text, add)
+            self.tokens_encoded += len(ids)
+            return ids
+        return self._encode_incremental(text, session if session is not None else text[:256])
+
+    def _encode_incremental(self, text: str, key: str) -> list[int]:
+        memo = self._memo.get(key)
+        start, ids, ends = 0, [], []
+        if memo is not None:
+            self._memo.move_to_end(key)
+            old_text, old_ids, old_ends = memo
+            n = common_prefix_len(old_text, text)
+            # The last template special token that lies within the common prefix and that the old
+            # encoding matched as that token: a clean split point.
+            for tok, tid in self._splitters.items():
+                p = text.rfind(tok, 0, n)
+                if p < 0 or p + len(tok) <= start:
+                    continue
+                k = bisect.bisect_left(old_ends, p + len(tok))
+                if k < len(old_ends) and old_ends[k] == p + len(tok) and old_ids[k] == tid:
+                    start, ids, ends = p + len(tok), old_ids[: k + 1], old_ends[: k + 1]
+        enc = self.tokenizer.encode(text[start:], add_special_tokens=False)
+        self.tokens_encoded += len(enc.ids)
+        ids = ids + enc.ids
+        ends = ends + [e + start for _, e in enc.offsets]
+        self._memo[key] = (text, ids, ends)
+        if len(self._memo) > self.memo_sessions:
+            self._memo.popitem(last=False)
+        return ids
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
         if self.chat_template is None:

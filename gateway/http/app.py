@@ -430,7 +430,7 @@ class Gateway:
             tok = self.tokenizer
             if tok is not None:
                 try:
-                    n, hashes, ids = self._exact(tok.chat_ids(body), session)
+                    n, hashes, ids = self._exact(tok.chat_ids(body, session), session)
                     self._check_len(n, max_tokens)
                     return n, max_tokens, stream, hashes, ids
                 except NotExact as exc:

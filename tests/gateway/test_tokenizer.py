@@ -78,3 +78,24 @@ def test_discover_and_bad_sources(tmp_path):
     assert discover(["Qwen/Qwen3"]) is None
     with pytest.raises(ConfigError, match="tokenizer.json"):
         PromptTokenizer(tmp_path)
+
+
+def test_incremental_chat_tokenization_equals_full_and_skips_the_history():
+    tok = _tok()
+    msgs: list[dict] = [{"role": "system", "content": "sys <|end|> inside content too"}]
+    for t in range(8):
+        msgs = msgs + [{"role": "user", "content": f"turn {t}: " + "word " * (20 + 7 * t) + "héllo"}]
+        body = {"messages": list(msgs)}
+        before = tok.tokens_encoded
+        got = tok.chat_ids(body, session="s")
+        full = tok.encode(tok.render_chat(body), add_special_tokens=False)
+        assert got == full, t
+        if t:
+            # only the tail after the last reused special token is tokenized again
+            assert tok.tokens_encoded - before < len(full) // 2 + 40, t
+        msgs = msgs + [{"role": "assistant", "content": f"reply {t}"}]
+    # another conversation under the same key, and an edited history: still exact
+    other = {"messages": [{"role": "user", "content": "different"}]}
+    assert tok.chat_ids(other, session="s") == tok.encode(tok.render_chat(other), add_special_tokens=False)
+    edited = {"messages": [{"role": "system", "content": "sys changed"}, *msgs[1:]]}
+    assert tok.chat_ids(edited, session="s") == tok.encode(tok.render_chat(edited), add_special_tokens=False)
