@@ -2,9 +2,11 @@
 
 vLLM (v1, 0.33 defaults) hashes each *full* block of ``block_size`` tokens as
 ``hash_fn((parent_hash or NONE_HASH, tuple(token_ids), extra_keys))`` where ``hash_fn`` is
-``sha256`` over ``pickle.dumps(obj, protocol=HIGHEST_PROTOCOL)`` (default) or ``sha256_cbor``
-(canonical CBOR), and ``NONE_HASH = hash_fn("vllm-none-hash")`` unless PYTHONHASHSEED is set, in
-which case it is ``hash_fn(PYTHONHASHSEED)``. KV events carry the last 8 bytes of the digest as a
+``sha256`` over ``pickle.dumps(obj, protocol=HIGHEST_PROTOCOL)`` (default), ``sha256_cbor``
+(canonical CBOR), ``xxhash`` / ``xxhash_cbor`` (128-bit XXH3 of the same encodings; needs the optional
+``xxhash`` package), and ``NONE_HASH = hash_fn(seed)``: the seed is PYTHONHASHSEED when set, else
+``"vllm-none-hash"`` for the sha256 variants and random bytes for the xxhash ones (vLLM 0.32
+``resolve_none_hash_seed``). KV events carry the last 8 bytes of the digest as a
 big-endian unsigned int; that 64-bit int is the form gpuhit uses everywhere outside this module.
 
 Reference (checked in tests against values computed with vLLM's own code): tokens 1000..1015 ->
@@ -38,21 +40,72 @@ def sha256_cbor(obj: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
-HASH_FUNCTIONS: dict[str, HashFn] = {"sha256": sha256_pickle, "sha256_cbor": sha256_cbor}
+def _xxh3_128(data: bytes) -> bytes:
+    try:
+        import xxhash
+    except ImportError:
+        raise ConfigError(
+            "the engines' --prefix-caching-hash-algo xxhash / xxhash_cbor needs the `xxhash` package in the "
+            "gateway too (pip install 'gpuhit[xxhash]')"
+        ) from None
+    return xxhash.xxh3_128_digest(data)
+
+
+def xxhash_pickle(obj: Any) -> bytes:
+    """vLLM's ``xxhash``: 128-bit XXH3 of the highest-protocol pickle of ``obj``."""
+    return _xxh3_128(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def xxhash_cbor(obj: Any) -> bytes:
+    """vLLM's ``xxhash_cbor``: 128-bit XXH3 of the canonical CBOR encoding."""
+    import cbor2
+
+    return _xxh3_128(cbor2.dumps(obj, canonical=True))
+
+
+# vLLM's --prefix-caching-hash-algo names (vllm/utils/hashing.py: get_hash_fn_by_name).
+HASH_FUNCTIONS: dict[str, HashFn] = {
+    "sha256": sha256_pickle, "sha256_cbor": sha256_cbor, "xxhash": xxhash_pickle, "xxhash_cbor": xxhash_cbor,
+}
+# Not collision resistant: vLLM seeds NONE_HASH with random bytes for these unless PYTHONHASHSEED is set.
+NON_CRYPTO = frozenset({"xxhash", "xxhash_cbor"})
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 
 def get_hash_fn(name: str) -> HashFn:
     try:
-        return HASH_FUNCTIONS[name]
+        fn = HASH_FUNCTIONS[name]
     except KeyError:
         raise ConfigError(f"unknown prefix-caching hash {name!r}; choose one of {sorted(HASH_FUNCTIONS)}") from None
+    if name in NON_CRYPTO:
+        fn(b"")  # fail now, with the install hint, if xxhash is missing
+    return fn
+
+
+def none_hash_seed(hash_name: str, seed: str | None = None) -> str:
+    """The seed vLLM derives ``NONE_HASH`` from (``resolve_none_hash_seed``): the engines'
+    ``PYTHONHASHSEED`` when set (``seed``, else this process's own ``PYTHONHASHSEED``), else the fixed
+    ``"vllm-none-hash"`` for sha256 / sha256_cbor. The xxhash algorithms without PYTHONHASHSEED use a
+    random per-process seed that nobody else can know: refused with a clear error."""
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED")
+    if seed is not None:
+        return seed
+    if hash_name in NON_CRYPTO:
+        raise ConfigError(
+            f"vLLM with --prefix-caching-hash-algo {hash_name} and no PYTHONHASHSEED seeds its block hashes with "
+            f"random bytes, so no gateway can predict them: start the engines with PYTHONHASHSEED=<s> and give the "
+            f"gateway the same value (--hash-seed <s>), or use sha256"
+        )
+    return DEFAULT_NONE_HASH_SEED
 
 
 def none_hash(hash_fn: HashFn, seed: str | None = None) -> bytes:
-    """The root parent hash, as vLLM's ``init_none_hash`` computes it."""
+    """The root parent hash, as vLLM's ``init_none_hash`` computes it (``seed`` None: this process's
+    ``PYTHONHASHSEED``, else ``"vllm-none-hash"``)."""
     if seed is None:
         seed = os.environ.get("PYTHONHASHSEED")
-    return hash_fn("vllm-none-hash" if seed is None else seed)
+    return hash_fn(DEFAULT_NONE_HASH_SEED if seed is None else seed)
 
 
 def to_event_int(digest: bytes) -> int:
@@ -113,14 +166,16 @@ class BlockHasher:
     form. Only full blocks are hashed: a trailing partial block is never cached by vLLM.
     """
 
-    __slots__ = ("block_size", "extra_keys", "hash_fn", "root")
+    __slots__ = ("block_size", "extra_keys", "hash_fn", "hash_name", "root", "seed")
 
     def __init__(self, block_size: int = 16, hash_name: str = "sha256", seed: str | None = None):
         if block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
+        self.hash_name = hash_name
         self.hash_fn = get_hash_fn(hash_name)
-        self.root = none_hash(self.hash_fn, seed)
+        self.seed = none_hash_seed(hash_name, seed)
+        self.root = self.hash_fn(self.seed)
         self.extra_keys = None
 
     def hash_block(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:

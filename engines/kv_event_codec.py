@@ -53,7 +53,9 @@ def _stored_map(ev: BlockStored) -> dict[str, Any]:
         "medium": ev.medium,
         "lora_name": ev.lora_name,
     }
-    if ev.group_idx is not None:  # omit_defaults: a defaulted field is left out
+    if ev.extra_keys is not None:  # omit_defaults: a defaulted field is left out
+        out["extra_keys"] = [None if k is None else list(k) for k in ev.extra_keys]
+    if ev.group_idx is not None:
         out["group_idx"] = ev.group_idx
     return out
 
@@ -82,10 +84,12 @@ def _event_array(ev: KVEvent) -> list[Any]:
             ev.lora_id,
             ev.medium,
         ]
-        if ev.lora_name is not None or ev.group_idx is not None:
+        if ev.lora_name is not None or ev.group_idx is not None or ev.extra_keys is not None:
             out.append(ev.lora_name)
+        if ev.extra_keys is not None or ev.group_idx is not None:
+            out.append(None if ev.extra_keys is None else [None if k is None else list(k) for k in ev.extra_keys])
         if ev.group_idx is not None:
-            out += [None, ev.group_idx]  # extra_keys (unset), group_idx
+            out.append(ev.group_idx)
         return out
     if isinstance(ev, BlockRemoved):
         out = ["BlockRemoved", list(ev.block_hashes), ev.medium]
@@ -166,7 +170,19 @@ def _stored(f: Mapping[str, Any]) -> BlockStored:
         medium=_opt_str(f.get("medium"), "BlockStored.medium"),
         lora_name=_opt_str(f.get("lora_name"), "BlockStored.lora_name"),
         group_idx=_opt_int(f.get("group_idx"), "BlockStored.group_idx"),
+        extra_keys=_extra_keys(f.get("extra_keys")),
     )
+
+
+def _extra_keys(value: Any) -> tuple | None:
+    """vLLM's per-block ``extra_keys`` list, kept only when some block has keys (None otherwise)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise KVEventDecodeError(f"BlockStored.extra_keys must be an array or nil, got {type(value).__name__}")
+    if all(k is None for k in value):
+        return None
+    return tuple(None if k is None else tuple(k) if isinstance(k, (list, tuple)) else (k,) for k in value)
 
 
 def _removed(f: Mapping[str, Any]) -> BlockRemoved:

@@ -24,6 +24,9 @@ class BlockStored:
     medium: str | None = GPU
     lora_name: str | None = None
     group_idx: int | None = None
+    # vLLM's per-block extra hash keys (LoRA name, multimodal ids, cache_salt), None when no block has
+    # any: a block with extra keys hashes differently from its tokens alone.
+    extra_keys: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)

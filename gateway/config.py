@@ -6,13 +6,14 @@ Example::
     host = "0.0.0.0"
     port = 8080
     index = "precise"            # precise (KV events) | approximate (routing history)
-    block_size = 16              # the engines' --block-size
-    hash = "sha256"              # the engines' --prefix-caching-hash-algo
+    block_size = 32              # optional: else read from the engines (vllm:cache_config_info)
+    hash = "sha256"              # the engines' --prefix-caching-hash-algo (sha256|sha256_cbor|xxhash|xxhash_cbor)
+    hash_seed = "0"              # the engines' PYTHONHASHSEED, if they run with one
     max_body_bytes = 67108864
     max_prompt_tokens = 131072   # longer prompts get 400 before routing (0 = no limit)
     timeout = 600                # upstream request timeout, seconds (0 = none)
     api_key = "..."              # optional: clients must send "Authorization: Bearer <key>"
-    tokenizer = "Qwen/Qwen3-Coder-30B-A3B-Instruct"   # optional, needs the `tokenizers` package
+    tokenizer = "/models/qwen3-coder"   # optional (default: the engines' model dir if local), needs gpuhit[tokenizer]
     health_interval = 1.0
     health_fail_threshold = 2
     scrape_interval = 0.5
@@ -72,7 +73,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     index: str = "precise"
-    block_size: int = 16
+    block_size: int | None = None  # None: what the engines report
     hash: str = "sha256"
     hash_seed: str | None = None
     model: str | None = None  # served model name; default: what the first engine reports
@@ -116,7 +117,17 @@ class GatewayConfig:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.index not in INDEXES:
             raise ConfigError(f"index must be one of {INDEXES}, got {self.index!r}")
-        for name in ("block_size", "max_body_bytes", "health_fail_threshold", "text_chunk_chars"):
+        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                                            or self.block_size <= 0):
+            raise ConfigError(f"block_size must be a positive integer, got {self.block_size!r}")
+        from engines.hashing import HASH_FUNCTIONS
+
+        if self.hash not in HASH_FUNCTIONS:
+            raise ConfigError(f"hash must be one of {sorted(HASH_FUNCTIONS)} (vLLM's --prefix-caching-hash-algo), "
+                              f"got {self.hash!r}")
+        if self.hash_seed is not None and not isinstance(self.hash_seed, str):
+            raise ConfigError(f"hash_seed must be a string (the engines' PYTHONHASHSEED), got {self.hash_seed!r}")
+        for name in ("max_body_bytes", "health_fail_threshold", "text_chunk_chars"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout",

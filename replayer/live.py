@@ -133,7 +133,8 @@ class HttpTarget:
                     rec.error = str(obj["error"].get("message") if isinstance(obj["error"], dict) else obj["error"])
                     continue
                 choices = obj.get("choices")
-                if choices and choices[0].get("text") and math.isnan(rec.first_token):
+                # A chunk per generated token, whose text may be "" (a partial UTF-8 character).
+                if choices and math.isnan(rec.first_token):
                     rec.first_token = loop.time()
                 u = obj.get("usage")
                 if u:

@@ -33,28 +33,75 @@ log = logging.getLogger(__name__)
 
 
 async def discover_kv_sources(session: aiohttp.ClientSession, base_url: str, timeout: float = 5.0) -> list[dict[str, Any]]:
-    """``GET /kv_event_sources``: one ``{data_parallel_rank, endpoint, replay_endpoint, topic}`` per rank."""
+    """``GET /kv_event_sources``: one ``{data_parallel_rank, endpoint, replay_endpoint, topic}`` per rank.
+
+    See :func:`parse_kv_sources` for the shapes accepted."""
     url = base_url.rstrip("/") + "/kv_event_sources"
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status == 404:
                 raise EngineError(
-                    f"{base_url} has no /kv_event_sources (vLLM older than 0.33?); give the KV event "
+                    f"{base_url} has no /kv_event_sources (vLLM older than 0.32?); give the KV event "
                     f"endpoint explicitly or start vLLM with --kv-events-config"
                 )
             resp.raise_for_status()
             doc = await resp.json(content_type=None)
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise EngineError(f"cannot discover KV event sources at {url}: {exc or type(exc).__name__}") from None
-    if isinstance(doc, dict):
-        # vLLM 0.32 (and the emulator): {"<dp rank>": {kv-events config}}; `*` binds mean the engine's host.
-        host = urllib.parse.urlsplit(base_url).hostname or "127.0.0.1"
-        doc = [{**{k: (v.replace("*", host, 1) if isinstance(v, str) and k.endswith("endpoint") else v)
-                   for k, v in cfg.items()}, "data_parallel_rank": int(rank)}
-               for rank, cfg in doc.items() if isinstance(cfg, dict) and str(rank).isdigit()]
-    if not isinstance(doc, list) or not all(isinstance(d, dict) and isinstance(d.get("endpoint"), str) for d in doc):
-        raise EngineError(f"{url} answered {str(doc)[:120]!r}, not a list of {{endpoint, ...}} objects")
-    return doc
+    return parse_kv_sources(doc, base_url)
+
+
+def _host_of(base_url: str) -> str:
+    host = urllib.parse.urlsplit(base_url).hostname or "127.0.0.1"
+    return f"[{host}]" if ":" in host else host  # an IPv6 literal goes in brackets in a ZMQ address
+
+
+def _local_endpoint(endpoint: str | None, host: str) -> str | None:
+    """A bind address as the engine published it (``tcp://*:P``, ``tcp://0.0.0.0:P``) made connectable:
+    the wildcard stands for the engine's own host, the one its HTTP URL names."""
+    if not endpoint:
+        return None
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"):
+        if endpoint.startswith(wildcard):
+            return f"tcp://{host}:{endpoint[len(wildcard):]}"
+    return endpoint
+
+
+def parse_kv_sources(doc: Any, base_url: str) -> list[dict[str, Any]]:
+    """The KV-event sources of one engine from its ``/kv_event_sources`` answer.
+
+    vLLM 0.32 answers a JSON object keyed by data-parallel rank (``{"0": {"enable_kv_cache_events":
+    true, "publisher": "zmq", "endpoint": "tcp://*:P", "replay_endpoint": "tcp://*:P+1", "topic": ...}}``,
+    each value its ``KVEventsConfig``); a bare array of ``{data_parallel_rank, endpoint, ...}`` is
+    accepted too. Wildcard hosts become ``base_url``'s host. Ranks whose config disables events or
+    uses another publisher than ZMQ are left out; none left is an error (nothing to subscribe to).
+    """
+    url = base_url.rstrip("/") + "/kv_event_sources"
+    if isinstance(doc, Mapping):
+        items: list[tuple[Any, Any]] = list(doc.items())
+    elif isinstance(doc, list):
+        items = [(d.get("data_parallel_rank", i) if isinstance(d, Mapping) else i, d) for i, d in enumerate(doc)]
+    else:
+        items = []
+    if not items or not all(isinstance(d, Mapping) and isinstance(d.get("endpoint"), str) for _, d in items):
+        raise EngineError(f"{url} answered {str(doc)[:160]!r}: expected {{rank: {{endpoint, replay_endpoint, "
+                          f"topic, ...}}}} (vLLM) or a list of such objects")
+    host = _host_of(base_url)
+    out = []
+    for rank, d in items:
+        if d.get("enable_kv_cache_events") is False or d.get("publisher", "zmq") != "zmq":
+            continue
+        try:
+            rank = int(rank)
+        except (TypeError, ValueError):
+            raise EngineError(f"{url}: data-parallel rank {rank!r} is not an integer") from None
+        out.append({"data_parallel_rank": rank, "endpoint": _local_endpoint(d["endpoint"], host),
+                    "replay_endpoint": _local_endpoint(d.get("replay_endpoint"), host),
+                    "topic": d.get("topic") or ""})
+    if not out:
+        raise EngineError(f"{url}: KV events are not published over ZMQ by any rank ({str(doc)[:160]!r}); start "
+                          f"vLLM with --kv-events-config '{{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",...}}'")
+    return sorted(out, key=lambda s: s["data_parallel_rank"])
 
 
 class VLLMEngine:
@@ -165,7 +212,9 @@ class VLLMEngine:
                         res.error = f"{self.name}: {_message(obj)}"
                         break
                     choices = obj.get("choices") or []
-                    if choices and choices[0].get("text"):
+                    # One chunk per generated token; its text may be "" (a byte-level token that ends
+                    # mid-character, a special token), so any chunk with a choice counts.
+                    if choices:
                         chunks += 1
                         if res.first_token_time is None:
                             res.first_token_time = loop.time()

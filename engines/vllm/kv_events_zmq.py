@@ -4,8 +4,9 @@ Wire protocol (vLLM ``vllm/distributed/kv_events.py``):
 
 * PUB socket, multipart frames ``[topic, seq (8 bytes big-endian, 0, 1, 2, ...), payload]``.
 * ROUTER replay socket: a DEALER sends ``[b"", start_seq (8 bytes)]``; the ROUTER answers one
-  ``[b"", seq, payload]`` per buffered batch with ``seq >= start_seq`` and then the end marker
-  ``[b"", b"\\xff" * 8, b""]``.
+  ``[b"", topic, seq, payload]`` per buffered batch with ``seq >= start_seq`` and then the end marker
+  ``[b"", b"", b"\\xff" * 8, b""]`` (vLLM 0.32's ``_service_replay``: the DEALER sees 4 frames; some
+  earlier releases sent ``[b"", seq, payload]`` without the topic, which the subscriber also accepts).
 
 :class:`KVEventSubscriber` keeps an index consistent with one engine (one data-parallel rank):
 on start it replays the publisher's buffer from 0 (so it learns blocks cached before it joined),
@@ -171,8 +172,8 @@ class KVEventPublisher:
             start_seq = int.from_bytes(start, "big")
             for seq, payload in list(self._buffer):
                 if seq >= start_seq:
-                    await sock.send_multipart((ident, b"", encode_seq(seq), payload))
-            await sock.send_multipart((ident, b"", END_SEQ, b""))
+                    await sock.send_multipart((ident, b"", self._topic, encode_seq(seq), payload))
+            await sock.send_multipart((ident, b"", b"", END_SEQ, b""))
 
     async def close(self) -> None:
         for task in (self._task, self._sub_task):
@@ -282,10 +283,16 @@ class KVEventSubscriber:
             await dealer.send_multipart((b"", encode_seq(start_seq)))
             out: list[tuple[int, bytes]] = []
             while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
-                if len(frames) != 3:
-                    raise KVEventDecodeError(f"replay reply has {len(frames)} frames, expected 3")
-                _, seq_raw, payload = frames
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
+                # arrives as the reply does, and close() would then wait forever on this task.
+                async with asyncio.timeout(self.replay_timeout):
+                    frames = await dealer.recv_multipart()
+                # vLLM 0.32: [b"", topic, seq, payload]; older releases: [b"", seq, payload].
+                if len(frames) not in (3, 4) or len(frames[-2]) != 8:
+                    raise KVEventDecodeError(
+                        f"replay reply has {len(frames)} frames {[len(f) for f in frames]} (bytes), expected "
+                        f"[empty, topic, 8-byte seq, payload] or [empty, 8-byte seq, payload]")
+                seq_raw, payload = frames[-2], frames[-1]
                 if seq_raw == END_SEQ:
                     return out
                 out.append((int.from_bytes(seq_raw, "big"), payload))

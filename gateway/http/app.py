@@ -58,11 +58,11 @@ from engines.vllm import protocol
 from engines.vllm.client import VLLMEngine
 from engines.vllm.health import HealthMonitor
 from gateway.config import GatewayConfig
+from gateway.hash_check import HashVerifier
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
     chat_text,
     header_value,
-    load_tokenizer,
     pack_token_ids,
     text_chunk_hashes,
     vocab_size_of,
@@ -83,6 +83,7 @@ from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router, RouteRequest, Ticket
 from gateway.snapshot import FORWARD
+from gateway.tokenizer import NotExact, PromptTokenizer, discover
 from gpuhit import tracing
 from gpuhit.errors import (
     CapacityError,
@@ -117,9 +118,15 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.policy = registry.build(cfg.policy)
         self.policy_name = str(getattr(self.policy, "name", cfg.policy))
-        self.hasher = BlockHasher(cfg.block_size, cfg.hash, cfg.hash_seed)
+        # Block size: the configured one, else what the engines report (set in start()).
+        self.block_size: int = cfg.block_size or 0
+        # Built now to fail fast on a bad --hash / --hash-seed / --tokenizer; rebuilt in start()
+        # once the engines' block size is known.
+        self.hasher = BlockHasher(cfg.block_size or 16, cfg.hash, cfg.hash_seed)
         self.hash_cache = SessionHashCache(self.hasher)
-        self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+        self.verifier: HashVerifier | None = None
+        self.tokenizer: PromptTokenizer | None = PromptTokenizer(cfg.tokenizer) if cfg.tokenizer else None
+        self.not_exact: dict[str, int] = {}  # text/chat requests routed by an approximate hash, by reason
         self.session: aiohttp.ClientSession | None = None
         self.upstream: Upstream | None = None
         self.engines: list[VLLMEngine] = []
@@ -203,20 +210,36 @@ class Gateway:
             if e.kv_events:
                 sources = [{"data_parallel_rank": 0, "endpoint": e.kv_events, "replay_endpoint": e.kv_replay,
                             "topic": e.topic}]
+            # block_size=None: the scraper reads it from vllm:cache_config_info.
             self.engines.append(VLLMEngine(e.name, e.url, self.session, model=cfg.model, kv_sources=sources,
-                                           scrape_interval=cfg.scrape_interval, block_size=cfg.block_size))
+                                           scrape_interval=cfg.scrape_interval))
         if self.model is None:
             self.model = await self.engines[0].fetch_model()
         for eng in self.engines:
             eng.model = self.model
-        await asyncio.gather(*(self._first_scrape(e) for e in self.engines))
+        roots = await asyncio.gather(*(self._first_scrape(e) for e in self.engines))
+        self._settle_block_size()
+        if self.tokenizer is None:
+            found = discover(roots)
+            if found is not None:
+                try:
+                    self.tokenizer = PromptTokenizer(found)
+                    log.info("text and chat prompts tokenized with the engines' tokenizer at %s", found)
+                except GpuhitError as exc:
+                    log.warning("the engines' tokenizer at %s is not usable (%s): text and chat prompts are routed by "
+                                "an approximate hash", found, exc)
         if cfg.index == "precise":
             index: Any = PreciseKVIndex(len(self.engines))
         else:
             index = ApproximateKVIndex.from_engines(self.engines)
         # The loop's clock, injected: saves get_running_loop() (a getpid() syscall) per decision.
-        self.router = Router(self.engines, self.policy, index=index, block_size=cfg.block_size,
+        self.router = Router(self.engines, self.policy, index=index, block_size=self.block_size,
                              roles=[e.role for e in cfg.engines], clock=self._loop.time)
+        if cfg.index == "precise":
+            self.verifier = HashVerifier(self.hasher, [e.name for e in self.engines])
+            self.metrics.extra.append(self.verifier.render)
+            for i, eng in enumerate(self.engines):
+                eng.subscribe_kv_events(self.verifier.callback(i))
         for eng in self.engines:
             # The approximate index learns from routing only: no KV event subscription.
             await eng.start(scrape=True, kv_events=cfg.index == "precise")
@@ -229,19 +252,42 @@ class Gateway:
         names = [e.name for e in self.engines]
         self.metrics.instances = lambda: zip(names, router.counters())
 
-    async def _first_scrape(self, eng: VLLMEngine) -> None:
+    def _settle_block_size(self) -> None:
+        """The block size hashes are cut at: the engines' (``vllm:cache_config_info``), which must agree
+        with each other and with ``--block-size`` when that is given."""
+        reported = {e.name: e.stats().block_size for e in self.engines if e.stats().block_size}
+        sizes = set(reported.values())
+        if len(sizes) > 1:
+            raise ConfigError(f"the engines report different KV block sizes {reported}; one gateway needs one size")
+        want = self.cfg.block_size
+        if want and sizes and want not in sizes:
+            raise ConfigError(f"--block-size {want} but the engines report block size {sizes.pop()} "
+                              f"(vllm:cache_config_info): every predicted hit would be wrong")
+        size = want or (sizes.pop() if sizes else None)
+        if size is None:
+            raise ConfigError("the engines do not report their KV block size (no vllm:cache_config_info in /metrics): "
+                              "give --block-size")
+        if size != self.hasher.block_size:
+            self.hasher = BlockHasher(size, self.cfg.hash, self.cfg.hash_seed)
+            self.hash_cache = SessionHashCache(self.hasher)
+        self.block_size = size
+
+    async def _first_scrape(self, eng: VLLMEngine) -> str | None:
+        """Metrics (stats, block size) and the model card (max_model_len); returns the card's ``root``."""
         try:
             await eng.scraper.scrape_once()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise EngineError(f"engine {eng.name} at {eng.base_url}: /metrics not reachable: {exc}") from None
-        mm = None
+        mm = root = None
         try:
             async with self.session.get(eng.base_url + "/v1/models") as r:  # type: ignore[union-attr]
-                mm = (await r.json(content_type=None))["data"][0].get("max_model_len")
+                card = (await r.json(content_type=None))["data"][0]
+                mm, root = card.get("max_model_len"), card.get("root")
         except (aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError):
             pass
         if isinstance(mm, int) and (self.max_model_len is None or mm < self.max_model_len):
             self.max_model_len = mm
+        return root if isinstance(root, str) else None
 
     async def close(self) -> None:
         if self._closed:
@@ -343,12 +389,18 @@ class Gateway:
         return protocol.check_context_length(n, max_tokens, self.max_model_len)
 
     def _text_route(self, text: str) -> tuple[int, tuple[int, ...], list[int] | None]:
-        if self.tokenizer is not None:
-            ids = self.tokenizer.encode(text).ids
-            return len(ids), tuple(self.hash_cache.hashes(ids)), ids
+        """Approximate routing of text the gateway cannot tokenize exactly."""
         hashes = text_chunk_hashes(text, self.cfg.text_chunk_chars)
-        n = max(len(text) // CHARS_PER_TOKEN, len(hashes) * self.cfg.block_size, 1)
+        n = max(len(text) // CHARS_PER_TOKEN, len(hashes) * self.block_size, 1)
         return n, tuple(hashes), None
+
+    def _approximate(self, reason: str) -> None:
+        self.not_exact[reason] = self.not_exact.get(reason, 0) + 1
+
+    def _exact(self, ids: list[int], session: str | None) -> tuple[int, tuple[int, ...], list[int]]:
+        if not ids:
+            raise _bad("prompt is empty", "prompt")
+        return len(ids), tuple(self.hash_cache.hashes(ids, session)), ids
 
     def _parse(self, endpoint: str, headers: Mapping[str, str], body: Mapping[str, Any], session: str | None
                ) -> tuple[int, int, bool, tuple[int, ...], list[int] | None]:
@@ -358,9 +410,17 @@ class Gateway:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
                 raise _bad("messages must be a non-empty list of objects", "messages")
-            text = chat_text(messages)
-            hashes = tuple(text_chunk_hashes(text, self.cfg.text_chunk_chars))
-            n = max(len(text) // CHARS_PER_TOKEN, len(hashes) * self.cfg.block_size, 1)
+            tok = self.tokenizer
+            if tok is not None:
+                try:
+                    n, hashes, ids = self._exact(tok.chat_ids(body, session), session)
+                    max_tokens = self._check_len(n, max_tokens)
+                    return n, max_tokens, stream, hashes, ids
+                except NotExact as exc:
+                    self._approximate(f"chat: {exc}")
+            else:
+                self._approximate("chat: no tokenizer")
+            n, hashes, _ = self._text_route(chat_text(messages))
             max_tokens = self._check_len(n, max_tokens)
             return n, max_tokens, stream, hashes, None
         max_tokens, stream = self._common(body, chat=False)
@@ -368,7 +428,11 @@ class Gateway:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            n, hashes, ids = self._text_route(prompt)
+            if self.tokenizer is not None:
+                n, hashes, ids = self._exact(self.tokenizer.completion_ids(prompt, body), session)
+            else:
+                self._approximate("text: no tokenizer")
+                n, hashes, ids = self._text_route(prompt)
             max_tokens = self._check_len(n, max_tokens)
             return n, max_tokens, stream, hashes, ids
         if isinstance(prompt, list) and prompt and (packed := pack_token_ids(prompt)) is not None:
@@ -413,7 +477,7 @@ class Gateway:
                 # The target's own prefix hit, before this request adds to it: the rest of its
                 # realized hit is what the transfer brought.
                 g = router.index.match(hashes)[ticket.target][0] if hashes else 0
-                own_hit = min(g * self.cfg.block_size, max(n - 1, 0))
+                own_hit = min(g, max(n - 1, 0) // self.block_size) * self.block_size
             d = ticket.decision
             name = self.engines[ticket.target].name
             m = self.metrics
@@ -620,7 +684,7 @@ class Gateway:
                 # router's transferred-bytes totals count only what the transfer brought.
                 res.external_cached_tokens = max(cached - own_hit, 0)
                 res.cached_tokens = cached - res.external_cached_tokens
-                short = cached + self.cfg.block_size <= ticket.predicted_hit_tokens
+                short = cached + self.block_size <= ticket.predicted_hit_tokens
                 m.kv_moves.inc((ticket.action, "recomputed" if short else "transferred"))
             else:
                 res.cached_tokens = cached
@@ -739,9 +803,13 @@ class Gateway:
             instances.append(inst)
         return {
             "policy": self.policy_name, "index": self.cfg.index, "transport": self.cfg.transport,
-            "model": self.model, "block_size": self.cfg.block_size, "instances": instances,
+            "model": self.model, "block_size": self.block_size, "instances": instances,
             "bindings": len(router.bindings), "router": router.stats.as_dict(),
             "hash_cache_blocks_hashed": self.hash_cache.blocks_hashed,
+            "hash": {"algo": self.hasher.hash_name, "none_hash_seed": self.hasher.seed},
+            "hash_check": None if self.verifier is None else dict(zip(self.verifier.names, self.verifier.state())),
+            "tokenizer": None if self.tokenizer is None else self.tokenizer.source,
+            "approximate_prompts": dict(self.not_exact),
         }
 
 

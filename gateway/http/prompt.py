@@ -6,12 +6,14 @@
   blocks (a 100k-token prompt is never re-hashed). The session key is the ``x-session-id`` header
   when sent, else the first block's tokens (so two sessions with a shared system prompt share an
   entry; the longest-common-prefix check keeps that correct, just less effective).
-* **Text prompts** with ``--tokenizer`` (needs the ``tokenizers`` package): tokenized, then as above.
-* **Text prompts** without a tokenizer, and chat messages: an *approximate* chained hash of
-  ``text_chunk_chars``-character chunks (64 chars ~ 16 tokens). These hashes do not match engine
-  block hashes, so with the precise index a text prompt sees no predicted hit; the approximate
-  index (routing history) learns them, and cold/warm placement by load still works. Token counts
-  are estimated as ``len(text) / 4``.
+* **Text and chat prompts** with a tokenizer (``--tokenizer``, or the engines' model directory):
+  tokenized exactly as vLLM does (:mod:`gateway.tokenizer`), then as above.
+* **Text and chat prompts** without one (or what the tokenizer cannot reproduce exactly): an
+  *approximate* chained hash of ``text_chunk_chars``-character chunks (64 chars ~ 16 tokens). These
+  hashes do not match engine block hashes, so with the precise index such a prompt sees no predicted
+  hit; the approximate index (routing history) learns them, and cold/warm placement by load still
+  works. Token counts are estimated as ``len(text) / 4``; the gateway counts these requests in
+  ``/debug/state`` ``approximate_prompts``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpuhit.errors import BadRequestError, ConfigError, UnavailableError
+from gpuhit.errors import BadRequestError
 
 CHARS_PER_TOKEN = 4
 
@@ -36,23 +38,6 @@ def text_chunk_hashes(text: str, chunk_chars: int) -> list[int]:
         prev = hashlib.blake2b(prev + data[start : start + step], digest_size=8).digest()
         out.append(int.from_bytes(prev, "big"))
     return out
-
-
-def load_tokenizer(name: str) -> Any:
-    """A ``tokenizers.Tokenizer`` from a local tokenizer.json path or a Hugging Face model name."""
-    try:
-        import tokenizers
-    except ImportError:
-        raise UnavailableError(
-            f"--tokenizer {name} needs the `tokenizers` package (pip install tokenizers); without "
-            f"--tokenizer, text prompts are routed by an approximate text-chunk hash"
-        ) from None
-    try:
-        if name.endswith(".json"):
-            return tokenizers.Tokenizer.from_file(name)
-        return tokenizers.Tokenizer.from_pretrained(name)
-    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
-        raise ConfigError(f"cannot load tokenizer {name!r}: {exc}") from None
 
 
 def chat_text(messages: Sequence[Mapping[str, Any]]) -> str:

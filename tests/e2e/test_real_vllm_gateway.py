@@ -1,0 +1,216 @@
+"""``gpuhit serve`` in front of two real vLLM engines (the session's ``real_vllm_pair``).
+
+The gateway discovers each engine's KV-event sources (vLLM 0.32's object form, ``*`` hosts),
+replays their buffers, reads the block size from their ``/metrics``, verifies its block hashes
+against theirs, finds their tokenizer (the shipped tiny model's directory) and routes token-id, text
+and chat requests; for every request the hit it predicted equals the ``cached_tokens`` vLLM reports.
+
+Ordering without sleeps: KV events reach the gateway asynchronously over ZMQ, so before each next
+turn the test waits until the gateway's index holds every full block of the previous prompt on the
+engine that served it (a condition on state, polled while yielding to the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.config import EngineEntry, GatewayConfig
+from gateway.http.app import Gateway
+from tests.e2e.helpers import wait_until
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+
+MODEL = "tiny"
+# KV events cross processes on a machine shared with other jobs: generous, never hit when all is well.
+SYNC_TIMEOUT = 60.0
+
+
+@contextlib.asynccontextmanager
+async def real_gateway(pair: Any, tracer: Any = None, **kw: Any) -> AsyncIterator[tuple[Gateway, str]]:
+    """An in-process gateway on a free loopback port in front of the pair (no --block-size, no
+    --tokenizer: both come from the engines)."""
+    kw.setdefault("timeout", 120.0)
+    kw.setdefault("health_interval", 0.5)
+    cfg = GatewayConfig(engines=tuple(EngineEntry(u, f"v{i}") for i, u in enumerate(pair.urls)), **kw).validate()
+    gw = Gateway(cfg, tracer)
+    try:
+        port = await gw.listen("127.0.0.1", 0)
+        yield gw, f"http://127.0.0.1:{port}"
+    finally:
+        await gw.shutdown()
+
+
+async def synced(gw: Gateway) -> None:
+    """Every KV-event subscriber has replayed its engine's buffer."""
+    for e in gw.engines:
+        for s in e.subscribers:
+            await asyncio.wait_for(s.synced.wait(), SYNC_TIMEOUT)
+
+
+async def indexed(gw: Gateway, instance: int, ids: list[int]) -> None:
+    """Wait until the gateway's index holds every full block of ``ids`` on ``instance``."""
+    hashes = gw.hasher.event_ints(ids)
+    cached = gw.router.index.cached
+    await wait_until(lambda: all(h in cached(instance) for h in hashes), timeout=SYNC_TIMEOUT,
+                     what=f"{len(hashes)} blocks on instance {instance} in the gateway's index")
+
+
+async def post(http: aiohttp.ClientSession, url: str, path: str, body: dict, session: str | None = None
+               ) -> tuple[dict, dict]:
+    headers = {"x-session-id": session} if session else {}
+    async with http.post(url + path, json=body, headers=headers) as r:
+        doc = await r.json(content_type=None)
+        assert r.status == 200, doc
+        return doc, dict(r.headers)
+
+
+def _ids_for(gw: Gateway, kind: str, body: dict) -> list[int]:
+    """The token ids the gateway (and, if all is right, vLLM) makes of ``body``."""
+    if kind == "tokens":
+        return body["prompt"]
+    assert gw.tokenizer is not None
+    return gw.tokenizer.chat_ids(body) if kind == "chat" else gw.tokenizer.completion_ids(body["prompt"], body)
+
+
+WORDS = ("gateway", "engine", "prefix", "cache", "block", "session", "turn", "agent", "tool", "route", "query",
+         "token", "stream", "replay", "trace", "policy", "latency")
+
+
+def _sentence(seed: int, n: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] + str((seed + i) % 13) for i in range(n))
+
+
+def conversations(kind: str, sessions: int = 2, turns: int = 4) -> list[list[dict]]:
+    """Multi-turn request bodies whose prompts grow turn by turn (agentic: each extends the last)."""
+    out = []
+    for s in range(sessions):
+        bodies = []
+        if kind == "tokens":
+            ids: list[int] = []
+            for t in range(turns):
+                ids = ids + [(7919 * s + 31 * t + j) % 2000 + 20 for j in range(90 + 37 * t)]
+                bodies.append({"model": MODEL, "prompt": list(ids), "max_tokens": 2})
+        elif kind == "text":
+            text = ""
+            for t in range(turns):
+                text += _sentence(100 * s + t, 40 + 15 * t) + ". "
+                bodies.append({"model": MODEL, "prompt": text, "max_tokens": 2})
+        else:
+            msgs: list[dict] = [{"role": "system", "content": f"You are agent {s}. " + _sentence(s, 30)}]
+            for t in range(turns):
+                msgs = msgs + [{"role": "user", "content": _sentence(50 * s + t, 30 + 10 * t)}]
+                bodies.append({"model": MODEL, "messages": list(msgs), "max_tokens": 2})
+                msgs = msgs + [{"role": "assistant", "content": _sentence(70 * s + t, 12)}]
+        out.append(bodies)
+    return out
+
+
+async def run_exact(gw: Gateway, url: str, http: aiohttp.ClientSession, kind: str, tag: str) -> list[tuple[int, int]]:
+    """Send ``kind`` conversations (sessions interleaved turn by turn); returns (predicted, cached) per request
+    after checking vLLM counted exactly the gateway's prompt tokens."""
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    convs = conversations(kind)
+    rows = []
+    for t in range(len(convs[0])):
+        for s, bodies in enumerate(convs):
+            body = bodies[t]
+            ids = _ids_for(gw, kind, body)
+            doc, headers = await post(http, url, path, body, session=f"{tag}-{kind}-{s}")
+            usage = doc["usage"]
+            assert usage["prompt_tokens"] == len(ids), (kind, t, s)  # the gateway tokenized as vLLM did
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            rows.append((int(headers["x-gpuhit-predicted-hit"]), cached))
+            inst = [e.name for e in gw.engines].index(headers["x-gpuhit-instance"])
+            await indexed(gw, inst, ids)
+    return rows
+
+
+EXACT: dict[str, list[tuple[int, int]]] = {}
+
+
+def test_exact_hits_for_token_text_and_chat_then_replay_after_restart(real_vllm_pair, caplog):
+    """Token-id, text and chat conversations through the gateway: predicted == vLLM's cached_tokens for
+    every request; then a fresh gateway learns everything again from the engines' replay buffers."""
+    caplog.set_level(logging.WARNING, logger="gateway.hash_check")
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as http:
+            async with real_gateway(real_vllm_pair, policy="lpwl") as (gw, url):
+                await synced(gw)
+                assert gw.block_size == real_vllm_pair.block_size  # read from vllm:cache_config_info
+                assert gw.tokenizer is not None  # found in the engines' model directory
+                for kind in ("tokens", "text", "chat"):
+                    EXACT[kind] = await run_exact(gw, url, http, kind, "a")
+                state = gw.debug_state()
+                checks = state["hash_check"]
+                assert all(c["ok"] is not False for c in checks.values()), checks
+                assert sum(c["checked"] for c in checks.values()) > 0, checks
+                assert state["approximate_prompts"] == {}
+                last = conversations("tokens")[0][-1]
+                cached_before = [len(gw.router.index.cached(i)) for i in range(2)]
+            for kind, rows in EXACT.items():
+                assert all(p == c for p, c in rows), (kind, rows)
+                assert sum(c for _, c in rows) > 0, kind
+            # Gateway restart: a new gateway knows the engines' blocks from their replay buffers alone.
+            async with real_gateway(real_vllm_pair, policy="lpwl") as (gw2, url2):
+                await synced(gw2)
+                await wait_until(lambda: [len(gw2.router.index.cached(i)) for i in range(2)] >= cached_before,
+                                 timeout=SYNC_TIMEOUT, what="the replayed index")
+                doc, headers = await post(http, url2, "/v1/completions", last, session="after-restart")
+                cached = doc["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert cached > 0 and int(headers["x-gpuhit-predicted-hit"]) == cached
+        assert not [r for r in caplog.records if "mismatch" in r.getMessage()]
+        print("exact hits:", json.dumps({k: f"{sum(p == c for p, c in v)}/{len(v)} requests, "
+                                            f"{sum(c for _, c in v)} cached tokens, (predicted, cached): {v}"
+                                         for k, v in EXACT.items()}))
+
+    asyncio.run(main())
+
+
+def test_seed_mismatch_is_detected_and_reported(real_vllm_pair):
+    """A gateway told the engines run with PYTHONHASHSEED=0 (they do not): its hashes differ from theirs,
+    which it says in /debug/state, /metrics and the log instead of silently predicting no hits."""
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as http, real_gateway(real_vllm_pair, hash_seed="0") as (gw, url):
+            await synced(gw)
+            prompt = [(13 * j) % 1900 + 50 for j in range(200)]
+            for _ in range(2):
+                doc, headers = await post(http, url, "/v1/completions",
+                                          {"model": MODEL, "prompt": prompt, "max_tokens": 2}, session="seed")
+            assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            assert headers["x-gpuhit-predicted-hit"] == "0"  # the index cannot match a differently seeded chain
+            await wait_until(lambda: any(c["mismatches"] > 0 for c in gw.debug_state()["hash_check"].values()),
+                             timeout=SYNC_TIMEOUT, what="a hash mismatch")
+            checks = gw.debug_state()["hash_check"]
+            bad = [c for c in checks.values() if c["mismatches"]]
+            assert bad and all(c["ok"] is False and "--hash-seed" in c["last_mismatch"] for c in bad)
+            async with http.get(url + "/metrics") as r:
+                text = await r.text()
+            assert any(line.startswith("gpuhit_gateway_kv_hash_checks_total") and 'outcome="mismatch"' in line
+                       and not line.endswith(" 0") for line in text.splitlines())
+
+    asyncio.run(main())
+
+
+def test_metrics_scrape_reads_vllm_gauges(real_vllm_pair):
+    async def main() -> None:
+        async with real_gateway(real_vllm_pair) as (gw, _url):
+            for e in gw.engines:
+                st = e.stats()
+                assert st.block_size == real_vllm_pair.block_size
+                assert st.running is not None and st.waiting is not None
+                assert st.kv_usage is not None and 0.0 <= st.kv_usage <= 1.0
+                assert st.kv_capacity_blocks and st.kv_capacity_blocks > 1000  # 1 GiB of KV for the tiny model
+            assert gw.max_model_len == real_vllm_pair.max_model_len
+
+    asyncio.run(main())
