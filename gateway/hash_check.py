@@ -96,13 +96,18 @@ class HashVerifier:
     def state(self) -> list[dict[str, Any]]:
         return [st.as_dict() for st in self.engines]
 
-    def render(self) -> Iterable[str]:
-        """``gpuhit_gateway_kv_hash_checks_total`` in the Prometheus text format."""
-        name = "gpuhit_gateway_kv_hash_checks_total"
-        yield (f"# HELP {name} Chain-start blocks from the engines' KV events re-hashed by the gateway, by "
-               f"outcome (mismatch: the gateway's hash algorithm, seed or block size differs from the engine's).")
-        yield f"# TYPE {name} counter"
+    def render(self) -> Iterable[Any]:
+        """``gpuhit_gateway_kv_hash_checks_total{instance, outcome}``: one prometheus_client counter
+        family, collected with the gateway's other metrics at scrape time."""
+        from prometheus_client.core import CounterMetricFamily
+
+        fam = CounterMetricFamily(
+            "gpuhit_gateway_kv_hash_checks",
+            "Chain-start blocks from the engines' KV events re-hashed by the gateway, by outcome (mismatch: "
+            "the gateway's hash algorithm, seed or block size differs from the engine's).",
+            labels=("instance", "outcome"))
         for n, st in zip(self.names, self.engines):
-            yield f'{name}{{instance="{n}",outcome="{MATCH}"}} {st.checked - st.mismatches}'
-            yield f'{name}{{instance="{n}",outcome="{MISMATCH}"}} {st.mismatches}'
-            yield f'{name}{{instance="{n}",outcome="{BLOCK_SIZE_MISMATCH}"}} {st.block_size_mismatches}'
+            fam.add_metric([n, MATCH], st.checked - st.mismatches)
+            fam.add_metric([n, MISMATCH], st.mismatches)
+            fam.add_metric([n, BLOCK_SIZE_MISMATCH], st.block_size_mismatches)
+        yield fam

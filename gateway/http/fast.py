@@ -26,6 +26,7 @@ The request logic is not here: both call :meth:`gateway.http.app.Gateway.handle`
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -49,6 +50,8 @@ from gateway.http.transport import (
     UriTooLongError,
 )
 from gpuhit.errors import BadRequestError, ConfigError, GpuhitError, NotFoundError
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -373,7 +376,12 @@ class _ServerConn(asyncio.Protocol):
                 if self._reading_paused and len(self._queue) <= 1 and self.transport is not None:
                     self._reading_paused = False
                     self.transport.resume_reading()
-                await self._dispatch(req)
+                down = _Downstream(self, req.keep_alive, req.method == b"HEAD")
+                try:
+                    await self._dispatch(req, down)
+                except Exception as exc:  # a bug must not leave the client waiting forever
+                    await self._internal_error(req, down, exc)
+                    return
                 if req.reject is not None:
                     self._linger_close()
                     return
@@ -387,10 +395,24 @@ class _ServerConn(asyncio.Protocol):
         if not self._partial and not self.closed and not self._stop_parsing:
             self._arm("idle", self.server.keepalive_timeout)
 
-    async def _dispatch(self, req: _Request) -> None:
+    async def _internal_error(self, req: _Request, down: _Downstream, exc: Exception) -> None:
+        """An unexpected exception while answering: logged with its traceback; the client gets a 500
+        in vLLM's error shape when nothing was sent yet, and the connection is closed either way (a
+        half-sent answer cannot be completed)."""
+        _log.error("unhandled error answering %s %s", req.method.decode(errors="replace"),
+                   req.path[:200], exc_info=exc)
+        if not down.started and not self.closed:
+            status, data = self.gw.error_payload(GpuhitError(f"internal error: {type(exc).__name__}"), "other")
+            down.keep_alive = False
+            try:
+                await down.respond(status, {}, data, "application/json")
+            except Exception:  # noqa: BLE001 - the socket may be gone too; closing below is all that is left
+                pass
+        self.close()
+
+    async def _dispatch(self, req: _Request, down: _Downstream) -> None:
         gw = self.gw
         method = req.method
-        down = _Downstream(self, req.keep_alive, method == b"HEAD")
         path = req.path
         if req.reject is not None:
             status, data = gw.error_payload(req.reject, path if path in _POST_PATHS else "other")

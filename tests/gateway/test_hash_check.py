@@ -29,9 +29,13 @@ def test_matching_engine_is_ok_and_mismatch_is_loud(caplog):
     assert (b["checked"], b["mismatches"], b["ok"]) == (2, 2, False)
     assert "--hash-seed" in b["last_mismatch"]
     assert sum("KV hash mismatch with engine b" in r.message for r in caplog.records) == 1  # once per engine
-    text = "\n".join(v.render())
-    assert 'gpuhit_gateway_kv_hash_checks_total{instance="b",outcome="mismatch"} 2' in text
-    assert 'gpuhit_gateway_kv_hash_checks_total{instance="a",outcome="match"} 1' in text
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    metrics.extra.append(v.render)
+    text = metrics.render()  # through prometheus_client, as /metrics renders it
+    assert 'gpuhit_gateway_kv_hash_checks_total{instance="b",outcome="mismatch"} 2.0' in text
+    assert 'gpuhit_gateway_kv_hash_checks_total{instance="a",outcome="match"} 1.0' in text
 
 
 def test_block_size_and_extra_keys():

@@ -258,3 +258,26 @@ def test_upstream_pool_is_bounded_and_trimmed():
             assert await one(99) == 200
 
     asyncio.run(main())
+
+
+@BOTH
+def test_an_unexpected_error_while_answering_is_a_500_not_a_hang(transport):
+    """A bug in a handler (here: /metrics rendering raises) must answer the client, and the gateway
+    keeps serving other requests."""
+    async def main():
+        async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport=transport) as (gw, url):
+            def broken() -> list:
+                raise RuntimeError("collector bug")
+
+            gw.metrics.extra.append(broken)
+            s, _, doc, _ = await _answer_then_eof(url, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert s == 500
+            if transport == FAST:
+                assert _error(doc)["code"] == 500
+            gw.metrics.extra.remove(broken)
+            r, w = await _open(url)
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await asyncio.wait_for(read_response(r), GUARD))[0] == 200
+            w.close()
+
+    asyncio.run(main())
