@@ -391,7 +391,7 @@ def main(args: argparse.Namespace) -> int:
         report += ["", f"== {_describe(pt)} ==", table]
         for pol in doc["policies"]:
             row: dict[str, Any] = {"point": pt.name, **pt.axes(), "policy": pol,
-                                   "seeds": doc["table"][pol][CSV_METRICS[0]]["n"]}
+                                   "seeds": len(doc["seeds"][pol])}
             for m in CSV_METRICS:
                 st = doc["table"][pol].get(m)
                 row[m], row[f"{m}_lo"], row[f"{m}_hi"] = (st["mean"], st["lo"], st["hi"]) if st else (math.nan,) * 3

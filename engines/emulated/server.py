@@ -400,7 +400,7 @@ class EmulatedServer:
                 raise _invalid("kv_transfer_params", "Input should be a valid dictionary", ktp)
             priority = body.get("priority", 0)
             if not isinstance(priority, int) or isinstance(priority, bool):
-                raise _invalid("priority", "Input should be a valid integer", priority)
+                raise _bad("priority must be an integer", "priority")
             max_tokens = self._max_tokens(len(ids), requested, chat)
             self._check_capacity(len(ids), max_tokens)
         except GpuhitError as exc:

@@ -23,7 +23,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpuhit.errors import BadRequestError
+from gpuhit.errors import BadRequestError, ConfigError
 
 CHARS_PER_TOKEN = 4
 

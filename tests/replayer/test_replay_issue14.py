@@ -61,7 +61,7 @@ def test_summary_counts_rejected_failed_and_instances(tmp_path, capsys):
 def _cmd(out: pathlib.Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "gpuhit.cli", "replay", "--trace", CONV, "--policies",
             "round_robin,lpwl,least_request", "--instances", "2", "--max-requests", "100", "--no-plots",
-            "--jobs", "1", *(["--out", str(out)] if out else []), *extra]
+            "--jobs", "1", "--seeds", "0", *(["--out", str(out)] if out else []), *extra]
 
 
 def _table(out: pathlib.Path) -> str:
