@@ -100,10 +100,9 @@ class VllmServer:
         while True:
             if not self.alive():
                 raise EngineError(f"vLLM at {self.url} exited during start-up:\n{self.log_tail()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
             if time.monotonic() > deadline:
                 raise EngineError(f"vLLM at {self.url} not ready after {timeout:.0f} s:\n{self.log_tail()}")
             time.sleep(0.5)  # a readiness poll of another process, not synchronisation within ours

@@ -26,6 +26,7 @@ The request logic is not here: both call :meth:`gateway.http.app.Gateway.handle`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections import deque
@@ -379,7 +380,7 @@ class _ServerConn(asyncio.Protocol):
                 down = _Downstream(self, req.keep_alive, req.method == b"HEAD")
                 try:
                     await self._dispatch(req, down)
-                except Exception as exc:  # a bug must not leave the client waiting forever
+                except Exception as exc:  # noqa: BLE001 - a bug must not leave the client waiting forever
                     await self._internal_error(req, down, exc)
                     return
                 if req.reject is not None:
@@ -404,10 +405,9 @@ class _ServerConn(asyncio.Protocol):
         if not down.started and not self.closed:
             status, data = self.gw.error_payload(GpuhitError(f"internal error: {type(exc).__name__}"), "other")
             down.keep_alive = False
-            try:
+            # The socket may be gone too; closing below is all that is left then.
+            with contextlib.suppress(ConnectionError, OSError, RuntimeError):
                 await down.respond(status, {}, data, "application/json")
-            except Exception:  # noqa: BLE001 - the socket may be gone too; closing below is all that is left
-                pass
         self.close()
 
     async def _dispatch(self, req: _Request, down: _Downstream) -> None:

@@ -1,6 +1,5 @@
 """`gpuhit experiment ab`: the knee rule, and the whole protocol on two bundled conversations (resumable)."""
 
-import argparse
 import json
 import pathlib
 

@@ -4,7 +4,6 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-
 from scipy import stats
 
 from analysis.compare import compare, derive, format_table, paired_difference, t_interval, to_json
