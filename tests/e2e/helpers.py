@@ -42,8 +42,9 @@ TRANSPORT_ENV = "GPUHIT_GATEWAY_TRANSPORT"
 
 @contextlib.asynccontextmanager
 async def gateway(urls: Sequence[str], tracer: Any = None, roles: Sequence[str] | None = None,
-                  **kw: Any) -> AsyncIterator[tuple[Gateway, str]]:
-    """A gateway on a free loopback port in front of ``urls`` (engines e0, e1, ...). The transport
+                  name_prefix: str = "e", **kw: Any) -> AsyncIterator[tuple[Gateway, str]]:
+    """A gateway on a free loopback port in front of ``urls`` (engines e0, e1, ... or another
+    ``name_prefix``). The transport
     is ``kw["transport"]``, else $GPUHIT_GATEWAY_TRANSPORT (run every live test against either
     implementation), else the config's default."""
     roles = roles or ["both"] * len(urls)
@@ -51,7 +52,7 @@ async def gateway(urls: Sequence[str], tracer: Any = None, roles: Sequence[str] 
     kw.setdefault("timeout", 60.0)
     if "transport" not in kw and os.environ.get(TRANSPORT_ENV):
         kw["transport"] = os.environ[TRANSPORT_ENV]
-    cfg = GatewayConfig(engines=tuple(EngineEntry(u, f"e{i}", role=r) for i, (u, r) in enumerate(zip(urls, roles))),
+    cfg = GatewayConfig(engines=tuple(EngineEntry(u, f"{name_prefix}{i}", role=r) for i, (u, r) in enumerate(zip(urls, roles))),
                         **kw).validate()
     gw = Gateway(cfg, tracer)
     try:

@@ -22,9 +22,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.config import EngineEntry, GatewayConfig
 from gateway.http.app import Gateway
-from tests.e2e.helpers import wait_until
+from tests.e2e.helpers import gateway, wait_until
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
@@ -36,17 +35,12 @@ SYNC_TIMEOUT = 60.0
 
 @contextlib.asynccontextmanager
 async def real_gateway(pair: Any, tracer: Any = None, **kw: Any) -> AsyncIterator[tuple[Gateway, str]]:
-    """An in-process gateway on a free loopback port in front of the pair (no --block-size, no
-    --tokenizer: both come from the engines)."""
+    """An in-process gateway on a free loopback port in front of the pair (engines v0, v1; no
+    --block-size, no --tokenizer: both come from the engines)."""
     kw.setdefault("timeout", 120.0)
     kw.setdefault("health_interval", 0.5)
-    cfg = GatewayConfig(engines=tuple(EngineEntry(u, f"v{i}") for i, u in enumerate(pair.urls)), **kw).validate()
-    gw = Gateway(cfg, tracer)
-    try:
-        port = await gw.listen("127.0.0.1", 0)
-        yield gw, f"http://127.0.0.1:{port}"
-    finally:
-        await gw.shutdown()
+    async with gateway(pair.urls, tracer, name_prefix="v", **kw) as out:
+        yield out
 
 
 async def synced(gw: Gateway) -> None:
