@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuhit.errors import ConfigError
+from replayer.replicas import LB_MODES, SHARE_MODES, ReplicaConfig
 
 DEFAULT_INSTANCES = 8
 DEFAULT_SESSION_RATE = 1.0 / 60.0  # sessions per second (one new conversation a minute on average)
@@ -140,7 +141,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "default busy:URL for every engine the gateway's /debug/state lists")
     p.add_argument("--util-interval", type=float, default=1.0, metavar="S",
                    help="live mode: seconds between GPU utilization samples (default 1)")
+    # -- issue 17: gateway replicas (replayer/replicas.py)
+    p.add_argument("--gateway-replicas", type=int, default=1, metavar="K",
+                   help="simulate K gateway replicas, each with its own counters and bindings (default 1)")
+    p.add_argument("--share", choices=SHARE_MODES, default="none",
+                   help="what the replicas share besides the KV index: none, or decisions (counters and bindings, "
+                        "as gpuhit serve --share redis://...)")
+    p.add_argument("--share-delay", type=float, default=0.0, metavar="S",
+                   help="with --share decisions: seconds a replica's change takes to reach the others (default 0)")
+    p.add_argument("--replica-lb", choices=LB_MODES, default="sticky",
+                   help="how requests reach replicas: sticky (a session stays on one, by hash) or random (per request)")
     p.set_defaults(func=main)
+
+
+def replica_config(args: argparse.Namespace) -> Any:
+    """The :class:`~replayer.replicas.ReplicaConfig` of the options (validated)."""
+    return ReplicaConfig(getattr(args, "gateway_replicas", 1), getattr(args, "share", "none"),
+                         getattr(args, "replica_lb", "sticky"), getattr(args, "share_delay", 0.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +373,7 @@ def _run_one(job: dict[str, Any], trace: Any = None, progress_q: Any = None) -> 
             max_sessions=job["max_sessions"], open_loop=job["open_loop"], progress=progress,
             sink=w.write, label=spec.label, block_size=job["block_size"],
             synth=_synth(spec.seed, job["block_size"]),
+            replicas=ReplicaConfig(**job["replicas"]) if job.get("replicas") else None,
             engine_kwargs={"block_size": job["block_size"], **job.get("engine_kwargs", {})}, **job["arrival"],
         )
     summary = res.summary()
@@ -398,6 +416,8 @@ def _progress_thread(q: Any, totals: list[int], stop: threading.Event, force: bo
 
 def main(args: argparse.Namespace) -> int:
     if args.gateway:
+        if replica_config(args).replicas > 1:
+            raise ConfigError("--gateway-replicas is for simulation; live, run several gpuhit serve --share redis://...")
         return _live(args)
     return _simulated(args)
 
@@ -467,6 +487,7 @@ def _simulated(args: argparse.Namespace) -> int:
         raise ConfigError("--block-size must be positive")
     if args.jobs is not None and args.jobs <= 0:
         raise ConfigError("--jobs must be positive")
+    rcfg = replica_config(args)
     on_ray = getattr(args, "ray", None) is not None
     if on_ray:
         if args.jobs is not None:
@@ -503,7 +524,8 @@ def _simulated(args: argparse.Namespace) -> int:
         jobs.append({"spec": spec, "index": i, "records": str(rec), "result": str(done), "instances": args.instances,
                      "profile": args.profile or DEFAULT_PROFILE, "index_kind": args.index,
                      "max_requests": args.max_requests, "max_sessions": args.max_sessions,
-                     "open_loop": args.open_loop, "arrival": arrival, "block_size": args.block_size})
+                     "open_loop": args.open_loop, "arrival": arrival, "block_size": args.block_size,
+                     "replicas": rcfg.as_dict() if rcfg.replicas > 1 else None})
     if resuming:
         print(f"gpuhit replay: resuming {out}: {len(specs) - len(jobs)} of {len(specs)} runs saved, "
               f"{len(jobs)} to run", file=sys.stderr)
@@ -571,6 +593,7 @@ def _simulated(args: argparse.Namespace) -> int:
         "requests_per_run": total_one, "instances": args.instances,
         "profile": args.profile or DEFAULT_PROFILE, "index": args.index, "block_size": args.block_size,
         **arrival,
+        **({"gateway_replicas": rcfg.as_dict()} if rcfg.replicas > 1 else {}),
         "open_loop": args.open_loop, "runs": len(specs), "jobs": "ray" if on_ray else n_jobs, "wall_s": round(wall, 2),
         "resumed": resuming,
         "utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),

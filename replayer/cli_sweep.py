@@ -27,8 +27,9 @@ Axes (each optional; an axis not given stays at ``gpuhit replay``'s default):
 
 Presets (``--preset``) are the seeds' sensitivity experiments (§4.5 of the design outline):
 ``rate`` (arrival rate), ``kv`` (KV pool size), ``zipf`` (skew) over LPWL and its baselines, and
-``migrate`` (``t_hot``/``t_cool`` of lpwl_migrate against plain lpwl). Axes given explicitly
-override the preset's.
+``migrate`` (``t_hot``/``t_cool`` of lpwl_migrate against plain lpwl), and ``replicas`` (1, 2, 4, 8
+gateway replicas, :mod:`replayer.replicas`; ``--share decisions`` for replicas that share their
+counters and bindings). Axes given explicitly override the preset's.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuhit.errors import ConfigError
+from replayer.replicas import LB_MODES, SHARE_MODES
 
 GIB = 1 << 30
 BASELINES = "lpwl,lmetric,least_request"
+REPLICA_POLICIES = "lpwl,lmetric,lmetric_plus1,unified,least_request"
 ZIPF_DRAW_SEED = 0
 # The seeds' lpwl_migrate thresholds around its defaults (32768 tokens, 30 s): 4x lower and higher.
 MIGRATE_T_HOT = (8192, 32768, 131072)
@@ -62,6 +65,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "kv": {"kv_gib": "2,4,8,16", "policies": BASELINES},
     "zipf": {"zipf": "0,0.6,1.0,1.4", "policies": BASELINES},
     "migrate": {"policies": "@migrate"},
+    "replicas": {"replicas": "1,2,4,8", "policies": REPLICA_POLICIES},
 }
 
 # summary.csv columns: the metrics, each as mean over seeds plus the 95% bootstrap interval.
@@ -76,10 +80,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(__doc__ or "").split("\n\n")[0],
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="a sensitivity experiment: rate, kv (pool size), zipf (skew), migrate (t_hot/t_cool)")
+                   help="a sensitivity experiment: rate, kv (pool size), zipf (skew), migrate (t_hot/t_cool), "
+                        "replicas (1,2,4,8 gateway replicas)")
     p.add_argument("--rates", default=None, metavar="R,R", help="Poisson session arrival rates (sessions/s)")
     p.add_argument("--kv-gib", default=None, metavar="G,G", help="GPU KV cache per instance (GiB)")
     p.add_argument("--zipf", default=None, metavar="A,A", help="Zipf skew of conversation popularity (alpha >= 0)")
+    p.add_argument("--replicas", default=None, metavar="K,K", help="gateway replicas (replayer/replicas.py)")
+    p.add_argument("--share", choices=SHARE_MODES, default=None,
+                   help="with --replicas: what replicas share besides the KV index (none, decisions; default none)")
+    p.add_argument("--share-delay", type=float, default=None, metavar="S",
+                   help="with --share decisions: propagation delay in seconds (default 0)")
+    p.add_argument("--replica-lb", choices=LB_MODES, default=None,
+                   help="with --replicas: sticky (a session stays on one replica) or random (default sticky)")
     p.add_argument("--policies", default=None, metavar="A,B|FILE",
                    help=f"policy names or a JSON/TOML file of {{name, type, params}} (default {BASELINES})")
     seeds = p.add_mutually_exclusive_group()
@@ -114,12 +126,14 @@ class Point:
     rate: float | None
     kv_gib: float | None
     zipf: float | None
+    replicas: int | None = None
 
     @property
     def name(self) -> str:
         parts = [f"rate{self.rate:g}" if self.rate is not None else "",
                  f"kv{self.kv_gib:g}GiB" if self.kv_gib is not None else "",
-                 f"zipf{self.zipf:g}" if self.zipf is not None else ""]
+                 f"zipf{self.zipf:g}" if self.zipf is not None else "",
+                 f"replicas{self.replicas}" if self.replicas is not None else ""]
         return "_".join(x for x in parts if x) or "default"
 
     @property
@@ -127,7 +141,10 @@ class Point:
         return "" if self.zipf is None else f"zipf{self.zipf!r}"
 
     def axes(self) -> dict[str, float | None]:
-        return {"rate": self.rate, "kv_gib": self.kv_gib, "zipf": self.zipf}
+        axes: dict[str, float | None] = {"rate": self.rate, "kv_gib": self.kv_gib, "zipf": self.zipf}
+        if self.replicas is not None:  # the replicas axis only in sweeps that have it
+            axes["replicas"] = self.replicas
+        return axes
 
 
 def _floats(text: str | None, flag: str, *, positive: bool) -> list[float | None]:
@@ -148,11 +165,17 @@ def _floats(text: str | None, flag: str, *, positive: bool) -> list[float | None
 
 
 def grid(args: argparse.Namespace) -> list[Point]:
-    """The grid points, axes in the order rate, KV, skew."""
+    """The grid points, axes in the order rate, KV, skew, replicas."""
     rates = _floats(args.rates, "--rates", positive=True)
     kvs = _floats(args.kv_gib, "--kv-gib", positive=True)
     zipfs = _floats(args.zipf, "--zipf", positive=False)
-    return [Point(r, k, z) for r, k, z in itertools.product(rates, kvs, zipfs)]
+    reps: list[int | None] = [None]
+    if getattr(args, "replicas", None) is not None:
+        vals = _floats(args.replicas, "--replicas", positive=True)
+        if any(v != int(v) for v in vals if v is not None):
+            raise ConfigError(f"--replicas must be whole numbers, got {args.replicas!r}")
+        reps = [int(v) for v in vals if v is not None]
+    return [Point(r, k, z, n) for r, k, z, n in itertools.product(rates, kvs, zipfs, reps)]
 
 
 def migrate_policies() -> list[dict[str, Any]]:
@@ -221,6 +244,11 @@ def _replay_namespace(args: argparse.Namespace, point: Point, policies: str) -> 
     ns.num_seeds = None
     if point.rate is not None:
         ns.session_rate = point.rate
+    if point.replicas is not None:
+        ns.gateway_replicas = point.replicas
+    for k in ("share", "share_delay", "replica_lb"):
+        if getattr(args, k, None) is not None:
+            setattr(ns, k, getattr(args, k))
     return ns
 
 
@@ -319,6 +347,7 @@ def main(args: argparse.Namespace) -> int:
         trace = traces[pt.trace_key]
         arrival = cli_replay._arrival_options(ns, trace)
         profile = ns.profile or DEFAULT_PROFILE
+        rcfg = cli_replay.replica_config(ns)
         ekw, note = _engine_kwargs(pt, profile, ns.block_size)
         if note:
             notes.append(note)
@@ -335,7 +364,8 @@ def main(args: argparse.Namespace) -> int:
                          "instances": ns.instances, "profile": profile, "index_kind": ns.index,
                          "max_requests": ns.max_requests, "max_sessions": ns.max_sessions,
                          "open_loop": False, "arrival": arrival, "block_size": ns.block_size,
-                         "engine_kwargs": ekw, "trace_key": pt.trace_key})
+                         "engine_kwargs": ekw, "trace_key": pt.trace_key,
+                         "replicas": rcfg.as_dict() if rcfg.replicas > 1 else None})
     plan = {"options": {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED},
             "points": [p.name for p in points], "runs": [str(r[2].relative_to(out)) for r in rows]}
     if resuming:
@@ -454,6 +484,8 @@ def _describe(pt: Point) -> str:
         parts.append(f"KV {pt.kv_gib:g} GiB per instance")
     if pt.zipf is not None:
         parts.append(f"Zipf alpha {pt.zipf:g}")
+    if pt.replicas is not None:
+        parts.append(f"{pt.replicas} gateway replica{'s' if pt.replicas > 1 else ''}")
     return ", ".join(parts) or "replay defaults"
 
 

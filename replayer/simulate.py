@@ -271,6 +271,7 @@ def simulate(
     block_size: int = 16,
     label: str | None = None,
     synth: Any = None,
+    replicas: Any = None,
 ) -> RunResult:
     """Replay ``trace`` on ``instances`` simulated engines under ``policy`` in virtual time.
 
@@ -285,6 +286,8 @@ def simulate(
     ``synth``: a :class:`~replayer.synth.TokenSynthesizer` for ``seed`` and ``block_size`` to reuse
     (its memoized block hashes are pure functions of the trace, seed and block size, so runs of
     several policies share them; default: a new one).
+    ``replicas``: a :class:`~replayer.replicas.ReplicaConfig` to route through K gateway replicas
+    (None or one replica: the single router).
     """
     from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
     from gateway.router import Router
@@ -325,11 +328,17 @@ def simulate(
     async def main() -> tuple[ReplayOutcome, dict[str, float], dict[str, tuple[list[float], list[float]]], Any]:
         registry = _new_registry() if engine_factory is None else None
         engines = [factory(f"gpu{i}", i, registry) for i in range(instances)]
-        if index == "precise":
-            kv = PreciseKVIndex(instances)
+        def make_index(engs: Sequence[Any]) -> Any:
+            return PreciseKVIndex(instances) if index == "precise" else ApproximateKVIndex.from_engines(engs)
+
+        router: Any
+        if replicas is not None and replicas.replicas > 1:
+            from replayer.replicas import build_replicas
+
+            router = build_replicas(replicas, engines, lambda: build(policy) if isinstance(policy, (str, Mapping)) else pol,
+                                    make_index, index == "precise", seed, block_size=block_size, roles=roles)
         else:
-            kv = ApproximateKVIndex.from_engines(engines)
-        router = Router(engines, pol, index=kv, block_size=block_size, roles=roles)
+            router = Router(engines, pol, index=make_index(engines), block_size=block_size, roles=roles)
         target = SimTarget(router, synth)
         loop = asyncio.get_running_loop()
         t0 = loop.time()

@@ -39,7 +39,7 @@ def test_bad_axes_are_refused(kw, msg):
 
 
 def test_presets_cover_the_sensitivity_experiments():
-    assert sorted(PRESETS) == ["kv", "migrate", "rate", "zipf"]
+    assert sorted(PRESETS) == ["kv", "migrate", "rate", "replicas", "zipf"]
     pols = migrate_policies()
     assert pols[0]["type"] == "lpwl" and len(pols) == 1 + 9
     assert {(p["params"]["t_hot_tokens"], p["params"]["t_cool_s"]) for p in pols[1:]} == {
