@@ -64,6 +64,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keepalive-timeout", type=float, default=None, help="idle keep-alive seconds (60)")
     p.add_argument("--otel", action="store_true", default=None,
                    help="export OpenTelemetry spans over OTLP/HTTP (OTEL_EXPORTER_OTLP_* variables)")
+    # -- issue 17: replicas
+    p.add_argument("--share", default=None, metavar="redis://HOST:PORT",
+                   help="share pending prefill, in-flight counts and session bindings with the other gpuhit serve "
+                        "replicas through this Redis server (pub/sub; needs gpuhit[share]); default: none")
+    p.add_argument("--share-channel", default=None, metavar="NAME",
+                   help="the Redis pub/sub channel of this group of replicas (default gpuhit:share)")
+    p.add_argument("--max-sessions", type=int, default=None, metavar="N",
+                   help="sessions kept in the binding table, least recently seen dropped first (default 65536)")
     p.set_defaults(func=_serve)
 
     v = sub.add_parser("vllm-cmd", help="print the vLLM server command lines for N colocated instances",
@@ -134,7 +142,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout,
         otel=args.otel, metrics_auth=args.metrics_auth, vocab_size=args.vocab_size, model_config=args.model_config,
         max_connections=args.max_connections, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        keepalive_timeout=args.keepalive_timeout,
+        keepalive_timeout=args.keepalive_timeout, share=args.share, share_channel=args.share_channel,
+        max_sessions=args.max_sessions,
     )
     cfg = replace(cfg, api_key=api_key(args.api_key, args.api_key_file, os.environ, cfg.api_key)).validate()
     if cfg.api_key is None and cfg.host not in _LOOPBACK:

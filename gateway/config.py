@@ -98,6 +98,10 @@ class GatewayConfig:
     keepalive_timeout: float = 60.0  # idle seconds before a keep-alive client connection is closed
     upstream_max_idle: int = 64  # idle keep-alive connections kept per engine
     upstream_idle_timeout: float = 30.0  # idle seconds before an upstream connection is closed
+    # -- issue 17: replicas (gateway/share_redis.py) and the session table's cap (gateway/bindings.py)
+    share: str | None = None  # redis://host:port: share counters and bindings with the other replicas
+    share_channel: str = "gpuhit:share"  # the pub/sub channel (one per group of replicas)
+    max_sessions: int = 65536  # sessions kept in the binding table (LRU)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def validate(self) -> GatewayConfig:
@@ -137,6 +141,12 @@ class GatewayConfig:
         for name in ("max_prompt_tokens", "timeout", "vocab_size", "upstream_max_idle"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_sessions <= 0:
+            raise ConfigError(f"max_sessions must be positive, got {self.max_sessions}")
+        if self.share is not None and not self.share.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"share must be a redis://host:port URL, got {self.share!r}")
+        if not self.share_channel:
+            raise ConfigError("share_channel must not be empty")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be 0..65535, got {self.port}")
         return self

@@ -113,6 +113,7 @@ class ShareLink:
         self._bindings_out: list[list[Any]] = []
         self._peers: dict[str, list[list[int]]] = {}  # peer id -> its last totals per counter
         self._peer_seen: dict[str, float] = {}  # peer id -> time of its last message (for expire)
+        self._peer_seq: dict[str, int] = {}  # peer id -> seq of its last applied message
         self.messages_in = 0
         self.messages_out = 0
         n = len(router.engines)
@@ -152,6 +153,10 @@ class ShareLink:
         return {"v": MESSAGE_VERSION, "from": self.replica_id, "seq": self._seq,
                 "own": [list(c.own) for c in self.counters], "bind": b}
 
+    def requeue(self, msg: Mapping[str, Any]) -> None:
+        """A message that could not be sent: its bindings go out with the next one (totals always do)."""
+        self._bindings_out[:0] = list(msg.get("bind", ()))
+
     def bye(self) -> dict[str, Any]:
         """The message a replica sends when it leaves: peers drop its totals."""
         return {"v": MESSAGE_VERSION, "from": self.replica_id, "bye": True}
@@ -169,6 +174,9 @@ class ShareLink:
         if msg.get("bye"):
             self.drop(origin)
             return
+        seq = msg["seq"]
+        if seq <= self._peer_seq.get(origin, 0):
+            return  # older than what we applied (a transport that reorders): totals only move forward
         own = msg["own"]
         n = len(self.router.engines)
         if len(own) != len(COUNTERS) or any(len(x) != n for x in own):
@@ -183,6 +191,7 @@ class ShareLink:
                 if d:
                     c.add_remote(i, d)
         self._peers[origin] = [list(x) for x in own]
+        self._peer_seq[origin] = seq
         if now is not None:
             self._peer_seen[origin] = now
         bindings: SharedBindings = self.router.bindings
@@ -195,6 +204,7 @@ class ShareLink:
         """Subtract a peer's last totals (it left, or went silent)."""
         prev = self._peers.pop(origin, None)
         self._peer_seen.pop(origin, None)
+        self._peer_seq.pop(origin, None)
         if prev is None:
             return
         for k, c in enumerate(self.counters):

@@ -57,6 +57,7 @@ from engines.kv_events import AllBlocksCleared, KVEventBatch
 from engines.vllm import protocol
 from engines.vllm.client import VLLMEngine
 from engines.vllm.health import HealthMonitor
+from gateway.bindings import SessionBindings
 from gateway.config import GatewayConfig
 from gateway.hash_check import HashVerifier
 from gateway.http.prompt import (
@@ -131,6 +132,7 @@ class Gateway:
         self.upstream: Upstream | None = None
         self.engines: list[VLLMEngine] = []
         self.router: Router | None = None
+        self.share: Any = None  # gateway.share_redis.RedisShare with --share
         self.health: HealthMonitor | None = None
         self.model: str | None = cfg.model
         self.max_model_len: int | None = None
@@ -235,6 +237,13 @@ class Gateway:
         # The loop's clock, injected: saves get_running_loop() (a getpid() syscall) per decision.
         self.router = Router(self.engines, self.policy, index=index, block_size=self.block_size,
                              roles=[e.role for e in cfg.engines], clock=self._loop.time)
+        self.router.bindings = SessionBindings(cfg.max_sessions)
+        if cfg.share is not None:
+            from gateway.share_redis import RedisShare
+
+            self.share = RedisShare(cfg.share, self.router, channel=cfg.share_channel)
+            await self.share.start()  # unreachable: ConfigError, before anything else is started
+            self.metrics.extra.append(self.share.render)
         if cfg.index == "precise":
             self.verifier = HashVerifier(self.hasher, [e.name for e in self.engines])
             self.metrics.extra.append(self.verifier.render)
@@ -293,6 +302,8 @@ class Gateway:
         if self._closed:
             return
         self._closed = True
+        if self.share is not None:
+            await self.share.close()
         if self.health is not None:
             await self.health.close()
         for e in self.engines:
@@ -804,7 +815,9 @@ class Gateway:
         return {
             "policy": self.policy_name, "index": self.cfg.index, "transport": self.cfg.transport,
             "model": self.model, "block_size": self.block_size, "instances": instances,
-            "bindings": len(router.bindings), "router": router.stats.as_dict(),
+            "bindings": len(router.bindings), "bindings_evicted": router.bindings.evicted,
+            "router": router.stats.as_dict(),
+            "share": None if self.share is None else self.share.state(),
             "hash_cache_blocks_hashed": self.hash_cache.blocks_hashed,
             "hash": {"algo": self.hasher.hash_name, "none_hash_seed": self.hasher.seed},
             "hash_check": None if self.verifier is None else dict(zip(self.verifier.names, self.verifier.state())),

@@ -1,0 +1,134 @@
+"""Two live gateway replicas sharing state through a real Redis server process (``--share redis://``).
+
+Replica A routes a long request; replica B's next decision (LPWL: least pending prefill) sees A's
+pending prefill and goes to the other engine. Then the server dies: both replicas report it
+(/debug/state, /metrics), and a replica started against a dead server fails with a clear error
+(``gpuhit serve`` exits 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import shutil
+import socket
+import sys
+
+import aiohttp
+import pytest
+
+from engines.emulated.engine import EmulatedEngine
+from gpuhit.errors import ConfigError
+from tests.e2e.helpers import gateway, servers, wait_until, zero_cost_profile
+
+REDIS = shutil.which("redis-server")
+pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installed (apt-get install redis-server)")
+redis = pytest.importorskip("redis.asyncio", reason="the redis client is not installed (pip install 'gpuhit[share]')")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def redis_server():
+    """A real redis-server on a free loopback port, no persistence; killed on exit."""
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}"
+    client = redis.from_url(url)
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while True:  # until it answers PING (the process binds its port after start-up)
+            try:
+                await client.ping()
+                break
+            except (redis.ConnectionError, OSError):
+                if proc.returncode is not None or loop.time() > deadline:
+                    raise AssertionError("redis-server did not start") from None
+                await asyncio.sleep(0.02)
+        yield proc, url
+    finally:
+        await client.aclose()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def slow_prefill_profile():
+    # Prefill of a 1,600-token prompt takes ~3 s: the request stays pending while B decides.
+    return dataclasses.replace(zero_cost_profile(), prefill_per_token_s=2e-3)
+
+
+async def _completion(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> tuple[str, dict]:
+    async with http.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1}) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        return r.headers["x-gpuhit-instance"], body
+
+
+def test_replica_b_sees_replica_a_in_flight_work_and_a_dead_server_is_reported():
+    async def main():
+        engines = [EmulatedEngine(f"emu{i}", slow_prefill_profile(), num_gpu_blocks=1024, model_name="m")
+                   for i in range(2)]
+        async with redis_server() as (proc, rurl), servers(engines, model="m") as srvs:
+            urls = [f"http://127.0.0.1:{s.port}" for s in srvs]
+            async with gateway(urls, policy="lpwl", share=rurl, share_channel="t1") as (ga, ua), \
+                    gateway(urls, policy="lpwl", share=rurl, share_channel="t1") as (gb, ub), \
+                    aiohttp.ClientSession() as http:
+                await wait_until(lambda: len(ga.share.link.peers) == 1 and len(gb.share.link.peers) == 1,
+                                 what="the replicas to hear each other")
+                # A routes a long prompt; B must see its pending prefill before deciding.
+                long = asyncio.ensure_future(_completion(http, ua, list(range(1000, 2600))))
+                await wait_until(lambda: sum(c["pending_prefill_tokens"] for c in gb.router.counters()) >= 1600,
+                                 what="B to see A's pending prefill")
+                b_counts = gb.router.counters()
+                busy = next(i for i, c in enumerate(b_counts) if c["in_flight"] == 1)
+                assert b_counts[1 - busy]["in_flight"] == 0
+                # B's own prompt (no prefix anywhere): least pending prefill is the other engine.
+                inst_b, _ = await _completion(http, ub, list(range(5000, 5032)))
+                assert inst_b == f"e{1 - busy}"
+                inst_a, _ = await long
+                assert inst_a == f"e{busy}"
+                await wait_until(lambda: all(c["in_flight"] == 0 and c["pending_prefill_tokens"] == 0
+                                             for c in gb.router.counters()),
+                                 what="B to see A's request finish")
+                # Session bindings travel too: B learns where A bound a session.
+                async with http.post(ua + "/v1/completions", headers={"x-session-id": "sess-1"},
+                                     json={"model": "m", "prompt": list(range(7000, 7032)), "max_tokens": 1}) as r:
+                    assert r.status == 200
+                    where = int(r.headers["x-gpuhit-instance"][1:])
+                await wait_until(lambda: gb.router.bindings.get("sess-1") == where, what="B to learn the binding")
+
+                # The message server dies: both replicas say so, loudly.
+                proc.kill()
+                await proc.wait()
+                await wait_until(lambda: not ga.share.connected and not gb.share.connected, timeout=30,
+                                 what="the replicas to notice the dead server")
+                async with http.get(ua + "/debug/state") as r:
+                    st = (await r.json())["share"]
+                assert st["connected"] is False and st["error"] and st["outages"] == 1
+                async with http.get(ub + "/metrics") as r:
+                    assert "gpuhit_gateway_share_connected 0.0" in await r.text()
+                # Routing goes on, on what each replica knows.
+                inst, _ = await _completion(http, ua, list(range(9000, 9032)))
+                assert inst in ("e0", "e1")
+
+            # A replica that cannot reach the server does not start: a clear error, exit 2 from the CLI.
+            with pytest.raises(ConfigError, match="not reachable"):
+                async with gateway(urls, policy="lpwl", share=rurl):
+                    pass
+            cli = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gpuhit.cli", "serve", "--engine", urls[0], "--port", "0", "--share", rurl,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(cli.communicate(), 120)
+            assert cli.returncode == 2, (out, err)
+            assert b"not reachable" in err and rurl.encode() in err
+
+    asyncio.run(main())
