@@ -116,11 +116,8 @@ class RedisShare:
         self._closed = True
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down: their errors were logged
-                pass
+        # Cancelled, they end with CancelledError; an error of theirs was logged where it happened.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._client is not None:
             from redis.exceptions import RedisError
 

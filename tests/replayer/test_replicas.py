@@ -70,7 +70,8 @@ def test_fully_shared_replicas_decide_as_one_router_on_the_bundled_slice():
     from replayer.loaders import bundled_path, load_trace
 
     tr = load_trace([bundled_path("weka")]).trace
-    kw = dict(instances=4, progress=False, max_sessions=6, max_requests=60, arrival="poisson", session_rate=0.05)
+    kw = {"instances": 4, "progress": False, "max_sessions": 6, "max_requests": 60, "arrival": "poisson",
+          "session_rate": 0.05}
     one = simulate(tr, "lpwl", **kw)
     shared = simulate(tr, "lpwl", replicas=ReplicaConfig(2, share="decisions"), **kw)
     assert [(x.session, x.turn, x.instance, x.finish) for x in shared.records] == \
