@@ -43,31 +43,26 @@ running gpuhit gateway through :class:`replayer.live.HttpTarget` (one run; the g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
-import math
-import multiprocessing as mp
 import os
 import pathlib
-import queue
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gpuhit.errors import ConfigError
+from replayer import replay_report
 from replayer.replicas import LB_MODES, SHARE_MODES, ReplicaConfig
+from replayer.runs import clear_synths, jsonable, policy_type, run_name, start_folder
 
 DEFAULT_INSTANCES = 8
 DEFAULT_SESSION_RATE = 1.0 / 60.0  # sessions per second (one new conversation a minute on average)
 DEFAULT_MAX_THINK = 60.0  # seconds
 DEFAULT_PD = "pd_disagg"
-
-_TRACE: Any = None  # set in the parent before forking workers (inherited, never pickled)
-_PROGRESS_Q: Any = None
-_SYNTHS: dict[tuple[int, int], Any] = {}  # this process's synthesizers, see _synth
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -213,12 +208,6 @@ def _load_policy_file(path: pathlib.Path) -> list[Any]:
     return doc
 
 
-def _policy_type(cfg: Any) -> str:
-    if isinstance(cfg, str):
-        return cfg
-    return str(cfg.get("type") or cfg.get("name"))
-
-
 def _policy_name(cfg: Any) -> str:
     if isinstance(cfg, str):
         return cfg
@@ -250,7 +239,7 @@ def plan_runs(args: argparse.Namespace) -> list[RunSpec]:
     default_pd = f"{n // 2}P+{n - n // 2}D" if n >= 2 else None
     plans: list[tuple[str, Any, tuple[str, ...] | None]] = []
     for c in configs:
-        if _policy_type(c) == "pd_disagg":
+        if policy_type(c) == "pd_disagg":
             params = {} if isinstance(c, str) else dict(c.get("params") or {})
             if "num_prefill" in params:
                 plans.append((_policy_name(c), c, None))
@@ -304,121 +293,15 @@ def _arrival_options(args: argparse.Namespace, trace: Any) -> dict[str, Any]:
                 "time_scale": args.time_scale, "think_time_scale": args.think_scale, "max_think_time": max_think}
 
 
-# ---------------------------------------------------------------------------------------- workers
-
-def _safe(label: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)
-
-
-# Relative simulation cost of a run by policy type (wall seconds per run over a plain cache-aware
-# policy's, on full weka_cc at 0.008 sessions/s, one seed, 2026-11-23: PD 2.0, lpwl_migrate 1.5,
-# least_request 1.3, round_robin 1.15, route_query 1.1). It orders the runs, longest first; no
-# result depends on it. PD: two steps per request and jammed pools; migration: KV moved around;
-# load-only policies: lower hit rates, so more blocks to compute.
-_RUN_COST = {"pd_disagg": 2.0, "lpwl_migrate": 1.5, "least_request": 1.3, "round_robin": 1.15, "route_query": 1.1}
-
-
-def _run_cost(spec: RunSpec) -> float:
-    return _RUN_COST["pd_disagg"] if spec.roles is not None else _RUN_COST.get(_policy_type(spec.policy), 1.0)
-
-
-def longest_first(specs: Sequence[RunSpec]) -> list[int]:
-    """Indices of ``specs`` in the order to start them: costliest first, then as given."""
-    return sorted(range(len(specs)), key=lambda i: (-_run_cost(specs[i]), i))
-
-
-def _synth(seed: int, block_size: int) -> Any:
-    """This process's token synthesizer for (seed, block size), shared by the runs it does.
-
-    Why: hashing a trace's prompts cold is ~2 s of a 10-20 s run of the bundled slice, and every
-    policy's run of one seed hashes the same prompts; a worker's later runs reuse the memo.
-    """
-    from replayer.synth import TokenSynthesizer
-
-    key = (seed, block_size)
-    synth = _SYNTHS.get(key)
-    if synth is None:
-        synth = _SYNTHS[key] = TokenSynthesizer(seed=seed, engine_block_size=block_size)
-    return synth
-
-
-def _run_one(job: dict[str, Any], trace: Any = None, progress_q: Any = None) -> dict[str, Any]:
-    """One simulation (in a worker process, inline, or a Ray task). Returns JSON-able results.
-
-    ``trace`` / ``progress_q``: default the ones this process inherited (:data:`_TRACE`,
-    :data:`_PROGRESS_Q`); the executors in :mod:`replayer.executors` pass their own.
-    """
-    from replayer.records import RecordWriter
-    from replayer.simulate import simulate
-
-    spec: RunSpec = job["spec"]
-    q = _PROGRESS_Q if progress_q is None else progress_q
-    trace = _TRACE if trace is None else trace
-    idx = job["index"]
-    last = [0.0]
-
-    def progress(done: int, total: int, sim: float) -> None:
-        if q is None:
-            return
-        now = time.monotonic()
-        if now - last[0] >= 0.25 or done == total:
-            last[0] = now
-            q.put((idx, done, total, sim))
-
-    path = pathlib.Path(job["records"])
-    with RecordWriter(path, resume=False, policy=spec.label, seed=spec.seed) as w:
-        res = simulate(
-            trace, spec.policy, instances=job["instances"], profile=job["profile"], seed=spec.seed,
-            roles=spec.roles, index=job["index_kind"], max_requests=job["max_requests"],
-            max_sessions=job["max_sessions"], open_loop=job["open_loop"], progress=progress,
-            sink=w.write, label=spec.label, block_size=job["block_size"],
-            synth=_synth(spec.seed, job["block_size"]),
-            replicas=ReplicaConfig(**job["replicas"]) if job.get("replicas") else None,
-            engine_kwargs={"block_size": job["block_size"], **job.get("engine_kwargs", {})}, **job["arrival"],
-        )
-    summary = res.summary()
-    summary["label"] = spec.label
-    summary["records"] = str(path)
-    lat = [r.finish - r.arrival for r in res.records if r.ok]
-    result = {"summary": summary, "latencies": lat, "util_series": res.util_series}
-    if job.get("result"):
-        _save_run(pathlib.Path(job["result"]), result)  # as soon as it is done: Ctrl-C loses no finished run
-    return result
-
-
-def _progress_thread(q: Any, totals: list[int], stop: threading.Event, force: bool) -> threading.Thread:
-    from replayer.progress import Progress
-
-    bar = Progress(sum(totals), label="replay", force=force)
-    done = [0] * len(totals)
-    sims = [0.0] * len(totals)
-
-    def loop() -> None:
-        while True:
-            try:
-                idx, d, _, sim = q.get(timeout=0.2)
-            except queue.Empty:
-                if stop.is_set():
-                    break
-                continue
-            if idx is None:
-                break
-            done[idx], sims[idx] = d, sim
-            bar.update(sum(done), sum(sims))
-        bar.close()
-
-    t = threading.Thread(target=loop, name="gpuhit-replay-progress", daemon=True)
-    t.start()
-    return t
-
-
 # ---------------------------------------------------------------------------------------- main
 
 def main(args: argparse.Namespace) -> int:
     if args.gateway:
         if replica_config(args).replicas > 1:
             raise ConfigError("--gateway-replicas is for simulation; live, run several gpuhit serve --share redis://...")
-        return _live(args)
+        from replayer.cli_replay_live import live
+
+        return live(args)
     return _simulated(args)
 
 
@@ -440,46 +323,16 @@ _NOT_RESUMED = frozenset({"resume", "jobs", "progress", "json", "no_plots", "fun
 
 def _plan_doc(args: argparse.Namespace, specs: Sequence[RunSpec]) -> dict[str, Any]:
     opts = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_RESUMED}
-    return {"options": opts, "runs": [f"{_safe(s.label)}-seed{s.seed}" for s in specs]}
-
-
-def _start_folder(args: argparse.Namespace) -> tuple[pathlib.Path, bool]:
-    """(results folder, resuming?). ``--resume DIR`` restores the options saved in DIR/plan.json."""
-    if args.resume is None:
-        out = pathlib.Path(args.out) if args.out else pathlib.Path("results") / _dt.datetime.now(
-            _dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-        return out, False
-    out = pathlib.Path(args.resume)
-    try:
-        saved = json.loads((out / "plan.json").read_text(encoding="utf-8"))["options"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"--resume {out}: no readable plan.json there ({exc}); was it made by gpuhit replay?") from None
-    if args.out is not None and pathlib.Path(args.out) != out:
-        raise ConfigError("give --resume DIR alone (it writes into DIR), not with another --out")
-    for k, v in saved.items():
-        setattr(args, k, v)
-    return out, True
-
-
-def _save_run(path: pathlib.Path, result: dict[str, Any]) -> None:
-    """One finished run's summary, latencies and utilization series, written atomically."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, default=_jsonable), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _jsonable(x: Any) -> Any:
-    item = getattr(x, "item", None)  # numpy scalars
-    return item() if callable(item) else str(x)
+    return {"options": opts, "runs": [run_name(s.label, s.seed) for s in specs]}
 
 
 def _simulated(args: argparse.Namespace) -> int:
-    global _TRACE, _PROGRESS_Q
     from analysis.compare import compare, format_table, to_json
     from replayer.driver import count_requests
+    from replayer.executors import execute
     from replayer.simulate import DEFAULT_PROFILE
 
-    out, resuming = _start_folder(args)
+    out, resuming = start_folder(args, "replay")
     specs = plan_runs(args)
     if args.max_requests is not None and args.max_requests <= 0:
         raise ConfigError("--max-requests must be positive")
@@ -511,11 +364,11 @@ def _simulated(args: argparse.Namespace) -> int:
     elif (out / "plan.json").exists() or any((out / "records").iterdir()):
         raise ConfigError(f"{out} holds a replay already: choose a new --out folder, or --resume {out}")
     else:
-        (out / "plan.json").write_text(json.dumps(plan, indent=1, default=_jsonable), encoding="utf-8")
+        (out / "plan.json").write_text(json.dumps(plan, indent=1, default=jsonable), encoding="utf-8")
     jobs = []
     results: list[dict[str, Any] | None] = [None] * len(specs)
     for i, spec in enumerate(specs):
-        name = f"{_safe(spec.label)}-seed{spec.seed}"
+        name = run_name(spec.label, spec.seed)
         rec, done = out / "records" / f"{name}.csv", out / "runs" / f"{name}.json"
         if done.exists():  # finished before the interruption: kept, not redone
             results[i] = json.loads(done.read_text(encoding="utf-8"))
@@ -533,54 +386,20 @@ def _simulated(args: argparse.Namespace) -> int:
     if args.max_requests:
         total_one = min(total_one, args.max_requests)
     n_jobs = args.jobs or max(1, min(2, os.cpu_count() or 1, len(jobs)))
-
-    _TRACE = trace
-    show = args.progress or sys.stderr.isatty()
-    ctx = mp.get_context("fork") if n_jobs > 1 and not on_ray else None
-    stop = threading.Event()
-    pthread = None
-    if show and jobs:
-        _PROGRESS_Q = ctx.Queue() if ctx is not None else queue.Queue()
-        pthread = _progress_thread(_PROGRESS_Q, [total_one] * len(specs), stop, force=args.progress)
     wall0 = time.perf_counter()
+    runs = execute(jobs, {"": trace}, ray=getattr(args, "ray", None), n_jobs=n_jobs, totals=[total_one] * len(specs),
+                   show=args.progress or sys.stderr.isatty(), force_progress=args.progress)
     try:
-        if on_ray and jobs:
-            from replayer.executors import ray_address, run_ray
-
-            ordered = [jobs[i] for i in longest_first([j["spec"] for j in jobs])]
-            for idx, r in run_ray(ordered, {"": trace}, address=ray_address(args.ray), progress_q=_PROGRESS_Q,
-                                  on_start=lambda msg: print(f"gpuhit replay: {msg}", file=sys.stderr)):
+        with contextlib.closing(runs):
+            for idx, r in runs:
                 results[idx] = r
-                _note_done(r, show)
-        elif n_jobs == 1:
-            for j in jobs:
-                results[j["index"]] = _run_one(j)
-                _note_done(results[j["index"]], show)
-        elif jobs:
-            # Longest first, so a slow run does not start last and leave a core idle at the end.
-            ordered = [jobs[i] for i in longest_first([j["spec"] for j in jobs])]
-            pool = ctx.Pool(n_jobs)
-            try:
-                for idx, r in pool.imap_unordered(_run_indexed, ordered):
-                    results[idx] = r
-                    _note_done(r, show)
-                pool.close()
-            finally:
-                pool.terminate()  # Ctrl-C or a failed run: stop the other runs now (finished ones are saved)
-                pool.join()
     except KeyboardInterrupt:
         saved = sum(r is not None for r in results)
         print(f"\ngpuhit replay: interrupted; {saved} of {len(specs)} runs are saved in {out}/. "
               f"Finish with: gpuhit replay --resume {out}", file=sys.stderr)
         return 130
     finally:
-        stop.set()
-        if _PROGRESS_Q is not None:
-            _PROGRESS_Q.put((None, 0, 0, 0.0))
-        if pthread is not None:
-            pthread.join(timeout=2.0)
-        _TRACE, _PROGRESS_Q = None, None
-        _SYNTHS.clear()
+        clear_synths()
     wall = time.perf_counter() - wall0
 
     summaries = [dict(r["summary"], policy=r["summary"]["label"]) for r in results if r is not None]
@@ -589,7 +408,7 @@ def _simulated(args: argparse.Namespace) -> int:
     meta = {
         "command": "gpuhit replay " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["replay"] else sys.argv[1:]),
         "trace": trace.name, "trace_sources": len(trace.source), "sessions": len(trace.sessions),
-        **_session_counts(trace, args.max_sessions),
+        **replay_report.session_counts(trace, args.max_sessions),
         "requests_per_run": total_one, "instances": args.instances,
         "profile": args.profile or DEFAULT_PROFILE, "index": args.index, "block_size": args.block_size,
         **arrival,
@@ -600,13 +419,13 @@ def _simulated(args: argparse.Namespace) -> int:
     }
     (out / "summary.json").write_text(to_json({"meta": meta, "runs": summaries}, indent=1), encoding="utf-8")
     (out / "comparison.json").write_text(to_json(dict(doc, meta=meta), indent=1), encoding="utf-8")
-    timing = _timing_lines(summaries, wall)
-    per_inst = _per_instance_lines(summaries)
+    timing = replay_report.timing_lines(summaries, wall)
+    per_inst = replay_report.per_instance_lines(summaries)
     (out / "comparison.txt").write_text(table + "\n\n" + "\n".join(per_inst + [""] + timing) + "\n",
                                         encoding="utf-8")
     plots: list[pathlib.Path] = []
     if not args.no_plots:
-        plots = _plots(out, results)
+        plots = replay_report.plots(out, results)
     from analysis.report import write_report
 
     write_report(out / "report.html", title=f"gpuhit replay: {trace.name} on {args.instances} instances",
@@ -614,7 +433,7 @@ def _simulated(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json({"meta": meta, "comparison": doc, "runs": summaries, "out": str(out)}))
     else:
-        print(_header(meta))
+        print(replay_report.header(meta))
         print(table)
         print()
         print("\n".join(per_inst))
@@ -625,254 +444,7 @@ def _simulated(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_indexed(job: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    return job["index"], _run_one(job)
-
-
-def _session_counts(trace: Any, max_sessions: int | None) -> dict[str, int]:
-    """Root sessions (conversations) replayed and the sub-agent sessions they bring along."""
-    from replayer.arrivals import children_index, roots
-
-    rs = roots(trace)
-    rs = rs[:max_sessions] if max_sessions else rs
-    kids = children_index(trace)
-    n_sub, stack = 0, list(rs)
-    while stack:
-        c = kids.get(stack.pop().session_id, ())
-        n_sub += len(c)
-        stack.extend(c)
-    return {"root_sessions": len(rs), "subagent_sessions": n_sub}
-
-
-def _per_instance_lines(summaries: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Requests routed / ok and GPU utilization per instance, per policy (its first seed)."""
-    lines = [("latency, TTFT, TPOT, TPS and APC columns cover ok requests only; rejected (refused before running, "
-              "e.g. prompt >= max_model_len) and failed requests are counted per run under 'run timings'"),
-             "", "per instance, first seed: requests routed / ok, GPU util % (an idle instance shows 0/0)"]
-    seen: set[str] = set()
-    for s in summaries:
-        if s["policy"] in seen or not s.get("per_instance"):
-            continue
-        seen.add(s["policy"])
-        cells = []
-        for name, v in s["per_instance"].items():
-            u = v.get("gpu_util")
-            util = "-" if u is None or (isinstance(u, float) and math.isnan(u)) else f"{100 * u:.0f}%"
-            cells.append(f"{name} {v['routed']}/{v['ok']} {util}")
-        lines.append(f"  {s['policy']:<22} " + ", ".join(cells))
-    return lines
-
-
-def _note_done(r: dict[str, Any] | None, show: bool) -> None:
-    if r is None:
-        return
-    s = r["summary"]
-    msg = (f"gpuhit replay: {s['label']} seed {s['seed']}: {s['n_sent']} requests, {s['n_ok']} ok, "
-           f"{s['n_rejected']} rejected, {s['n_failed']} failed, "
-           f"{s['wall_s']:.1f} s wall, sim/wall {s['sim_wall_ratio']:,.0f}x")
-    if show:
-        print("\r\033[K" + msg, file=sys.stderr)
-
-
-def _header(meta: Mapping[str, Any]) -> str:
-    arr = meta["arrival"]
-    if arr == "poisson":
-        how = f"Poisson {meta['session_rate']:.4g} sessions/s"
-    elif arr == "concurrent":
-        how = f"{meta['sessions_concurrent']} concurrent sessions"
-    else:
-        how = "trace timestamps"
-    cap = meta["max_think_time"]
-    sessions = (f"{meta['root_sessions']} sessions (+{meta['subagent_sessions']} sub-agent)"
-                if "root_sessions" in meta else f"{meta['sessions']} sessions")
-    return (f"{meta['trace']}: {sessions}, {meta['requests_per_run']} requests per run; "
-            f"{meta['instances']} x {meta['profile']}; arrivals: {how}; think time x"
-            f"{meta['think_time_scale'] if meta['think_time_scale'] is not None else meta['time_scale']:g}"
-            f"{'' if cap is None else f' capped at {cap:g} s'}; KV index {meta['index']}\n")
-
-
-def _timing_lines(summaries: Sequence[Mapping[str, Any]], wall: float) -> list[str]:
-    lines = ["run timings (simulated makespan / wall seconds = sim/wall):"]
-    for s in summaries:
-        lines.append(f"  {s['policy']:<22} seed {s['seed']}: makespan {s['makespan']:,.0f} s, wall {s['wall_s']:.1f} s, "
-                     f"sim/wall {s['sim_wall_ratio']:,.0f}x, {s['n_ok']} ok, {s['n_rejected']} rejected, "
-                     f"{s['n_failed']} failed")
-        for kind, n in s.get("error_kinds", {}).items():
-            lines.append(f"      {n} x {kind}")
-    lines.append(f"total wall {wall:.1f} s")
-    return lines
-
-
-def _plots(out: pathlib.Path, results: Sequence[dict[str, Any] | None]) -> list[pathlib.Path]:
-    from analysis.plots import plot_latency_cdfs, plot_utilization, plot_worker_ttft
-
-    lat: dict[str, list[float]] = {}
-    wt: dict[str, dict[str, float]] = {}
-    util: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
-    workers: dict[str, list[str]] = {}
-    for r in results:
-        if r is None:
-            continue
-        s = r["summary"]
-        label = s["label"]
-        lat.setdefault(label, []).extend(r["latencies"])
-        if label not in wt:  # the first (lowest) seed of each policy: a per-worker picture, not an average
-            wt[label] = dict(s["per_worker_ttft_p90"])
-            util[label] = r["util_series"]
-            workers[label] = list(s.get("per_worker_util") or ())  # idle workers count as 0 in the mean
-    return [
-        plot_latency_cdfs(lat, out / "latency_cdf.png"),
-        plot_worker_ttft(wt, out / "worker_ttft_p90.png"),
-        plot_utilization(util, out / "gpu_utilization.png", workers=workers),
-    ]
-
-
 # ---------------------------------------------------------------------------------------- live
-
-def _live(args: argparse.Namespace) -> int:
-    """Closed-loop replay against a running gateway over HTTP (one run, the gateway's policy).
-
-    Before sending: the gateway must answer ``/v1/models`` (else exit 2 at once, one line); a new run
-    resets every engine's prefix cache through the gateway's ``POST /reset_prefix_cache`` so runs
-    start equally cold (a loud warning when that fails); GPU utilization is sampled from each engine
-    (``--gpu-util``, default the emulator's busy-seconds counter at the URLs the gateway's
-    ``/debug/state`` lists; real vLLM exports no busy time: give ``nvml:N`` or ``dcgm:URL``) into
-    ``utilization.csv`` and the summary's ``per_worker_util`` (busy seconds / makespan), as in
-    simulation. Resuming into an existing records file keeps its rows; ``--max-requests`` counts them.
-    """
-    import asyncio
-
-    import aiohttp
-
-    from analysis.compare import to_json
-    from analysis.summary import summarize
-    from gpuhit import vtime
-    from replayer.arrivals import ArrivalConfig
-    from replayer.driver import DriverConfig, count_requests, replay
-    from replayer.live import (
-        HttpTarget,
-        UtilizationSampler,
-        busy_seconds,
-        make_meter,
-        probe_gateway,
-        reset_prefix_caches,
-    )
-    from replayer.progress import Progress
-    from replayer.records import RecordWriter, read_records
-    from replayer.synth import TokenSynthesizer
-
-    if args.policies or args.pd or (args.seeds and "," in str(args.seeds)) or args.num_seeds:
-        raise ConfigError("--gateway replays once against the gateway's own policy: drop --policies/--pd/--seeds")
-    if args.resume:
-        raise ConfigError("--resume is for simulated replays; a live replay resumes by running again with the same --out")
-    if args.max_requests is not None and args.max_requests <= 0:
-        raise ConfigError("--max-requests must be positive")
-    if not args.util_interval > 0:
-        raise ConfigError("--util-interval must be positive")
-    util_specs = dict(_name_spec(x) for x in args.gpu_util)
-    trace = _load(args)
-    arr = _arrival_options(args, trace)
-    seed = _parse_seeds(args)[0]
-    out = pathlib.Path(args.out) if args.out else pathlib.Path("results") / _dt.datetime.now(
-        _dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = out / "records" / f"live-seed{seed}.csv"
-    total = count_requests(trace, args.max_sessions)
-    synth = TokenSynthesizer(seed=seed)
-    acfg = ArrivalConfig(mode=arr["arrival"], session_rate=arr["session_rate"],
-                         sessions_concurrent=arr["sessions_concurrent"], time_scale=arr["time_scale"], seed=seed)
-    info: dict[str, Any] = {}
-
-    async def probe() -> dict[str, Any]:
-        async with aiohttp.ClientSession() as http:
-            return await probe_gateway(http, args.gateway)
-
-    gw = vtime.run_live(probe())  # unreachable: ConfigError (exit 2, one line) before anything is written
-    info.update(engines=[n for n, _ in gw["engines"]], max_model_len=gw["max_model_len"])
-
-    async def go(w: RecordWriter) -> Any:
-        loop = asyncio.get_running_loop()
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            left = None if args.max_requests is None else args.max_requests - w.resumed_rows
-            if left is not None and left <= 0:
-                info["note"] = f"{w.resumed_rows} rows already recorded (>= --max-requests {args.max_requests})"
-                return None
-            if w.resumed_rows == 0:
-                why = await reset_prefix_caches(http, args.gateway)
-                info["cold_start"] = why is None
-                if why is not None:
-                    print(f"gpuhit replay: WARNING: the engines' prefix caches were NOT reset ({why}); this run "
-                          "starts with whatever earlier traffic left cached, so it is not comparable to a cold "
-                          "run", file=sys.stderr)
-            else:
-                info["cold_start"] = False
-                print(f"gpuhit replay: resuming {path} ({w.resumed_rows} rows): engine caches are not reset",
-                      file=sys.stderr)
-            specs = util_specs or {n: f"busy:{u}" for n, u in gw["engines"]}
-            sampler = UtilizationSampler([(n, make_meter(spec, http)) for n, spec in specs.items()],
-                                         interval=args.util_interval)
-            dcfg = DriverConfig(arrival=acfg, open_loop=args.open_loop, think_time_scale=arr["think_time_scale"],
-                                max_think_time=arr["max_think_time"], max_sessions=args.max_sessions,
-                                max_requests=left, run_id=f"live-s{seed}", policy="gateway", seed=seed)
-            target = HttpTarget(args.gateway, synth, http, model=gw["model"], max_model_len=gw["max_model_len"])
-            bar = Progress(total, label="live", force=args.progress)
-            n = [0]
-
-            def on_record(_: Any) -> None:
-                n[0] += 1
-                bar.update(n[0], loop.time() - t0)
-
-            t0 = loop.time()
-            await sampler.sample_once()  # the baseline of every busy counter
-            sampler.start()
-            try:
-                async with target:
-                    res = await replay(trace, target, dcfg, sink=w.write, skip=w.done, on_record=on_record)
-            finally:
-                await sampler.stop()
-                bar.close()
-            await sampler.sample_once()  # the tail since the last periodic sample
-            info["util_rows"] = [(t - t0, name, u) for t, name, u in sampler.rows]
-            info["busy"] = busy_seconds(sampler.rows, t0)
-            info["missing_util"] = sorted(set(specs) - set(info["busy"]))
-            return res
-
-    # Live replays are long and may be interrupted: records resume (done turns are skipped).
-    with RecordWriter(path, resume=True, policy="gateway", seed=seed) as w:
-        res = vtime.run_live(go(w))
-    df = read_records(path)
-    makespan = res.makespan if res is not None else math.nan
-    s = summarize(df, info.get("busy"), makespan, math.nan)
-    s.update(policy="gateway", seed=seed, records=str(path), cold_start=info.get("cold_start"),
-             engines=info.get("engines", []))
-    if info.get("util_rows"):
-        with open(out / "utilization.csv", "w", encoding="utf-8") as fh:
-            fh.write("t,engine,util\n")
-            fh.writelines(f"{t!r},{name},{u!r}\n" for t, name, u in info["util_rows"])
-    for name in info.get("missing_util", []):
-        print(f"gpuhit replay: no GPU utilization from engine {name} (its source gave no samples; for real "
-              f"vLLM give --gpu-util {name}=nvml:N or {name}=dcgm:URL)", file=sys.stderr)
-    (out / "summary.json").write_text(to_json({"runs": [s]}, indent=1), encoding="utf-8")
-    if args.json:
-        print(to_json({"runs": [s], "out": str(out)}))
-    else:
-        if info.get("note"):
-            print(f"gpuhit replay: {info['note']}; nothing sent")
-        print(f"live replay against {args.gateway}: {s['n_sent']} requests: {s['n_ok']} ok, {s['n_rejected']} "
-              f"rejected, {s['n_failed']} failed; over ok requests: latency p50/p90 {s['latency_p50']:.3f}/"
-              f"{s['latency_p90']:.3f} s, TTFT p90 {s['ttft_p90']:.3f} s, APC {100 * s['apc_realized']:.1f}% "
-              f"(implied {100 * s['apc_implied']:.1f}%)")
-        for kind, k in s["error_kinds"].items():
-            print(f"  {k} x {kind}")
-        print("\n".join(_per_instance_lines([s])[2:]))
-        print(f"results: {out}/")
-    return 0
-
-
-def _name_spec(x: str) -> tuple[str, str]:
-    name, sep, spec = x.partition("=")
-    if not sep or not name or not spec:
-        raise ConfigError(f"--gpu-util wants NAME=SPEC (e.g. e0=nvml:0), got {x!r}")
-    return name, spec
 
 
 __all__ = ["DEFAULT_MAX_THINK", "DEFAULT_SESSION_RATE", "RunSpec", "main", "plan_runs", "register"]

@@ -35,15 +35,14 @@ counters and bindings). Axes given explicitly override the preset's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
-import datetime as _dt
 import itertools
 import json
 import math
 import os
 import pathlib
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from typing import Any
 
 from gpuhit.errors import ConfigError
 from replayer.replicas import LB_MODES, SHARE_MODES
+from replayer.runs import run_name, start_folder
 
 GIB = 1 << 30
 BASELINES = "lpwl,lmetric,least_request"
@@ -286,31 +286,13 @@ def _engine_kwargs(point: Point, profile_name: str, block_size: int) -> tuple[di
     return kw, None
 
 
-def _start_folder(args: argparse.Namespace) -> tuple[pathlib.Path, bool]:
-    if args.resume is None:
-        out = pathlib.Path(args.out) if args.out else pathlib.Path("results") / (
-            "sweep-" + _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ"))
-        return out, False
-    out = pathlib.Path(args.resume)
-    if args.out is not None and pathlib.Path(args.out) != out:
-        raise ConfigError("give --resume DIR alone (it writes into DIR), not with another --out")
-    try:
-        saved = json.loads((out / "plan.json").read_text(encoding="utf-8"))["options"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"--resume {out}: no readable plan.json there ({exc}); was it made by gpuhit sweep?") from None
-    for k, v in saved.items():
-        setattr(args, k, v)
-    return out, True
-
-
 def main(args: argparse.Namespace) -> int:
     from analysis.compare import compare, format_table, to_json
     from replayer import cli_replay
-    from replayer.cli_replay import _safe
     from replayer.driver import count_requests
     from replayer.simulate import DEFAULT_PROFILE
 
-    out, resuming = _start_folder(args)
+    out, resuming = start_folder(args, "sweep")
     if args.preset is not None:
         for k, v in PRESETS[args.preset].items():
             if getattr(args, k) is None:
@@ -356,7 +338,7 @@ def main(args: argparse.Namespace) -> int:
             total = min(total, ns.max_requests)
         pdir = out / "points" / pt.name
         for spec in specs:
-            name = f"{_safe(spec.label)}-seed{spec.seed}"
+            name = run_name(spec.label, spec.seed)
             rec, done = pdir / "records" / f"{name}.csv", pdir / "runs" / f"{name}.json"
             rows.append((pt, spec, rec, done))
             totals.append(total)
@@ -441,38 +423,17 @@ def main(args: argparse.Namespace) -> int:
 def _execute(args: argparse.Namespace, jobs: list[dict[str, Any]], traces: Mapping[str, Any],
              totals: Sequence[int]) -> int:
     """Run the jobs on the chosen executor with the replay's progress display; 130 when interrupted."""
-    from replayer import executors
-    from replayer.cli_replay import _note_done, _progress_thread, longest_first
+    from replayer.executors import execute
 
-    if not jobs:
-        return 0
-    ordered = [jobs[i] for i in longest_first([j["spec"] for j in jobs])]
-    show = args.progress or sys.stderr.isatty()
     n_jobs = args.jobs or max(1, min(2, os.cpu_count() or 1, len(jobs)))
-    q = None
-    stop = threading.Event()
-    pthread = None
-    if show:
-        import queue
-
-        q = queue.Queue() if args.ray is not None else executors.local_progress_queue(n_jobs)
-        pthread = _progress_thread(q, list(totals), stop, force=args.progress)
+    runs = execute(jobs, traces, ray=args.ray, n_jobs=n_jobs, totals=totals,
+                   show=args.progress or sys.stderr.isatty(), force_progress=args.progress, tool="sweep")
     try:
-        if args.ray is not None:
-            it = executors.run_ray(ordered, traces, address=executors.ray_address(args.ray), progress_q=q,
-                                   on_start=lambda msg: print(f"gpuhit sweep: {msg}", file=sys.stderr))
-        else:
-            it = executors.run_local(ordered, traces, n_jobs=n_jobs, progress_q=q)
-        for _, r in it:
-            _note_done(r, show)
+        with contextlib.closing(runs):
+            for _ in runs:
+                pass
     except KeyboardInterrupt:
         return 130
-    finally:
-        stop.set()
-        if q is not None:
-            q.put((None, 0, 0, 0.0))
-        if pthread is not None:
-            pthread.join(timeout=2.0)
     return 0
 
 

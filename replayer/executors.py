@@ -1,6 +1,6 @@
 """Where a replay's independent runs execute: local worker processes (the default) or a Ray cluster.
 
-A *job* is the dict :mod:`replayer.cli_replay` builds per run: its :class:`~replayer.cli_replay.RunSpec`,
+A *job* (:mod:`replayer.runs`) is the dict a command builds per run: its :class:`~replayer.cli_replay.RunSpec`,
 its ``index`` in the plan, the ``records`` CSV and ``result`` JSON paths of the results folder, and
 the simulation options. Each executor is a generator that yields ``(index, result)`` as runs finish
 (in completion order), after the run's ``records/<run>.csv`` and ``runs/<run>.json`` are on the
@@ -30,7 +30,10 @@ import logging
 import multiprocessing as mp
 import os
 import pathlib
+import queue
+import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -62,9 +65,9 @@ def require_ray() -> Any:
 # ---------------------------------------------------------------------------------------- local
 
 def _local_task(job: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    from replayer.cli_replay import _run_one
+    from replayer.runs import run_one
 
-    return job["index"], _run_one(job, trace=_LOCAL_TRACES[job.get("trace_key", "")], progress_q=_LOCAL_Q)
+    return job["index"], run_one(job, _LOCAL_TRACES[job.get("trace_key", "")], progress_q=_LOCAL_Q)
 
 
 def run_local(jobs: Sequence[dict[str, Any]], traces: Mapping[str, Any], *, n_jobs: int,
@@ -94,9 +97,45 @@ def run_local(jobs: Sequence[dict[str, Any]], traces: Mapping[str, Any], *, n_jo
 
 def local_progress_queue(n_jobs: int) -> Any:
     """A progress queue that forked workers can write to (a plain queue when running inline)."""
-    import queue
-
     return mp.get_context("fork").Queue() if n_jobs > 1 else queue.Queue()
+
+
+# ---------------------------------------------------------------------------------------- either
+
+def execute(jobs: Sequence[dict[str, Any]], traces: Mapping[str, Any], *, ray: str | None, n_jobs: int,
+            totals: Sequence[int], show: bool, force_progress: bool = False,
+            tool: str = "replay") -> Iterator[tuple[int, dict[str, Any]]]:
+    """Run ``jobs`` longest first, on Ray (``ray``: the ``--ray`` value, an address or "local") or the
+    local pool (``n_jobs`` workers), with the progress line when ``show``; yield ``(index, result)``
+    as runs finish, their files written. ``totals[index]``: the requests of run ``index``.
+    Closing the generator (Ctrl-C) stops the runs in flight; finished runs stay saved."""
+    from replayer.progress import note_done, progress_thread
+    from replayer.runs import longest_first
+
+    if not jobs:
+        return
+    ordered = [jobs[i] for i in longest_first([j["spec"] for j in jobs])]
+    q = None
+    stop = threading.Event()
+    pthread = None
+    if show:
+        q = queue.Queue() if ray is not None else local_progress_queue(n_jobs)
+        pthread = progress_thread(q, list(totals), stop, force=force_progress, label=tool)
+    try:
+        if ray is not None:
+            it = run_ray(ordered, traces, address=ray_address(ray), progress_q=q,
+                         on_start=lambda msg: print(f"gpuhit {tool}: {msg}", file=sys.stderr))
+        else:
+            it = run_local(ordered, traces, n_jobs=n_jobs, progress_q=q)
+        for idx, r in it:
+            note_done(r, show, tool)
+            yield idx, r
+    finally:
+        stop.set()
+        if q is not None:
+            q.put((None, 0, 0, 0.0))
+        if pthread is not None:
+            pthread.join(timeout=2.0)
 
 
 # ---------------------------------------------------------------------------------------- Ray
@@ -107,12 +146,12 @@ def ray_task(job: dict[str, Any], trace: Any, progress: Any) -> tuple[int, dict[
     ``trace`` arrives resolved from the object store; ``progress`` is the driver's progress actor
     (or None). The result's ``records`` path is the driver's to set.
     """
-    from replayer.cli_replay import _run_one
+    from replayer.runs import run_one
 
     q = _ActorQueue(progress) if progress is not None else None
     with tempfile.TemporaryDirectory(prefix="gpuhit-run-") as tmp:
         rec = pathlib.Path(tmp) / "records.csv"
-        result = _run_one(dict(job, records=str(rec), result=None), trace=trace, progress_q=q)
+        result = run_one(dict(job, records=str(rec), result=None), trace, progress_q=q)
         data = rec.read_bytes()
     return job["index"], result, data
 
@@ -172,7 +211,7 @@ def run_ray(jobs: Sequence[dict[str, Any]], traces: Mapping[str, Any], *, addres
     ``task``: the function each Ray task runs (default :func:`ray_task`; tests swap in one that
     kills its worker to exercise retries). Each task asks for one CPU; one run is single-threaded.
     """
-    from replayer.cli_replay import _save_run
+    from replayer.runs import save_run
 
     ray = require_ray()
     started = False
@@ -226,7 +265,7 @@ def run_ray(jobs: Sequence[dict[str, Any]], traces: Mapping[str, Any], *, addres
                 _write_atomic(pathlib.Path(job["records"]), data)
                 result["summary"]["records"] = job["records"]
                 if job.get("result"):
-                    _save_run(pathlib.Path(job["result"]), result)
+                    save_run(pathlib.Path(job["result"]), result)
                 yield idx, result
     finally:
         for ref in refs:  # Ctrl-C or a failed run: stop the others (finished runs are saved)
@@ -246,5 +285,5 @@ def ray_address(value: str | None) -> str | None:
     return None if value in (None, "", "local") else value
 
 
-__all__ = ["DEFAULT_MAX_RETRIES", "code_runtime_env", "local_progress_queue", "ray_address", "ray_task", "require_ray",
+__all__ = ["DEFAULT_MAX_RETRIES", "code_runtime_env", "execute", "local_progress_queue", "ray_address", "ray_task", "require_ray",
            "run_local", "run_ray"]

@@ -11,9 +11,11 @@ real elapsed time, and nothing it computes feeds back into the simulation.
 from __future__ import annotations
 
 import math
+import queue
 import sys
+import threading
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 
 def _fmt_secs(s: float) -> str:
@@ -75,3 +77,41 @@ class Progress:
             self._draw(time.monotonic())
             self.stream.write("\n")
             self.stream.flush()
+
+
+def progress_thread(q: Any, totals: list[int], stop: threading.Event, force: bool,
+                    label: str = "replay") -> threading.Thread:
+    """A thread drawing one :class:`Progress` line for many runs: it reads ``(index, done, total,
+    sim_time)`` from ``q`` (runs report from worker processes or Ray through it), until ``stop`` is
+    set or an ``(None, ...)`` item arrives. ``totals[index]``: run ``index``'s request count."""
+    bar = Progress(sum(totals), label=label, force=force)
+    done = [0] * len(totals)
+    sims = [0.0] * len(totals)
+
+    def loop() -> None:
+        while True:
+            try:
+                idx, d, _, sim = q.get(timeout=0.2)
+            except queue.Empty:
+                if stop.is_set():
+                    break
+                continue
+            if idx is None:
+                break
+            done[idx], sims[idx] = d, sim
+            bar.update(sum(done), sum(sims))
+        bar.close()
+
+    t = threading.Thread(target=loop, name=f"gpuhit-{label}-progress", daemon=True)
+    t.start()
+    return t
+
+
+def note_done(r: dict[str, Any] | None, show: bool, tool: str = "replay") -> None:
+    """One line on stderr for a finished run (when the progress line is shown)."""
+    if r is None or not show:
+        return
+    s = r["summary"]
+    print(f"\r\033[Kgpuhit {tool}: {s['label']} seed {s['seed']}: {s['n_sent']} requests, {s['n_ok']} ok, "
+          f"{s['n_rejected']} rejected, {s['n_failed']} failed, "
+          f"{s['wall_s']:.1f} s wall, sim/wall {s['sim_wall_ratio']:,.0f}x", file=sys.stderr)

@@ -73,7 +73,8 @@ def test_live_mode_unreachable_gateway_fails_fast(tmp_path, capsys):
 
 def test_runs_are_started_longest_first():
     """PD and migration runs go to the workers first, so none starts last and idles a core."""
-    from replayer.cli_replay import RunSpec, longest_first
+    from replayer.cli_replay import RunSpec
+    from replayer.runs import longest_first
 
     specs = [RunSpec("lpwl", "lpwl", None, 0), RunSpec("lpwl_migrate", {"name": "m", "type": "lpwl_migrate"}, None, 0),
              RunSpec("pd_disagg[6P+2D]", "pd_disagg", ("prefill",) * 6 + ("decode",) * 2, 0),

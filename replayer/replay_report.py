@@ -1,0 +1,100 @@
+"""What ``gpuhit replay`` prints and plots about a finished comparison, beside the table itself
+(:mod:`analysis.compare` makes the table): the header line, per-instance routing, run timings, and
+the PNG figures of the results folder."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def session_counts(trace: Any, max_sessions: int | None) -> dict[str, int]:
+    """Root sessions (conversations) replayed and the sub-agent sessions they bring along."""
+    from replayer.arrivals import children_index, roots
+
+    rs = roots(trace)
+    rs = rs[:max_sessions] if max_sessions else rs
+    kids = children_index(trace)
+    n_sub, stack = 0, list(rs)
+    while stack:
+        c = kids.get(stack.pop().session_id, ())
+        n_sub += len(c)
+        stack.extend(c)
+    return {"root_sessions": len(rs), "subagent_sessions": n_sub}
+
+
+def per_instance_lines(summaries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Requests routed / ok and GPU utilization per instance, per policy (its first seed)."""
+    lines = [("latency, TTFT, TPOT, TPS and APC columns cover ok requests only; rejected (refused before running, "
+              "e.g. prompt >= max_model_len) and failed requests are counted per run under 'run timings'"),
+             "", "per instance, first seed: requests routed / ok, GPU util % (an idle instance shows 0/0)"]
+    seen: set[str] = set()
+    for s in summaries:
+        if s["policy"] in seen or not s.get("per_instance"):
+            continue
+        seen.add(s["policy"])
+        cells = []
+        for name, v in s["per_instance"].items():
+            u = v.get("gpu_util")
+            util = "-" if u is None or (isinstance(u, float) and math.isnan(u)) else f"{100 * u:.0f}%"
+            cells.append(f"{name} {v['routed']}/{v['ok']} {util}")
+        lines.append(f"  {s['policy']:<22} " + ", ".join(cells))
+    return lines
+
+
+def header(meta: Mapping[str, Any]) -> str:
+    arr = meta["arrival"]
+    if arr == "poisson":
+        how = f"Poisson {meta['session_rate']:.4g} sessions/s"
+    elif arr == "concurrent":
+        how = f"{meta['sessions_concurrent']} concurrent sessions"
+    else:
+        how = "trace timestamps"
+    cap = meta["max_think_time"]
+    sessions = (f"{meta['root_sessions']} sessions (+{meta['subagent_sessions']} sub-agent)"
+                if "root_sessions" in meta else f"{meta['sessions']} sessions")
+    return (f"{meta['trace']}: {sessions}, {meta['requests_per_run']} requests per run; "
+            f"{meta['instances']} x {meta['profile']}; arrivals: {how}; think time x"
+            f"{meta['think_time_scale'] if meta['think_time_scale'] is not None else meta['time_scale']:g}"
+            f"{'' if cap is None else f' capped at {cap:g} s'}; KV index {meta['index']}\n")
+
+
+def timing_lines(summaries: Sequence[Mapping[str, Any]], wall: float) -> list[str]:
+    lines = ["run timings (simulated makespan / wall seconds = sim/wall):"]
+    for s in summaries:
+        lines.append(f"  {s['policy']:<22} seed {s['seed']}: makespan {s['makespan']:,.0f} s, wall {s['wall_s']:.1f} s, "
+                     f"sim/wall {s['sim_wall_ratio']:,.0f}x, {s['n_ok']} ok, {s['n_rejected']} rejected, "
+                     f"{s['n_failed']} failed")
+        for kind, n in s.get("error_kinds", {}).items():
+            lines.append(f"      {n} x {kind}")
+    lines.append(f"total wall {wall:.1f} s")
+    return lines
+
+
+def plots(out: pathlib.Path, results: Sequence[dict[str, Any] | None]) -> list[pathlib.Path]:
+    from analysis.plots import plot_latency_cdfs, plot_utilization, plot_worker_ttft
+
+    lat: dict[str, list[float]] = {}
+    wt: dict[str, dict[str, float]] = {}
+    util: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    workers: dict[str, list[str]] = {}
+    for r in results:
+        if r is None:
+            continue
+        s = r["summary"]
+        label = s["label"]
+        lat.setdefault(label, []).extend(r["latencies"])
+        if label not in wt:  # the first (lowest) seed of each policy: a per-worker picture, not an average
+            wt[label] = dict(s["per_worker_ttft_p90"])
+            util[label] = r["util_series"]
+            workers[label] = list(s.get("per_worker_util") or ())  # idle workers count as 0 in the mean
+    return [
+        plot_latency_cdfs(lat, out / "latency_cdf.png"),
+        plot_worker_ttft(wt, out / "worker_ttft_p90.png"),
+        plot_utilization(util, out / "gpu_utilization.png", workers=workers),
+    ]
+
+
+__all__ = ["header", "per_instance_lines", "plots", "session_counts", "timing_lines"]
