@@ -102,3 +102,17 @@ def test_bad_replica_options_are_clear_errors():
         ReplicaConfig(2, share="decisions", share_delay=-1)
     assert main(["replay", "--gateway-replicas", "2", "--gateway", "http://127.0.0.1:9"]) == 2
     assert ReplicaConfig(4, share="decisions", share_delay=0.01, lb="random").label == "x4-random-share@0.01s"
+
+
+def test_sweep_replicas_axis_and_preset():
+    import argparse
+
+    from replayer.cli_sweep import PRESETS, grid
+
+    ns = argparse.Namespace(rates="0.008", kv_gib=None, zipf=None, replicas="1,4")
+    pts = grid(ns)
+    assert [p.name for p in pts] == ["rate0.008_replicas1", "rate0.008_replicas4"]
+    assert pts[1].axes() == {"rate": 0.008, "kv_gib": None, "zipf": None, "replicas": 4}
+    assert PRESETS["replicas"]["replicas"] == "1,2,4,8"
+    with pytest.raises(ConfigError, match="whole numbers"):
+        grid(argparse.Namespace(rates=None, kv_gib=None, zipf=None, replicas="1.5"))
