@@ -198,6 +198,7 @@ class SubscriberStats:
     replays_failed: int = 0
     resets: int = 0
     decode_errors: int = 0
+    restarts: int = 0  # publisher restarts detected (sequence back to the start, socket reconnected)
     last_seq: int | None = None
 
 

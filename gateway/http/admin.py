@@ -77,7 +77,7 @@ class Admin:
             st = e.stats()
             inst: dict[str, Any] = {
                 "name": e.name, "url": e.base_url, "healthy": router.healthy(i),
-                "unhealthy_reason": router.unhealthy_reason[i], **counters[i],
+                "unhealthy_reason": router.unhealthy_reason[i], "breaker": self.breakers[i].as_dict(), **counters[i],
                 "engine_stats": {"running": st.running, "waiting": st.waiting, "kv_usage": st.kv_usage,
                                  "kv_capacity_blocks": st.kv_capacity_blocks},
                 "index_gpu_blocks": len(index.cached(i)),
@@ -85,7 +85,8 @@ class Admin:
                 "kv_subscribers": [
                     {"endpoint": s.endpoint, "synced": s.synced.is_set(), "batches": s.stats.batches,
                      "gaps": s.stats.gaps, "resets": s.stats.resets, "decode_errors": s.stats.decode_errors,
-                     "last_seq": s.stats.last_seq}
+                     "replays_ok": s.stats.replays_ok, "replays_failed": s.stats.replays_failed,
+                     "restarts": s.stats.restarts, "last_seq": s.stats.last_seq}
                     for s in e.subscribers
                 ],
             }

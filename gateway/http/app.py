@@ -33,10 +33,11 @@ fallback), which the gateway sees as a realized hit at least a block short of th
 
 Errors (vLLM's JSON error shape): malformed JSON / wrong types / oversize prompt -> 400, body over
 ``max_body_bytes`` -> 413, unknown model -> 404, missing API key -> 401, no healthy instance ->
-503, engine unreachable -> 502 (and the instance is ejected until its ``/health`` answers again),
-engine dying mid-stream -> an SSE ``{"error": ...}`` event and ``[DONE]``, the stream ends cleanly;
-a client that disconnects cancels the upstream request (its connection is closed). No log line
-per request.
+503, engine unreachable -> 502 (its circuit breaker opens: :mod:`gateway.http.forward_breakers`),
+no first answer byte within ``ttfb_timeout`` or a stream stalled past ``idle_timeout`` -> 504
+(counted by the breaker), engine dying mid-stream -> an SSE ``{"error": ...}`` event and
+``[DONE]``, the stream ends cleanly; a client that disconnects cancels the upstream request (its
+connection is closed). No log line per request.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from gateway.config import GatewayConfig
 from gateway.hash_check import HashVerifier
 from gateway.http.admin import CLEARED, Admin
 from gateway.http.forward import Forwarding
+from gateway.http.forward_breakers import Breakers
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
     chat_text,
@@ -98,7 +100,7 @@ log = logging.getLogger(__name__)
 _bad = protocol.bad_request
 
 
-class Gateway(Forwarding, Admin):
+class Gateway(Forwarding, Breakers, Admin):
     """The gateway's state and request logic. ``listen(host, port)`` starts the engines' side
     (``start``) and the configured transport; ``shutdown()`` stops both. ``app`` is the aiohttp
     application of the ``aiohttp`` transport (its startup / cleanup run ``start`` / ``close``)."""
@@ -236,6 +238,7 @@ class Gateway(Forwarding, Admin):
             await eng.start(scrape=True, kv_events=cfg.index == "precise")
         self.health = HealthMonitor(self.session, [e.url for e in cfg.engines], self._on_unhealthy,
                                     self._on_healthy, cfg.health_interval, fail_threshold=cfg.health_fail_threshold)
+        self._init_breakers()
         self.health.start()
         for e in self.engines:
             self.metrics.healthy[(e.name,)] = 1.0
@@ -286,6 +289,7 @@ class Gateway(Forwarding, Admin):
         self._closed = True
         if self.health is not None:
             await self.health.close()
+        await self._close_breakers()
         for e in self.engines:
             await e.close()
         if self.upstream is not None:
@@ -294,14 +298,11 @@ class Gateway(Forwarding, Admin):
             await self.session.close()
 
     def _on_unhealthy(self, i: int) -> None:
-        assert self.router is not None
-        self.router.mark_unhealthy(i, "failed health checks")
-        self.metrics.healthy[(self.engines[i].name,)] = 0.0
+        self._sync_routable(i)
 
     def _on_healthy(self, i: int) -> None:
-        assert self.router is not None
-        self.router.mark_healthy(i)
-        self.metrics.healthy[(self.engines[i].name,)] = 1.0
+        self._sync_routable(i)  # back in the healthy set only if its circuit breaker is closed too
+        self._probe_now(i)  # an open breaker (e.g. refused connects while it restarted): probe it now
         if self.cfg.index == "precise":
             # It may have restarted with an empty cache and a fresh event sequence: resubscribe.
             asyncio.get_running_loop().create_task(self._resubscribe(i))
@@ -317,12 +318,6 @@ class Gateway(Forwarding, Admin):
             await eng._subscribe()
         except EngineError as exc:
             log.warning("re-subscribing to %s's KV events failed: %s", eng.name, exc)
-
-    def _eject(self, i: int, why: str) -> None:
-        if self.health is not None:
-            if self.health.healthy[i]:
-                log.warning("instance %s ejected: %s", self.engines[i].name, why)
-            self.health.report_failure(i)
 
     # ------------------------------------------------------------------------------ parsing
 

@@ -15,14 +15,17 @@ The mixin reads the gateway's ``cfg``, ``engines``, ``upstream``, ``session``, `
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 import aiohttp
 import orjson
 
 from engines.base import GenerateResult
 from engines.vllm import protocol
+from gateway import breaker
 from gateway.http.transport import COMPLETIONS, Downstream, UpstreamClosedError, UpstreamConnectError
 from gateway.http.usage import usage_from_tail
 from gateway.router import Ticket
@@ -77,13 +80,21 @@ class Forwarding:
                 "ignore_eos": True, "stream": False, "kv_transfer_params": dict(preq.kv_transfer_params or {})}
         res = GenerateResult(request_id=preq.request_id, prompt_tokens=preq.prompt_len)
         name = self.engines[src].name
+        cfg = self.cfg
+        limit = cfg.ttfb_timeout + cfg.idle_timeout if cfg.ttfb_timeout else None
         try:
-            up = await self.upstream.post(src, COMPLETIONS, orjson.dumps(body),
-                                          {**up_headers, "x-request-id": preq.request_id})
             try:
-                data = await up.read()
-            finally:
-                up.release()
+                async with asyncio.timeout(limit):
+                    up = await self.upstream.post(src, COMPLETIONS, orjson.dumps(body),
+                                                  {**up_headers, "x-request-id": preq.request_id})
+                    try:
+                        data = await up.read()
+                    finally:
+                        up.release()
+            except TimeoutError:
+                why = f"no answer within {limit:g} s"
+                self._engine_failed(src, breaker.TIMEOUT, f"producer step: {why}")
+                raise EngineError(why) from None
             if up.status != 200:
                 raise EngineError(f"HTTP {up.status}: {data[:300].decode(errors='replace')}")
             try:
@@ -143,6 +154,24 @@ class Forwarding:
 
     async def _forward(self, down: Downstream, endpoint: str, raw: bytes, stream: bool, ticket: Ticket,
                        res: GenerateResult, headers: dict[str, str], up_headers: dict[str, str], own_hit: int) -> None:
+        """Post to the target and relay its answer under a :class:`Watchdog` (TTFB, then idle
+        timeouts; ended at once if the target's breaker opens meanwhile)."""
+        i = ticket.target
+        cfg = self.cfg
+        # A non-streamed answer arrives whole at the end: the budget a stream of the same length gets.
+        first = cfg.ttfb_timeout if stream else cfg.ttfb_timeout + cfg.idle_timeout * ticket.request.max_tokens
+        wd = Watchdog(self._loop, first if cfg.ttfb_timeout else 0.0, cfg.idle_timeout, self._in_flight[i])
+        try:
+            async with wd:
+                await self._exchange(down, endpoint, raw, stream, ticket, res, headers, up_headers, own_hit, wd)
+        except TimeoutError:
+            if wd.fired is None:
+                raise  # the whole-request --timeout, handled by the caller
+            await self._watchdog_fired(down, endpoint, ticket, headers, wd)
+
+    async def _exchange(self, down: Downstream, endpoint: str, raw: bytes, stream: bool, ticket: Ticket,
+                        res: GenerateResult, headers: dict[str, str], up_headers: dict[str, str], own_hit: int,
+                        wd: Watchdog) -> None:
         i = ticket.target
         name = self.engines[i].name
         m = self.metrics
@@ -150,44 +179,64 @@ class Forwarding:
         try:
             up = await self.upstream.post(i, endpoint, raw, up_headers)
         except UpstreamConnectError as exc:
-            return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
+            return await self._upstream_failed(down, endpoint, ticket, headers, "connect", breaker.CONNECT,
                                                f"engine {name} unreachable at {self.engines[i].base_url}: {exc}")
         except UpstreamClosedError as exc:
-            return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
+            return await self._upstream_failed(down, endpoint, ticket, headers, "connect", breaker.CLOSED_CONN,
                                                f"engine {name} closed the connection: {exc}")
         try:
-            if up.status != 200:
+            if up.status != 200 or not stream:
                 try:
                     data = await up.read()
                 except UpstreamClosedError as exc:
                     return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
+                                                       breaker.CLOSED_CONN,
                                                        f"engine {name} closed the connection: {exc}")
-                ticket.finish(None, f"HTTP {up.status} from {name}")
-                m.upstream_errors.inc((name, "status"))
-                m.requests.inc((endpoint, str(up.status)))
-                return await down.respond(up.status, headers, data, up.content_type)
-            if not stream:
-                try:
-                    data = await up.read()
-                except UpstreamClosedError as exc:
-                    return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
-                                                       f"engine {name} closed the connection: {exc}")
+                wd.done()
+                self._engine_answered(i)
+                if up.status != 200:
+                    ticket.finish(None, f"HTTP {up.status} from {name}")
+                    m.upstream_errors.inc((name, "status"))
+                    m.requests.inc((endpoint, str(up.status)))
+                    return await down.respond(up.status, headers, data, up.content_type)
                 ticket.first_token()
                 res.first_token_time = self._loop.time()
                 # The usage object is at the end of vLLM's JSON: find it without parsing the rest.
                 self._finish_ok(ticket, res, usage_from_tail(data[-_TAIL:], sse=False), name, own_hit)
                 m.requests.inc((endpoint, "200"))
                 return await down.respond(200, headers, data, "application/json")
-            return await self._stream(down, endpoint, up, ticket, res, headers, name, own_hit)
+            return await self._stream(down, endpoint, up, ticket, res, headers, name, own_hit, wd)
         finally:
             up.release()
 
     async def _upstream_failed(self, down: Downstream, endpoint: str, ticket: Ticket, headers: Mapping[str, str],
-                               kind: str, why: str) -> None:
+                               metric_kind: str, breaker_kind: str, why: str) -> None:
         ticket.finish(None, why)
-        self.metrics.upstream_errors.inc((self.engines[ticket.target].name, kind))
-        self._eject(ticket.target, why)
+        self.metrics.upstream_errors.inc((self.engines[ticket.target].name, metric_kind))
+        self._engine_failed(ticket.target, breaker_kind, why)
         await self._send_error(down, EngineError(why), endpoint)
+
+    async def _watchdog_fired(self, down: Downstream, endpoint: str, ticket: Ticket, headers: Mapping[str, str],
+                              wd: Watchdog) -> None:
+        """A TTFB / idle timeout (504; counts toward the engine's breaker) or an ejection (502)."""
+        i = ticket.target
+        name = self.engines[i].name
+        exc: GpuhitError
+        if wd.fired == EJECTED:
+            why = f"engine {name} was ejected while this request was in flight ({wd.why})"
+            exc = EngineError(why)
+            self.metrics.upstream_errors.inc((name, "ejected"))
+        else:
+            if wd.fired == TTFB:
+                why = f"engine {name} sent no answer within the {wd.after:g} s time-to-first-byte timeout"
+            else:
+                why = f"engine {name} stalled: no chunk for {wd.after:g} s (idle timeout)"
+            exc = UpstreamTimeoutError(why)
+            self.metrics.upstream_errors.inc((name, "timeout"))
+        ticket.finish(None, why)
+        if wd.fired != EJECTED:
+            self._engine_failed(i, breaker.TIMEOUT, why)
+        await self._fail(down, exc, endpoint, headers)
 
     def _finish_ok(self, ticket: Ticket, res: GenerateResult, u: Any, name: str, own_hit: int) -> None:
         m = self.metrics
@@ -211,7 +260,7 @@ class Forwarding:
         ticket.finish(res)
 
     async def _stream(self, down: Downstream, endpoint: str, up: Any, ticket: Ticket, res: GenerateResult,
-                      headers: dict[str, str], name: str, own_hit: int) -> None:
+                      headers: dict[str, str], name: str, own_hit: int, wd: Watchdog) -> None:
         loop = self._loop
         m = self.metrics
         await down.start_stream(headers)
@@ -223,16 +272,21 @@ class Forwarding:
                     first = False
                     res.first_token_time = loop.time()
                     ticket.first_token()
+                    wd.first_byte()
+                    self._engine_answered(ticket.target)
+                wd.last = None  # the client's time, not the engine's
                 try:
                     await down.write(chunk)
                 except ConnectionError:  # the client went away; releasing `up` aborts the engine's request
                     ticket.finish(None, "client disconnected")
                     m.requests.inc((endpoint, "499"))
                     return
+                wd.last = loop.time()
                 tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else tail[-(_TAIL - len(chunk)):] + chunk
         except UpstreamClosedError as exc:
             why = f"engine {name} died mid-stream: {exc}"
         else:
+            wd.done()
             if tail.rstrip().endswith(b"[DONE]"):
                 self._finish_ok(ticket, res, usage_from_tail(tail), name, own_hit)
                 m.requests.inc((endpoint, "200"))
@@ -242,7 +296,103 @@ class Forwarding:
                     pass
                 return
             why = f"engine {name} ended the stream without [DONE]"
+        wd.done()
         ticket.finish(None, why)
         m.upstream_errors.inc((name, "midstream"))
-        self._eject(ticket.target, why)
+        self._engine_failed(ticket.target, breaker.CLOSED_CONN, why)
         await self._fail(down, EngineError(why), endpoint, headers)
+
+
+class UpstreamTimeoutError(EngineError):
+    """The engine sent nothing within the TTFB timeout, or a stream stalled past the idle timeout."""
+
+    http_status = 504
+    code = "upstream_timeout"
+    error_type = "GatewayTimeout"
+
+
+TTFB = "ttfb"
+IDLE = "idle"
+EJECTED = "ejected"
+
+
+class Watchdog:
+    """Deadlines of one upstream exchange: ``first`` seconds to the first answer byte, then
+    ``idle`` seconds between chunks (0 = no limit), measured on the loop's clock while the gateway
+    waits for the engine (time spent writing to the client is not the engine's: the caller sets
+    :attr:`last` to None around a write). When a deadline passes, or :meth:`abort` is called (the
+    engine's breaker opened), the task inside ``async with`` gets a ``TimeoutError`` and
+    :attr:`fired` says which (``ttfb``, ``idle``, ``ejected``). While active it is in ``registry``
+    (the engine's in-flight set). Cost per chunk: one attribute write and one ``loop.time()``; the
+    timer is re-armed only when it fires early."""
+
+    __slots__ = ("_cm", "_handle", "_loop", "_registry", "after", "fired", "first", "idle", "last", "limit", "why")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, first: float, idle: float, registry: set[Watchdog]):
+        self._loop = loop
+        self.limit = first or None
+        self.idle = idle or None
+        self._registry = registry
+        self._cm: asyncio.Timeout | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self.last: float | None = None
+        self.first = True  # no answer byte yet: ``limit`` is the TTFB one
+        self.fired: str | None = None
+        self.after = 0.0  # the limit (seconds) that fired
+        self.why = ""
+
+    async def __aenter__(self) -> Self:
+        self._cm = cm = asyncio.timeout(None)
+        await cm.__aenter__()
+        self.last = now = self._loop.time()
+        if self.limit is not None:
+            self._handle = self._loop.call_at(now + self.limit, self._check)
+        self._registry.add(self)
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool | None:
+        self.done()
+        self._registry.discard(self)
+        cm, self._cm = self._cm, None
+        assert cm is not None
+        return await cm.__aexit__(et, exc, tb)
+
+    def first_byte(self) -> None:
+        """The engine's first byte came: from now on the idle limit applies."""
+        self.first = False
+        self.limit = self.idle
+        if self.limit is None and self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def done(self) -> None:
+        """Nothing more to wait for from the engine: stop the timer."""
+        self.limit = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def abort(self, why: str) -> None:
+        """End the exchange now (its engine was ejected)."""
+        if self._cm is None or self.fired is not None:
+            return
+        self.done()
+        self.fired = EJECTED
+        self.why = why
+        self._cm.reschedule(self._loop.time())
+
+    def _check(self) -> None:
+        self._handle = None
+        limit = self.limit
+        if limit is None or self._cm is None or self.fired is not None:
+            return
+        now = self._loop.time()
+        last = self.last
+        due = now + limit if last is None else last + limit
+        if now < due:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self.fired = TTFB if self.first else IDLE
+        self.after = limit
+        self._cm.reschedule(now)
