@@ -82,6 +82,7 @@ class Admin:
                                  "kv_capacity_blocks": st.kv_capacity_blocks},
                 "index_gpu_blocks": len(index.cached(i)),
                 "index_cpu_blocks": len(index.cached(i, "CPU")),
+                "kv_stream": self.kv_stream_totals(i),
                 "kv_subscribers": [
                     {"endpoint": s.endpoint, "synced": s.synced.is_set(), "batches": s.stats.batches,
                      "gaps": s.stats.gaps, "resets": s.stats.resets, "decode_errors": s.stats.decode_errors,

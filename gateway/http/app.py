@@ -245,6 +245,8 @@ class Gateway(Forwarding, Breakers, Admin):
         router = self.router
         names = [e.name for e in self.engines]
         self.metrics.instances = lambda: zip(names, router.counters())
+        self._kv_carried = [{"replays_failed": 0, "restarts": 0} for _ in self.engines]
+        self.metrics.kv_streams = lambda: ((n, self.kv_stream_totals(i)) for i, n in enumerate(names))
 
     def _settle_block_size(self) -> None:
         """The block size hashes are cut at: the engines' (``vllm:cache_config_info``), which must agree
@@ -309,6 +311,7 @@ class Gateway(Forwarding, Breakers, Admin):
 
     async def _resubscribe(self, i: int) -> None:
         eng = self.engines[i]
+        self._kv_carried[i] = self.kv_stream_totals(i)  # keep the totals across subscribers
         for sub in eng.subscribers:
             await sub.close()
         eng.subscribers.clear()
@@ -318,6 +321,14 @@ class Gateway(Forwarding, Breakers, Admin):
             await eng._subscribe()
         except EngineError as exc:
             log.warning("re-subscribing to %s's KV events failed: %s", eng.name, exc)
+
+    def kv_stream_totals(self, i: int) -> dict[str, int]:
+        """Engine ``i``'s KV-event stream totals since the gateway started (all its subscribers)."""
+        out = dict(self._kv_carried[i])
+        for sub in self.engines[i].subscribers:
+            out["replays_failed"] += sub.stats.replays_failed
+            out["restarts"] += sub.stats.restarts
+        return out
 
     # ------------------------------------------------------------------------------ parsing
 
