@@ -158,9 +158,12 @@ class Forwarding:
         timeouts; ended at once if the target's breaker opens meanwhile)."""
         i = ticket.target
         cfg = self.cfg
-        # A non-streamed answer arrives whole at the end: the budget a stream of the same length gets.
-        first = cfg.ttfb_timeout if stream else cfg.ttfb_timeout + cfg.idle_timeout * ticket.request.max_tokens
-        wd = Watchdog(self._loop, first if cfg.ttfb_timeout else 0.0, cfg.idle_timeout, self._in_flight[i])
+        first = cfg.ttfb_timeout
+        if not stream:
+            # A non-streamed answer arrives whole at the end: the budget a stream of the same length
+            # gets (none when there is no idle timeout to scale).
+            first = first + cfg.idle_timeout * ticket.request.max_tokens if first and cfg.idle_timeout else 0.0
+        wd = Watchdog(self._loop, first, cfg.idle_timeout, self._in_flight[i])
         try:
             async with wd:
                 await self._exchange(down, endpoint, raw, stream, ticket, res, headers, up_headers, own_hit, wd)

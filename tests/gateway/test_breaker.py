@@ -102,3 +102,17 @@ def test_misuse_and_bad_settings_are_refused():
                {"backoff": 0.5}):
         with pytest.raises(ConfigError):
             BreakerPolicy(**kw).validate()
+
+
+def test_gateway_config_validates_the_new_settings_and_the_cli_sets_them():
+    from gateway import config as gcfg
+    from gpuhit.cli import build_parser
+
+    base = gcfg.GatewayConfig(engines=(gcfg.EngineEntry("http://a:1", "e0"),))
+    for kw in ({"breaker_threshold": 0}, {"ttfb_timeout": -1.0}, {"idle_timeout": -1.0},
+               {"breaker_cooldown": 5.0, "breaker_max_cooldown": 1.0}):
+        with pytest.raises(ConfigError):
+            gcfg.with_overrides(base, **kw).validate()
+    args = build_parser().parse_args(["serve", "--engine", "http://a:1", "--ttfb-timeout", "2.5", "--idle-timeout",
+                                      "7", "--breaker-threshold", "4", "--breaker-cooldown", "0.5"])
+    assert (args.ttfb_timeout, args.idle_timeout, args.breaker_threshold, args.breaker_cooldown) == (2.5, 7.0, 4, 0.5)
