@@ -163,7 +163,7 @@ class Forwarding:
             # A non-streamed answer arrives whole at the end: the budget a stream of the same length
             # gets (none when there is no idle timeout to scale).
             first = first + cfg.idle_timeout * ticket.request.max_tokens if first and cfg.idle_timeout else 0.0
-        wd = Watchdog(self._loop, first, cfg.idle_timeout, self._in_flight[i])
+        wd = self.deadlines.watch(i, first, cfg.idle_timeout)
         try:
             async with wd:
                 await self._exchange(down, endpoint, raw, stream, ticket, res, headers, up_headers, own_hit, wd)
@@ -182,9 +182,11 @@ class Forwarding:
         try:
             up = await self.upstream.post(i, endpoint, raw, up_headers)
         except UpstreamConnectError as exc:
+            wd.done()
             return await self._upstream_failed(down, endpoint, ticket, headers, "connect", breaker.CONNECT,
                                                f"engine {name} unreachable at {self.engines[i].base_url}: {exc}")
         except UpstreamClosedError as exc:
+            wd.done()
             return await self._upstream_failed(down, endpoint, ticket, headers, "connect", breaker.CLOSED_CONN,
                                                f"engine {name} closed the connection: {exc}")
         try:
@@ -192,6 +194,7 @@ class Forwarding:
                 try:
                     data = await up.read()
                 except UpstreamClosedError as exc:
+                    wd.done()
                     return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
                                                        breaker.CLOSED_CONN,
                                                        f"engine {name} closed the connection: {exc}")
@@ -323,21 +326,22 @@ class Watchdog:
     """Deadlines of one upstream exchange: ``first`` seconds to the first answer byte, then
     ``idle`` seconds between chunks (0 = no limit), measured on the loop's clock while the gateway
     waits for the engine (time spent writing to the client is not the engine's: the caller sets
-    :attr:`last` to None around a write). When a deadline passes, or :meth:`abort` is called (the
-    engine's breaker opened), the task inside ``async with`` gets a ``TimeoutError`` and
-    :attr:`fired` says which (``ttfb``, ``idle``, ``ejected``). While active it is in ``registry``
-    (the engine's in-flight set). Cost per chunk: one attribute write and one ``loop.time()``; the
-    timer is re-armed only when it fires early."""
+    :attr:`last` to None around a write). :class:`Deadlines` checks every active watchdog on one
+    timer; when a deadline has passed, or :meth:`abort` is called (the engine's breaker opened),
+    the task inside ``async with`` is cancelled and gets a ``TimeoutError`` (as with
+    ``asyncio.timeout``), and :attr:`fired` says which (``ttfb``, ``idle``, ``ejected``).
+    Cost per request: a set insertion and removal; per chunk: one ``loop.time()``."""
 
-    __slots__ = ("_cm", "_handle", "_loop", "_registry", "after", "fired", "first", "idle", "last", "limit", "why")
+    __slots__ = ("_cancelling", "_deadlines", "_instance", "_task", "after", "fired", "first", "idle", "last",
+                 "limit", "why")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, first: float, idle: float, registry: set[Watchdog]):
-        self._loop = loop
-        self.limit = first or None
+    def __init__(self, deadlines: Deadlines, instance: int, first: float, idle: float):
+        self._deadlines = deadlines
+        self._instance = instance
+        self.limit = first or None  # the limit now: None once done (or when there is none)
         self.idle = idle or None
-        self._registry = registry
-        self._cm: asyncio.Timeout | None = None
-        self._handle: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task | None = None
+        self._cancelling = 0
         self.last: float | None = None
         self.first = True  # no answer byte yet: ``limit`` is the TTFB one
         self.fired: str | None = None
@@ -345,57 +349,102 @@ class Watchdog:
         self.why = ""
 
     async def __aenter__(self) -> Self:
-        self._cm = cm = asyncio.timeout(None)
-        await cm.__aenter__()
-        self.last = now = self._loop.time()
-        if self.limit is not None:
-            self._handle = self._loop.call_at(now + self.limit, self._check)
-        self._registry.add(self)
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._cancelling = task.cancelling()
+        self.last = self._deadlines.loop.time()
+        self._deadlines.add(self._instance, self)
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> bool | None:
-        self.done()
-        self._registry.discard(self)
-        cm, self._cm = self._cm, None
-        assert cm is not None
-        return await cm.__aexit__(et, exc, tb)
+                        tb: TracebackType | None) -> None:
+        self.limit = None
+        self._deadlines.discard(self._instance, self)
+        task, self._task = self._task, None
+        assert task is not None
+        if self.fired is not None and task.uncancel() <= self._cancelling and et is asyncio.CancelledError:
+            raise TimeoutError from exc
 
     def first_byte(self) -> None:
         """The engine's first byte came: from now on the idle limit applies."""
         self.first = False
         self.limit = self.idle
-        if self.limit is None and self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
 
     def done(self) -> None:
-        """Nothing more to wait for from the engine: stop the timer."""
+        """Nothing more to wait for from the engine: no deadline, no abort."""
         self.limit = None
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+        self._deadlines.discard(self._instance, self)
 
-    def abort(self, why: str) -> None:
-        """End the exchange now (its engine was ejected)."""
-        if self._cm is None or self.fired is not None:
-            return
-        self.done()
-        self.fired = EJECTED
-        self.why = why
-        self._cm.reschedule(self._loop.time())
-
-    def _check(self) -> None:
-        self._handle = None
+    def check(self, now: float) -> None:
+        """Fire if the current deadline has passed (called by :class:`Deadlines`)."""
         limit = self.limit
-        if limit is None or self._cm is None or self.fired is not None:
-            return
-        now = self._loop.time()
         last = self.last
-        due = now + limit if last is None else last + limit
-        if now < due:
-            self._handle = self._loop.call_at(due, self._check)
+        if limit is None or last is None or now - last < limit or self.fired is not None:
             return
         self.fired = TTFB if self.first else IDLE
         self.after = limit
-        self._cm.reschedule(now)
+        self._cancel()
+
+    def abort(self, why: str) -> None:
+        """End the exchange now (its engine was ejected)."""
+        if self.fired is not None:
+            return
+        self.fired = EJECTED
+        self.why = why
+        self._cancel()
+
+    def _cancel(self) -> None:
+        self._deadlines.discard(self._instance, self)
+        if self._task is not None:
+            self._task.cancel()
+
+
+class Deadlines:
+    """Every in-flight upstream exchange's :class:`Watchdog`, by engine, checked on one loop timer
+    every ``tick`` seconds while any is active (a deadline fires up to a tick late: the tick is a
+    twentieth of the shortest limit, within [10 ms, 1 s]). :meth:`abort` ends an engine's
+    exchanges at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int, ttfb: float, idle: float):
+        self.loop = loop
+        self.in_flight: list[set[Watchdog]] = [set() for _ in range(n)]
+        limits = [x for x in (ttfb, idle) if x > 0]
+        self.tick = min(max(min(limits) / 20, 0.01), 1.0) if limits else None
+        self._active = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, i: int, first: float, idle: float) -> Watchdog:
+        return Watchdog(self, i, first, idle)
+
+    def add(self, i: int, wd: Watchdog) -> None:
+        s = self.in_flight[i]
+        if wd not in s:
+            s.add(wd)
+            self._active += 1
+            if self._timer is None and self.tick is not None:
+                self._timer = self.loop.call_later(self.tick, self._sweep)
+
+    def discard(self, i: int, wd: Watchdog) -> None:
+        s = self.in_flight[i]
+        if wd in s:
+            s.remove(wd)
+            self._active -= 1
+
+    def abort(self, i: int, why: str) -> None:
+        for wd in list(self.in_flight[i]):
+            wd.abort(why)
+
+    def _sweep(self) -> None:
+        self._timer = None
+        now = self.loop.time()
+        for s in self.in_flight:
+            for wd in list(s):
+                wd.check(now)
+        if self._active and self.tick is not None:
+            self._timer = self.loop.call_later(self.tick, self._sweep)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

@@ -23,6 +23,7 @@ import logging
 import orjson
 
 from gateway.breaker import OPEN, CircuitBreaker
+from gateway.http.forward import Deadlines
 from gateway.http.transport import COMPLETIONS
 from gpuhit.errors import EngineError
 
@@ -38,7 +39,8 @@ class Breakers:
         n = len(self.engines)
         policy = self.cfg.breaker_policy()
         self.breakers = [CircuitBreaker(policy, self._loop.time) for _ in range(n)]
-        self._in_flight: list[set] = [set() for _ in range(n)]  # each engine's active Watchdogs
+        cfg = self.cfg
+        self.deadlines = Deadlines(self._loop, n, cfg.ttfb_timeout, cfg.idle_timeout)  # in-flight exchanges
         self._probe_timers: list[asyncio.TimerHandle | None] = [None] * n
         self._probe_tasks: set[asyncio.Task] = set()
         names = [e.name for e in self.engines]
@@ -54,8 +56,7 @@ class Breakers:
         name = self.engines[i].name
         log.warning("instance %s ejected (circuit breaker open, probe in %g s): %s", name, b.cooldown, b.reason)
         self._sync_routable(i)
-        for wd in list(self._in_flight[i]):
-            wd.abort(f"circuit breaker open: {b.reason}")
+        self.deadlines.abort(i, f"circuit breaker open: {b.reason}")
         self._schedule_probe(i)
 
     def _sync_routable(self, i: int) -> None:
@@ -135,6 +136,8 @@ class Breakers:
         return True, ""
 
     async def _close_breakers(self) -> None:
+        if hasattr(self, "deadlines"):
+            self.deadlines.close()
         for h in getattr(self, "_probe_timers", ()):
             if h is not None:
                 h.cancel()

@@ -1,7 +1,7 @@
 """A wedged engine (a real process: accepts and reads requests, never answers, /health still fine)
 behind the gateway, on both transports: TTFB timeouts, ejection by the circuit breaker, in-flight
-requests ended, no re-admission by health checks, a slow but live stream not cut, re-admission by
-the half-open probe after the engine recovers."""
+requests ended, no re-admission by health checks, a slow but live stream not cut, a stalled one
+cut, re-admission by the half-open probe after the engine recovers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.e2e.helpers import gateway, spawn, wait_until
 
 WEDGE = pathlib.Path(__file__).with_name("wedge_engine.py")
 TTFB = 1.0
-IDLE = 4.0
+IDLE = 2.5
 
 
 async def post(http: aiohttp.ClientSession, url: str, stream: bool, max_tokens: int = 2) -> tuple[int, str, list]:
@@ -88,12 +88,24 @@ def test_wedged_engine_is_ejected_in_flight_requests_end_and_probe_readmits_it(t
                 assert (status, inst) == (200, "e1") and events[-1] == "[DONE]"
                 assert [e["choices"][0]["text"] for e in events[:3]] == [" x"] * 3
                 assert "error" not in json.dumps(events)
+                # A stream that stalls past the idle timeout is cut with an SSE error event and [DONE].
+                await control(http, url_h, gap=IDLE + 1.0)
+                status, inst, events = await post(http, url, stream=True, max_tokens=2)
+                assert (status, inst) == (200, "e1") and events[-1] == "[DONE]" and len(events) == 3, events
+                assert events[0]["choices"][0]["text"] == " x"
+                err = events[1]["error"]
+                assert err["code"] == 504 and "stalled" in err["message"] and "idle timeout" in err["message"]
+                assert gw.router.healthy(1) and gw.breakers[1].consecutive == 1  # one failure: still closed
                 await control(http, url_h, gap=0.0)
-                # The engine recovers: the half-open probe (health check + one request) re-admits it.
+                # A probe while it is still wedged fails (its request gets no answer): open again.
+                await wait_until(lambda: gw.breakers[0].transitions[("half_open", "open")] >= 1, timeout=30.0,
+                                 what="a failed probe")
+                assert not gw.router.healthy(0)
+                # The engine recovers: the next half-open probe (health check + one request) re-admits it.
                 await control(http, url_w, wedged=False)
                 await wait_until(lambda: gw.router.healthy(0), timeout=30.0, what="re-admission of e0")
                 b = gw.breakers[0]
-                assert b.state == "closed" and b.probes >= 1
+                assert b.state == "closed" and b.probes >= 2
                 served = {(await post(http, url, stream=True))[1] for _ in range(4)}
                 assert served == {"e0", "e1"}
                 async with http.get(url + "/metrics") as r:
