@@ -78,8 +78,9 @@ def test_stopped_engine_core_times_out_is_ejected_and_readmitted_after_sigcont(r
                 await wait_until(lambda: gw.router.healthy(0), timeout=SYNC_TIMEOUT, what="re-admission of v0")
                 served = {(await stream(http, url, 20 + k))[1] for k in range(4)}
                 assert served == {"v0", "v1"}
-                print(f"real vLLM: v0's EngineCore stopped: 2 TTFB timeouts, ejected, 6/6 to v1, re-admitted at "
-                      f"probe #{gw.breakers[0].probes}")
+                shapes = ["SSE event" if status == 200 else f"HTTP {status}" for status, _, _ in timed_out]
+                print(f"real vLLM: v0's EngineCore stopped: 2 TTFB timeouts ({', '.join(shapes)}), ejected, 6/6 to "
+                      f"v1, re-admitted at probe #{gw.breakers[0].probes}")
         finally:
             for pid in cores:
                 with contextlib.suppress(ProcessLookupError):
