@@ -23,7 +23,7 @@ import logging
 import orjson
 
 from gateway.breaker import OPEN, CircuitBreaker
-from gateway.http.forward import Deadlines
+from gateway.http.forward_deadlines import Deadlines
 from gateway.http.transport import COMPLETIONS
 from gpuhit.errors import EngineError
 
