@@ -22,7 +22,7 @@ import logging
 
 import orjson
 
-from gateway.breaker import OPEN, CircuitBreaker
+from gateway.breaker import HALF_OPEN, OPEN, CircuitBreaker
 from gateway.http.forward_deadlines import Deadlines
 from gateway.http.transport import COMPLETIONS
 from gpuhit.errors import EngineError
@@ -43,6 +43,7 @@ class Breakers:
         self.deadlines = Deadlines(self._loop, n, cfg.ttfb_timeout, cfg.idle_timeout)  # in-flight exchanges
         self._probe_timers: list[asyncio.TimerHandle | None] = [None] * n
         self._probe_tasks: set[asyncio.Task] = set()
+        self._probe_again: set[int] = set()
         names = [e.name for e in self.engines]
         self.metrics.breakers = lambda: zip(names, self.breakers)
 
@@ -80,7 +81,10 @@ class Breakers:
     def _probe_now(self, i: int) -> None:
         """Engine ``i``'s health checks recovered (it was down, e.g. restarted): if its breaker is
         open, probe now instead of waiting out the cool-down."""
-        if self.breakers[i].state != OPEN:
+        state = self.breakers[i].state
+        if state == HALF_OPEN:
+            self._probe_again.add(i)  # a probe is running: if it fails, try again at once
+        if state != OPEN:
             return
         timer = self._probe_timers[i]
         if timer is not None:
@@ -106,7 +110,11 @@ class Breakers:
         b.probe_done(ok, why)
         name = self.engines[i].name
         if b.closed:
+            self._probe_again.discard(i)
             log.warning("instance %s re-admitted: probe #%d succeeded", name, b.probes)
+        elif i in self._probe_again:  # its health checks recovered while this probe ran
+            self._probe_again.discard(i)
+            self._start_probe(i, early=True)
         else:
             log.warning("instance %s stays ejected (%s); next probe in %g s", name, why, b.cooldown)
             self._schedule_probe(i)

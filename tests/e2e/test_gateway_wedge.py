@@ -56,9 +56,12 @@ def test_wedged_engine_is_ejected_in_flight_requests_end_and_probe_readmits_it(t
                 # its budget (TTFB + idle x 50 tokens) is far longer than this test.
                 a = asyncio.create_task(post(http, url, stream=False, max_tokens=50))
                 await wait_until(lambda: gw.router.counters()[0]["in_flight"] == 1, what="A in flight on e0")
-                outcomes = []
+                outcomes, took = [], []
+                loop = asyncio.get_running_loop()
                 for _ in range(4):  # e1, e0 (TTFB timeout #1), e1, e0 (TTFB timeout #2: breaker opens)
+                    t0 = loop.time()
                     outcomes.append(await post(http, url, stream=True))
+                    took.append(loop.time() - t0)
                 # The wedged engine sent no head either: the client gets a JSON 504 (a stream whose
                 # head went out gets an SSE error event and [DONE] instead, see the real-vLLM test).
                 assert [(s, i) for s, i, _ in outcomes] == [(200, "e1"), (504, "e0"), (200, "e1"), (504, "e0")]
@@ -115,8 +118,8 @@ def test_wedged_engine_is_ejected_in_flight_requests_end_and_probe_readmits_it(t
                 assert 'gpuhit_gateway_breaker_transitions_total{from="half_open",instance="e0",to="closed"} 1.0' in text
                 assert 'gpuhit_gateway_upstream_errors_total{instance="e0",kind="timeout"} 2' in text
                 assert 'gpuhit_gateway_upstream_errors_total{instance="e0",kind="ejected"} 1' in text
-                print(f"[{transport}] wedged e0: 2 TTFB timeouts (504 after {TTFB} s), breaker open, A ended 502, "
-                      f"20/20 to e1, re-admitted at probe #{b.probes}")
+                print(f"[{transport}] wedged e0: 2 TTFB timeouts (504 after {took[1]:.2f} s and {took[3]:.2f} s; "
+                      f"limit {TTFB} s), breaker open, A ended 502, 20/20 to e1, re-admitted at probe #{b.probes}")
         finally:
             await w.stop()
             await h.stop()
