@@ -47,7 +47,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "it is a local path")
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="reject longer prompts with 400 (0 = off)")
-    p.add_argument("--timeout", type=float, default=None, help="upstream timeout in seconds (0 = none)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="whole-request cap in seconds, long generations included (0 = none, the default)")
+    # -- issue 16 item 1: wedged engines (one block)
+    p.add_argument("--ttfb-timeout", type=float, default=None,
+                   help="seconds from sending a request to the engine's first answer byte (60; 0 = none); a "
+                        "non-streamed answer gets this plus --idle-timeout per requested token")
+    p.add_argument("--idle-timeout", type=float, default=None,
+                   help="seconds between two chunks of a streamed answer (60; 0 = none)")
+    p.add_argument("--breaker-threshold", type=int, default=None,
+                   help="consecutive timeouts / broken connections that eject an engine (3)")
+    p.add_argument("--breaker-connect-threshold", type=int, default=None,
+                   help="consecutive refused connects that eject an engine (1)")
+    p.add_argument("--breaker-cooldown", type=float, default=None,
+                   help="seconds an ejected engine waits for its re-admission probe (2; doubles per failed "
+                        "probe up to --breaker-max-cooldown, 60)")
+    p.add_argument("--breaker-max-cooldown", type=float, default=None)
     # -- issue 16: access, limits, vocabulary (one block)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (visible in `ps`: prefer --api-key-file or "
@@ -142,7 +157,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout,
         otel=args.otel, metrics_auth=args.metrics_auth, vocab_size=args.vocab_size, model_config=args.model_config,
         max_connections=args.max_connections, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        keepalive_timeout=args.keepalive_timeout, share=args.share, share_channel=args.share_channel,
+        keepalive_timeout=args.keepalive_timeout, ttfb_timeout=args.ttfb_timeout, idle_timeout=args.idle_timeout,
+        breaker_threshold=args.breaker_threshold, breaker_connect_threshold=args.breaker_connect_threshold,
+        breaker_cooldown=args.breaker_cooldown, breaker_max_cooldown=args.breaker_max_cooldown,
+        share=args.share, share_channel=args.share_channel,
         max_sessions=args.max_sessions,
     )
     cfg = replace(cfg, api_key=api_key(args.api_key, args.api_key_file, os.environ, cfg.api_key)).validate()

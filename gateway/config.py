@@ -11,7 +11,13 @@ Example::
     hash_seed = "0"              # the engines' PYTHONHASHSEED, if they run with one
     max_body_bytes = 67108864
     max_prompt_tokens = 131072   # longer prompts get 400 before routing (0 = no limit)
-    timeout = 600                # upstream request timeout, seconds (0 = none)
+    timeout = 0                  # whole-request cap, seconds (0 = none); cuts long generations too
+    ttfb_timeout = 60.0          # seconds to the engine's first answer byte (0 = none); then:
+    idle_timeout = 60.0          # seconds between two chunks of a streamed answer (0 = none)
+    breaker_threshold = 3        # consecutive timeouts / broken connections that eject an engine
+    breaker_connect_threshold = 1  # consecutive refused connects that eject it
+    breaker_cooldown = 2.0       # seconds before the half-open probe; doubles per failed probe
+    breaker_max_cooldown = 60.0
     api_key = "..."              # optional: clients must send "Authorization: Bearer <key>"
     tokenizer = "/models/qwen3-coder"   # optional (default: the engines' model dir if local), needs gpuhit[tokenizer]
     health_interval = 1.0
@@ -46,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from gateway.breaker import BreakerPolicy
 from gpuhit.errors import ConfigError
 
 INDEXES = ("precise", "approximate")
@@ -98,6 +105,13 @@ class GatewayConfig:
     keepalive_timeout: float = 60.0  # idle seconds before a keep-alive client connection is closed
     upstream_max_idle: int = 64  # idle keep-alive connections kept per engine
     upstream_idle_timeout: float = 30.0  # idle seconds before an upstream connection is closed
+    # -- issue 16 item 1: a wedged engine (see gateway/breaker.py and README "Gateway")
+    ttfb_timeout: float = 60.0  # request sent -> first answer byte (a streamed chunk); 0 = none
+    idle_timeout: float = 60.0  # between two upstream chunks of a stream; 0 = none
+    breaker_threshold: int = 3  # consecutive timeouts / broken connections that open an engine's breaker
+    breaker_connect_threshold: int = 1  # consecutive refused connects that open it
+    breaker_cooldown: float = 2.0  # seconds open before the half-open probe (x2 per failed probe)
+    breaker_max_cooldown: float = 60.0
     # -- issue 17: replicas (gateway/share_redis.py) and the session table's cap (gateway/bindings.py)
     share: str | None = None  # redis://host:port: share counters and bindings with the other replicas
     share_channel: str = "gpuhit:share"  # the pub/sub channel (one per group of replicas)
@@ -138,9 +152,11 @@ class GatewayConfig:
                      "upstream_idle_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_prompt_tokens", "timeout", "vocab_size", "upstream_max_idle"):
+        for name in ("max_prompt_tokens", "timeout", "vocab_size", "upstream_max_idle", "ttfb_timeout",
+                     "idle_timeout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.breaker_policy()
         if self.max_sessions <= 0:
             raise ConfigError(f"max_sessions must be positive, got {self.max_sessions}")
         if self.share is not None and not self.share.startswith(("redis://", "rediss://", "unix://")):
@@ -150,6 +166,11 @@ class GatewayConfig:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be 0..65535, got {self.port}")
         return self
+
+    def breaker_policy(self) -> BreakerPolicy:
+        """The engines' circuit-breaker settings (validated)."""
+        return BreakerPolicy(self.breaker_threshold, self.breaker_connect_threshold, self.breaker_cooldown,
+                             self.breaker_max_cooldown).validate()
 
 
 _SCALARS = {f.name for f in fields(GatewayConfig)} - {"engines", "policy", "extra"}

@@ -17,6 +17,11 @@ series). Names:
 * ``gpuhit_gateway_upstream_errors_total{instance,kind}`` (connect, status, midstream, timeout, producer)
 * ``gpuhit_gateway_instance_healthy{instance}``, ``gpuhit_gateway_instance_in_flight{instance}``,
   ``gpuhit_gateway_instance_pending_prefill_tokens{instance}`` gauges (read from the router at scrape time)
+* ``gpuhit_gateway_instance_breaker_state{instance}`` (0 closed, 1 half-open, 2 open: ejected) and
+  ``gpuhit_gateway_breaker_transitions_total{instance,from,to}`` (:mod:`gateway.breaker`)
+* ``gpuhit_gateway_kv_replays_failed_total{instance}``, ``gpuhit_gateway_kv_publisher_restarts_total{instance}``:
+  KV-event replays that failed (after their retries), publisher restarts detected (sequence back to 0,
+  reconnected socket)
 * ``gpuhit_gateway_kv_moves_total{action,outcome}``: KV-moving two-steps (migrate, fetch, pd) by
   outcome: ``transferred`` (the target's realized hit covered the moved prefix), ``recomputed``
   (it fell at least a block short: the consumer could not pull and recomputed), ``producer_failed``
@@ -26,9 +31,12 @@ series). Names:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gateway.breaker import STATES
 
 ROUTING_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -91,6 +99,30 @@ class _Collector:
                 pending.add_metric([name], c["pending_prefill_tokens"])
             yield inflight
             yield pending
+        if m.breakers is not None:
+            state = GaugeMetricFamily("gpuhit_gateway_instance_breaker_state",
+                                      "Circuit breaker: 0 closed, 1 half-open (probing), 2 open (ejected).",
+                                      labels=("instance",))
+            moves = CounterMetricFamily("gpuhit_gateway_breaker_transitions", "Circuit breaker state changes.",
+                                        labels=("instance", "from", "to"))
+            for name, b in m.breakers():
+                state.add_metric([name], STATES.index(b.state))
+                for (a, z), n in sorted(b.transitions.items()):
+                    moves.add_metric([name, a, z], n)
+            yield state
+            yield moves
+        if m.kv_streams is not None:
+            failed = CounterMetricFamily("gpuhit_gateway_kv_replays_failed",
+                                         "KV-event replays that failed after their retries (the instance's index "
+                                         "was cleared).", labels=("instance",))
+            restarts = CounterMetricFamily("gpuhit_gateway_kv_publisher_restarts",
+                                           "KV-event publisher restarts detected (index cleared and replayed).",
+                                           labels=("instance",))
+            for name, st in m.kv_streams():
+                failed.add_metric([name], st["replays_failed"])
+                restarts.add_metric([name], st["restarts"])
+            yield failed
+            yield restarts
         for fn in m.extra:
             yield from fn()
 
@@ -119,6 +151,9 @@ class GatewayMetrics:
         self.healthy: dict[tuple[str], float] = {}
         # () -> [(instance name, router counters)]: set by the gateway once its router exists.
         self.instances: Callable[[], Iterable[tuple[str, dict[str, int]]]] | None = None
+        # () -> [(instance name, CircuitBreaker)] and [(instance name, KV subscriber totals)]: set by the gateway.
+        self.breakers: Callable[[], Iterable[tuple[str, Any]]] | None = None
+        self.kv_streams: Callable[[], Iterable[tuple[str, dict[str, int]]]] | None = None
         self.extra: list[Callable[[], Iterable[Metric]]] = []
         r = self.registry
         self.routing = Histogram("gpuhit_gateway_routing_seconds",

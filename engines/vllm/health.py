@@ -2,9 +2,11 @@
 
 Each instance is probed every ``interval`` seconds (loop time). After ``fail_threshold``
 consecutive failures (connection error, timeout, non-200) ``on_unhealthy(i)`` is called once; the
-first success after that calls ``on_healthy(i)``. The gateway also ejects an instance at once when
-a forwarded request cannot connect (passive check, :meth:`HealthMonitor.report_failure`); the
-prober then re-admits it when it answers again.
+first success after that calls ``on_healthy(i)``. Request-level failures (timeouts, refused
+connects) are the gateway's circuit breakers' business (:mod:`gateway.breaker`): an engine takes
+traffic while its health checks pass and its breaker is closed, so ``/health`` alone never
+re-admits an engine whose requests hang. :meth:`HealthMonitor.report_failure` (a passive ejection
+until the next successful check) is kept for callers without breakers.
 """
 
 from __future__ import annotations

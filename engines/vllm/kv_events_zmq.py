@@ -14,7 +14,19 @@ then applies live batches in order. A sequence gap (ZMQ drops at the high-water 
 subscriber was slow to join) triggers a replay of the missing range; if the replay cannot be had
 (no replay socket, timeout, buffer already evicted) or a payload cannot be decoded, the subscriber
 delivers an ``AllBlocksCleared`` batch so the consumer drops that instance's state instead of
-routing on stale knowledge, and then goes on from the live stream. It never dies on bad input.
+routing on stale knowledge, and then goes on from the live stream. A replay that times out or
+errors is retried with back-off (``replay_retries``) before it counts as failed. It never dies on
+bad input.
+
+A restarted engine (back on the same ports before any health check noticed) starts a new
+publisher whose sequence counts from 0 again, and its cache is empty: the old blocks must go, or
+they stay in the index as phantom hits. vLLM publishes nothing that names the publisher's
+incarnation (no engine id or start time in a batch; ``AllBlocksCleared`` only follows a prefix
+cache reset), so the subscriber watches for the two signs it can see: the live sequence going
+backwards, and the SUB socket losing its TCP connection to the publisher and connecting again (a
+ZMQ socket monitor). Either one is a restart: the consumer gets ``AllBlocksCleared`` and the
+subscriber syncs again as at start (replay from 0), counted in ``stats.restarts``. A reconnect
+without a restart (a network blip) costs a resync, never a wrong index.
 
 :class:`KVEventPublisher` is the emulated server's side (PUB + ROUTER with a bounded replay buffer).
 """
@@ -29,6 +41,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils import monitor as zmq_monitor
 
 from engines.kv_event_codec import (
     CURRENT,
@@ -198,6 +211,7 @@ class SubscriberStats:
     replays_failed: int = 0
     resets: int = 0
     decode_errors: int = 0
+    restarts: int = 0  # publisher restarts detected (sequence back to the start, socket reconnected)
     last_seq: int | None = None
 
 
@@ -206,7 +220,10 @@ class KVEventSubscriber:
 
     Missing batches are fetched from the replay socket; when that is impossible the callback gets
     a synthetic ``AllBlocksCleared`` batch first so the consumer forgets that instance's blocks.
-    ``replay_timeout`` bounds each replay round trip (seconds of loop time).
+    ``replay_timeout`` bounds each replay round trip (seconds of loop time); a round trip that
+    fails is tried ``replay_retries`` more times, ``retry_delay`` seconds apart, doubling.
+    ``watch_reconnects`` turns on the socket monitor that detects a restarted publisher by its
+    reconnection (the sequence check is always on).
     """
 
     def __init__(
@@ -217,18 +234,28 @@ class KVEventSubscriber:
         topic: str = "",
         name: str = "",
         replay_timeout: float = 2.0,
+        replay_retries: int = 3,
+        retry_delay: float = 0.2,
+        watch_reconnects: bool = True,
     ):
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.name = name or endpoint
         self.replay_timeout = replay_timeout
+        self.replay_retries = replay_retries
+        self.retry_delay = retry_delay
+        self.watch_reconnects = watch_reconnects
         self._callback = callback
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
         self._sub: zmq.Socket | None = None
         self._task: asyncio.Task | None = None
-        self._last: int | None = None
+        self._last: int | None = None  # the last sequence delivered (live or replayed)
+        self._live_last: int | None = None  # the last sequence read from the live socket
+        self._resync = False  # a restarted publisher was detected: sync again from 0
+        self._peer_lost = False  # the monitor saw the connection drop; the next connect is a restart
+        self._monitor: zmq.Socket | None = None
         self.stats = SubscriberStats()
         # Set once the initial replay is done and the live stream is being consumed.
         self.synced = asyncio.Event()
@@ -240,6 +267,8 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        if self.watch_reconnects:
+            self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
         self._sub = sub
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-sub-{self.name}")
@@ -248,6 +277,10 @@ class KVEventSubscriber:
         await cancel_and_wait(self._task)
         self._task = None
         if self._sub is not None:
+            if self._monitor is not None:
+                self._sub.disable_monitor()
+                self._monitor.close(0)
+                self._monitor = None
             self._sub.close(0)
             self._sub = None
         self._ctx.term()
@@ -302,9 +335,23 @@ class KVEventSubscriber:
         finally:
             dealer.close(0)
 
+    async def _replay_retrying(self, start_seq: int) -> list[tuple[int, bytes]] | None:
+        """:meth:`_replay`, tried again with back-off while the round trip fails (the publisher may be
+        busy or still binding after a restart). A buffer that no longer holds the range is not a
+        failure here: retrying would not bring it back."""
+        delay = self.retry_delay
+        for attempt in range(self.replay_retries + 1):
+            got = await self._replay(start_seq)
+            if got is not None or not self.replay_endpoint:
+                return got
+            if attempt < self.replay_retries:
+                await asyncio.sleep(delay)  # back-off between attempts (loop time)
+                delay *= 2
+        return None
+
     async def _catch_up(self, start_seq: int, upto: int | None) -> bool:
         """Replay ``[start_seq, upto)`` (``upto`` None = everything buffered); True when complete."""
-        got = await self._replay(start_seq)
+        got = await self._replay_retrying(start_seq)
         if got is None:
             self.stats.replays_failed += 1
             return False
@@ -347,26 +394,68 @@ class KVEventSubscriber:
                 try:
                     frames = sub.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
-                    return
-                if backlog or self._is_gap(frames):
+                    break
+                seq = self._seq_of(frames)
+                if seq is not None:
+                    if self._live_last is not None and seq <= self._live_last:
+                        # The live sequence went backwards: a new publisher. What is queued is
+                        # the old one's (or in the new one's replay buffer).
+                        self._restarted(backlog, f"sequence went back from {self._live_last} to {seq}")
+                    self._live_last = seq
+                if backlog or self._resync or self._is_gap(frames):
                     # A replay (async) must come first; keep order by queueing behind it.
                     backlog.append(frames)
                     wake.set()
                 else:
                     self._handle_in_order(frames)
+            # After the data queued before it: a reconnection is a restart (see the module docstring).
+            mon = self._monitor
+            while mon is not None and mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                try:
+                    event = zmq_monitor.recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+                except zmq.Again:
+                    break
+                if event == zmq.EVENT_DISCONNECTED:
+                    self._peer_lost = True
+                elif event == zmq.EVENT_CONNECTED and self._peer_lost:
+                    self._restarted(backlog, "the publisher's socket reconnected")
+                    wake.set()
 
-        fd = sub.getsockopt(zmq.FD)
-        loop.add_reader(fd, readable)
+        fds = [sub.getsockopt(zmq.FD)]
+        if self._monitor is not None:
+            fds.append(self._monitor.getsockopt(zmq.FD))
+        for fd in fds:
+            loop.add_reader(fd, readable)
         try:
             readable()
             while True:
                 await wake.wait()
                 wake.clear()
-                while backlog:
+                if self._resync:
+                    await self._sync_again()
+                while backlog and not self._resync:
                     await self._handle(backlog.popleft())
                 readable()
         finally:
-            loop.remove_reader(fd)
+            for fd in fds:
+                loop.remove_reader(fd)
+
+    def _restarted(self, backlog: collections.deque[list[bytes]], why: str) -> None:
+        log.warning("KV events from %s: the publisher restarted (%s); clearing its index and replaying",
+                    self.name, why)
+        self.stats.restarts += 1
+        self._resync = True
+        self._peer_lost = False
+        self._live_last = None
+        backlog.clear()
+
+    async def _sync_again(self) -> None:
+        """After a restart: forget everything, then sync as at start (replay from 0)."""
+        self._resync = False
+        self._last = None
+        self._reset()
+        if self.replay_endpoint:
+            await self._catch_up(0, None)
 
     def _seq_of(self, frames: list[bytes]) -> int | None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -397,9 +486,7 @@ class KVEventSubscriber:
         seq = int.from_bytes(seq_raw, "big")
         expected = 0 if self._last is None else self._last + 1
         if seq < expected:
-            # Already delivered through a replay. (A restarted publisher also counts from 0
-            # again; health checks catch that case: the gateway clears a re-admitted instance.)
-            return
+            return  # already delivered through a replay (a restart was caught when it was read)
         if seq > expected:
             self.stats.gaps += 1
             if not await self._catch_up(expected, seq):

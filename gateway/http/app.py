@@ -15,6 +15,8 @@ The request logic lives once, in :class:`Gateway`, written against the small int
 :mod:`gateway.http.transport`; the HTTP implementation is chosen by ``cfg.transport``: ``fast``
 (default: :mod:`gateway.http.fast`, an httptools protocol server and a pooled upstream client) or
 ``aiohttp`` (``Gateway.app``, an aiohttp application, with an aiohttp client session upstream).
+The upstream half (producer step, forwarding, streaming) is :mod:`gateway.http.forward`; the
+admin and GET endpoints are :mod:`gateway.http.admin`.
 
 KV-moving decisions (MIGRATE / FETCH / PD) run vLLM's connector two-step: the producer request
 (non-streaming, ``max_tokens`` = ``min_tokens`` = 1, ``kv_transfer_params`` with
@@ -31,10 +33,11 @@ fallback), which the gateway sees as a realized hit at least a block short of th
 
 Errors (vLLM's JSON error shape): malformed JSON / wrong types / oversize prompt -> 400, body over
 ``max_body_bytes`` -> 413, unknown model -> 404, missing API key -> 401, no healthy instance ->
-503, engine unreachable -> 502 (and the instance is ejected until its ``/health`` answers again),
-engine dying mid-stream -> an SSE ``{"error": ...}`` event and ``[DONE]``, the stream ends cleanly;
-a client that disconnects cancels the upstream request (its connection is closed). No log line
-per request.
+503, engine unreachable -> 502 (its circuit breaker opens: :mod:`gateway.http.forward_breakers`),
+no first answer byte within ``ttfb_timeout`` or a stream stalled past ``idle_timeout`` -> 504
+(counted by the breaker), engine dying mid-stream -> an SSE ``{"error": ...}`` event and
+``[DONE]``, the stream ends cleanly; a client that disconnects cancels the upstream request (its
+connection is closed). No log line per request.
 """
 
 from __future__ import annotations
@@ -53,13 +56,15 @@ from aiohttp import web
 
 from engines.base import GenerateResult
 from engines.hashing import BlockHasher, SessionHashCache
-from engines.kv_events import AllBlocksCleared, KVEventBatch
 from engines.vllm import protocol
 from engines.vllm.client import VLLMEngine
 from engines.vllm.health import HealthMonitor
 from gateway.bindings import SessionBindings
 from gateway.config import GatewayConfig
 from gateway.hash_check import HashVerifier
+from gateway.http.admin import CLEARED, Admin
+from gateway.http.forward import Forwarding
+from gateway.http.forward_breakers import Breakers
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
     chat_text,
@@ -70,19 +75,14 @@ from gateway.http.prompt import (
 )
 from gateway.http.transport import (
     CHAT,
-    COMPLETIONS,
     AioUpstream,
     Downstream,
     Upstream,
-    UpstreamClosedError,
-    UpstreamConnectError,
     needs_auth,
 )
-from gateway.http.usage import usage_from_tail
 from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
-from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
-from gateway.router import Router, RouteRequest, Ticket
+from gateway.router import Router, RouteRequest
 from gateway.snapshot import FORWARD
 from gateway.tokenizer import NotExact, PromptTokenizer, discover
 from gpuhit import tracing
@@ -98,17 +98,10 @@ from policies import registry
 
 log = logging.getLogger(__name__)
 
-_TAIL = 4096  # bytes of the stream end kept to find the usage chunk without parsing every chunk
-
-
 _bad = protocol.bad_request
 
 
-# What a NixlConnector producer returns for its consumer (vLLM 0.32, engines/vllm/pd_check.py).
-_NIXL_PARAMS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
-
-
-class Gateway:
+class Gateway(Forwarding, Breakers, Admin):
     """The gateway's state and request logic. ``listen(host, port)`` starts the engines' side
     (``start``) and the configured transport; ``shutdown()`` stops both. ``app`` is the aiohttp
     application of the ``aiohttp`` transport (its startup / cleanup run ``start`` / ``close``)."""
@@ -254,12 +247,15 @@ class Gateway:
             await eng.start(scrape=True, kv_events=cfg.index == "precise")
         self.health = HealthMonitor(self.session, [e.url for e in cfg.engines], self._on_unhealthy,
                                     self._on_healthy, cfg.health_interval, fail_threshold=cfg.health_fail_threshold)
+        self._init_breakers()
         self.health.start()
         for e in self.engines:
             self.metrics.healthy[(e.name,)] = 1.0
         router = self.router
         names = [e.name for e in self.engines]
         self.metrics.instances = lambda: zip(names, router.counters())
+        self._kv_carried = [{"replays_failed": 0, "restarts": 0} for _ in self.engines]
+        self.metrics.kv_streams = lambda: ((n, self.kv_stream_totals(i)) for i, n in enumerate(names))
 
     def _settle_block_size(self) -> None:
         """The block size hashes are cut at: the engines' (``vllm:cache_config_info``), which must agree
@@ -306,6 +302,7 @@ class Gateway:
             await self.share.close()
         if self.health is not None:
             await self.health.close()
+        await self._close_breakers()
         for e in self.engines:
             await e.close()
         if self.upstream is not None:
@@ -314,35 +311,35 @@ class Gateway:
             await self.session.close()
 
     def _on_unhealthy(self, i: int) -> None:
-        assert self.router is not None
-        self.router.mark_unhealthy(i, "failed health checks")
-        self.metrics.healthy[(self.engines[i].name,)] = 0.0
+        self._sync_routable(i)
 
     def _on_healthy(self, i: int) -> None:
-        assert self.router is not None
-        self.router.mark_healthy(i)
-        self.metrics.healthy[(self.engines[i].name,)] = 1.0
+        self._sync_routable(i)  # back in the healthy set only if its circuit breaker is closed too
+        self._probe_now(i)  # an open breaker (e.g. refused connects while it restarted): probe it now
         if self.cfg.index == "precise":
             # It may have restarted with an empty cache and a fresh event sequence: resubscribe.
             asyncio.get_running_loop().create_task(self._resubscribe(i))
 
     async def _resubscribe(self, i: int) -> None:
         eng = self.engines[i]
+        self._kv_carried[i] = self.kv_stream_totals(i)  # keep the totals across subscribers
         for sub in eng.subscribers:
             await sub.close()
         eng.subscribers.clear()
         assert self.router is not None
-        self.router.index.on_kv_event(i, _CLEARED)
+        self.router.index.on_kv_event(i, CLEARED)
         try:
             await eng._subscribe()
         except EngineError as exc:
             log.warning("re-subscribing to %s's KV events failed: %s", eng.name, exc)
 
-    def _eject(self, i: int, why: str) -> None:
-        if self.health is not None:
-            if self.health.healthy[i]:
-                log.warning("instance %s ejected: %s", self.engines[i].name, why)
-            self.health.report_failure(i)
+    def kv_stream_totals(self, i: int) -> dict[str, int]:
+        """Engine ``i``'s KV-event stream totals since the gateway started (all its subscribers)."""
+        out = dict(self._kv_carried[i])
+        for sub in self.engines[i].subscribers:
+            out["replays_failed"] += sub.stats.replays_failed
+            out["restarts"] += sub.stats.restarts
+        return out
 
     # ------------------------------------------------------------------------------ parsing
 
@@ -531,302 +528,6 @@ class Gateway:
         finally:
             if span is not None:
                 span.end()
-
-    async def _act(self, down: Downstream, endpoint: str, body: Mapping[str, Any], raw: bytes, stream: bool,
-                   ticket: Ticket, res: GenerateResult, resp_headers: dict[str, str], up_headers: dict[str, str],
-                   own_hit: int) -> None:
-        if ticket.needs_producer:
-            params = await self._producer_step(ticket, up_headers)
-            if params is not None:
-                raw = orjson.dumps({**body, "kv_transfer_params": params})
-        await self._forward(down, endpoint, raw, stream, ticket, res, resp_headers, up_headers, own_hit)
-
-    async def _fail(self, down: Downstream, exc: GpuhitError, endpoint: str, headers: Mapping[str, str]) -> None:
-        """An error after routing: a JSON error answer, or an SSE error event once streaming."""
-        if not down.started:
-            return await self._send_error(down, exc, endpoint, headers)
-        status, body = protocol.error_from_exc(exc)
-        self.metrics.requests.inc((endpoint, str(status)))
-        try:
-            await down.write(protocol.sse(body))
-            await down.write(protocol.SSE_DONE)
-            await down.end()
-        except ConnectionError:
-            pass
-
-    async def _producer_step(self, ticket: Ticket, up_headers: Mapping[str, str]) -> Mapping[str, Any] | None:
-        """Step (1) of the connector two-step on ``ticket.source``; the consumer's
-        kv_transfer_params, or None after a (counted) failure: the target then recomputes."""
-        src = ticket.source
-        assert src is not None and self.upstream is not None
-        preq = ticket.producer_request()
-        action = ticket.action
-        m = self.metrics
-        if preq.prompt_token_ids is None:
-            m.kv_moves.inc((action, "producer_failed"))
-            return ticket.producer_done(None, "KV-moving actions need token-id prompts")
-        # As vLLM's disaggregation proxies do: not streamed, one output token, the connector's
-        # answer in the body's kv_transfer_params.
-        body = {"model": self.model, "prompt": list(preq.prompt_token_ids), "max_tokens": 1, "min_tokens": 1,
-                "ignore_eos": True, "stream": False, "kv_transfer_params": dict(preq.kv_transfer_params or {})}
-        res = GenerateResult(request_id=preq.request_id, prompt_tokens=preq.prompt_len)
-        name = self.engines[src].name
-        try:
-            up = await self.upstream.post(src, COMPLETIONS, orjson.dumps(body),
-                                          {**up_headers, "x-request-id": preq.request_id})
-            try:
-                data = await up.read()
-            finally:
-                up.release()
-            if up.status != 200:
-                raise EngineError(f"HTTP {up.status}: {data[:300].decode(errors='replace')}")
-            try:
-                doc = orjson.loads(data)
-            except orjson.JSONDecodeError as exc:
-                raise EngineError(f"answered invalid JSON: {exc}") from None
-            returned = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
-            u = doc.get("usage") if isinstance(doc, dict) else None
-            res.cached_tokens = protocol.cached_tokens_of(u) or 0
-            res.completion_tokens = int(u.get("completion_tokens") or 0) if isinstance(u, dict) else 0
-            res.kv_transfer_params = await self._consumer_params(src, ticket.transfer_id or "", returned)
-        except EngineError as exc:
-            m.kv_moves.inc((action, "producer_failed"))
-            m.upstream_errors.inc((name, "producer"))
-            return ticket.producer_done(None, f"producer {name}: {exc}")
-        return ticket.producer_done(res)
-
-    async def _consumer_params(self, src: int, transfer_id: str, returned: Any) -> dict[str, Any]:
-        """The consumer's kv_transfer_params for a transfer produced on ``src``: what the producer
-        returned (the emulator returns everything), completed from the engine's configured bootstrap
-        address and the engine id its ``GET /query`` names (vLLM's Mooncake producer returns none)."""
-        params = dict(returned) if isinstance(returned, Mapping) else {}
-        params["do_remote_prefill"] = True
-        params["do_remote_decode"] = False
-        if all(params.get(k) is not None for k in _NIXL_PARAMS):
-            # vLLM's NixlConnector (the one its CPU build runs) returns all its consumer needs
-            # (engine id, side-channel host/port, block ids): no bootstrap server, passed as is.
-            return params
-        params.setdefault("transfer_id", transfer_id)
-        configured = self.cfg.engines[src].bootstrap
-        if configured is not None:
-            addr = configured.rstrip("/")
-            if params.get("remote_bootstrap_addr") != addr or not params.get("remote_engine_id"):
-                params["remote_engine_id"] = await self._engine_id(addr)
-            params["remote_bootstrap_addr"] = addr
-        elif not params.get("remote_bootstrap_addr") or not params.get("remote_engine_id"):
-            raise EngineError(f"returned no remote_bootstrap_addr / remote_engine_id and no bootstrap address is "
-                              f"configured for engine {self.engines[src].name} (set bootstrap = "
-                              f"\"http://host:8998\" in its [[engines]] entry, or --bootstrap)")
-        return params
-
-    async def _engine_id(self, addr: str) -> str:
-        known = self._engine_ids.get(addr)
-        if known is not None:
-            return known
-        assert self.session is not None
-        try:
-            async with self.session.get(addr + "/query", timeout=aiohttp.ClientTimeout(total=5.0)) as r:
-                doc = await r.json(content_type=None)
-            first = doc.get("0") if "0" in doc else next(iter(doc.values()))
-            eid = str(first["engine_id"])
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError, KeyError, StopIteration,
-                TypeError) as exc:
-            raise EngineError(f"bootstrap {addr}/query gave no engine id: {exc!r}") from None
-        self._engine_ids[addr] = eid
-        return eid
-
-    async def _forward(self, down: Downstream, endpoint: str, raw: bytes, stream: bool, ticket: Ticket,
-                       res: GenerateResult, headers: dict[str, str], up_headers: dict[str, str], own_hit: int) -> None:
-        i = ticket.target
-        name = self.engines[i].name
-        m = self.metrics
-        assert self.upstream is not None
-        try:
-            up = await self.upstream.post(i, endpoint, raw, up_headers)
-        except UpstreamConnectError as exc:
-            return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
-                                               f"engine {name} unreachable at {self.engines[i].base_url}: {exc}")
-        except UpstreamClosedError as exc:
-            return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
-                                               f"engine {name} closed the connection: {exc}")
-        try:
-            if up.status != 200:
-                try:
-                    data = await up.read()
-                except UpstreamClosedError as exc:
-                    return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
-                                                       f"engine {name} closed the connection: {exc}")
-                ticket.finish(None, f"HTTP {up.status} from {name}")
-                m.upstream_errors.inc((name, "status"))
-                m.requests.inc((endpoint, str(up.status)))
-                return await down.respond(up.status, headers, data, up.content_type)
-            if not stream:
-                try:
-                    data = await up.read()
-                except UpstreamClosedError as exc:
-                    return await self._upstream_failed(down, endpoint, ticket, headers, "connect",
-                                                       f"engine {name} closed the connection: {exc}")
-                ticket.first_token()
-                res.first_token_time = self._loop.time()
-                # The usage object is at the end of vLLM's JSON: find it without parsing the rest.
-                self._finish_ok(ticket, res, usage_from_tail(data[-_TAIL:], sse=False), name, own_hit)
-                m.requests.inc((endpoint, "200"))
-                return await down.respond(200, headers, data, "application/json")
-            return await self._stream(down, endpoint, up, ticket, res, headers, name, own_hit)
-        finally:
-            up.release()
-
-    async def _upstream_failed(self, down: Downstream, endpoint: str, ticket: Ticket, headers: Mapping[str, str],
-                               kind: str, why: str) -> None:
-        ticket.finish(None, why)
-        self.metrics.upstream_errors.inc((self.engines[ticket.target].name, kind))
-        self._eject(ticket.target, why)
-        await self._send_error(down, EngineError(why), endpoint)
-
-    def _finish_ok(self, ticket: Ticket, res: GenerateResult, u: Any, name: str, own_hit: int) -> None:
-        m = self.metrics
-        moved = ticket.action != FORWARD and not ticket.fallback
-        if isinstance(u, Mapping):
-            res.completion_tokens = int(u.get("completion_tokens") or 0)
-            cached = protocol.cached_tokens_of(u) or 0
-            m.realized_hit.inc((name,), cached)
-            if moved:
-                # The engine reports local and transferred tokens together; split them so the
-                # router's transferred-bytes totals count only what the transfer brought.
-                res.external_cached_tokens = max(cached - own_hit, 0)
-                res.cached_tokens = cached - res.external_cached_tokens
-                short = cached + self.block_size <= ticket.predicted_hit_tokens
-                m.kv_moves.inc((ticket.action, "recomputed" if short else "transferred"))
-            else:
-                res.cached_tokens = cached
-        elif moved:
-            m.kv_moves.inc((ticket.action, "unverified"))
-        res.finish_time = self._loop.time()
-        ticket.finish(res)
-
-    async def _stream(self, down: Downstream, endpoint: str, up: Any, ticket: Ticket, res: GenerateResult,
-                      headers: dict[str, str], name: str, own_hit: int) -> None:
-        loop = self._loop
-        m = self.metrics
-        await down.start_stream(headers)
-        tail = b""
-        first = True
-        try:
-            async for chunk in up.chunks():
-                if first:
-                    first = False
-                    res.first_token_time = loop.time()
-                    ticket.first_token()
-                try:
-                    await down.write(chunk)
-                except ConnectionError:  # the client went away; releasing `up` aborts the engine's request
-                    ticket.finish(None, "client disconnected")
-                    m.requests.inc((endpoint, "499"))
-                    return
-                tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else tail[-(_TAIL - len(chunk)):] + chunk
-        except UpstreamClosedError as exc:
-            why = f"engine {name} died mid-stream: {exc}"
-        else:
-            if tail.rstrip().endswith(b"[DONE]"):
-                self._finish_ok(ticket, res, usage_from_tail(tail), name, own_hit)
-                m.requests.inc((endpoint, "200"))
-                try:
-                    await down.end()
-                except ConnectionError:
-                    pass
-                return
-            why = f"engine {name} ended the stream without [DONE]"
-        ticket.finish(None, why)
-        m.upstream_errors.inc((name, "midstream"))
-        self._eject(ticket.target, why)
-        await self._fail(down, EngineError(why), endpoint, headers)
-
-    # ------------------------------------------------------------------------------ admin
-
-    async def reset_prefix_cache(self) -> tuple[int, str, bytes]:
-        """``POST /reset_prefix_cache``: vLLM's route on every engine, so a benchmark starts cold.
-
-        Answers ``{"success": all engines reset, "engines": {name: true | false | "error"}}`` (vLLM
-        answers ``success: false`` while blocks are in use; callers may retry). The precise index
-        forgets a reset engine's blocks before this answers (not only when the engine's
-        AllBlocksCleared event arrives); the approximate index ignores events and keeps its history.
-        """
-        assert self.session is not None and self.router is not None
-
-        async def one(i: int, eng: VLLMEngine) -> bool | str:
-            try:
-                async with self.session.post(eng.base_url + "/reset_prefix_cache") as r:  # type: ignore[union-attr]
-                    if r.status != 200:
-                        return f"HTTP {r.status}"
-                    ok = bool((await r.json(content_type=None)).get("success", False))
-            except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
-                return f"{type(exc).__name__}: {exc}"
-            if ok:
-                self.router.index.on_kv_event(i, _CLEARED)  # type: ignore[union-attr]
-            return ok
-
-        got = await asyncio.gather(*(one(i, e) for i, e in enumerate(self.engines)))
-        body = {"success": all(g is True for g in got), "engines": {e.name: g for e, g in zip(self.engines, got)}}
-        return 200, "application/json", orjson.dumps(body)
-
-    # ------------------------------------------------------------------------------ GET endpoints
-
-    def get(self, path: str) -> tuple[int, str, bytes] | None:
-        """(status, content type, body) of a GET endpoint, None for an unknown path."""
-        if path == "/health":
-            return 200, "text/plain", b""
-        if path == "/v1/models":
-            card = {"id": self.model, "object": "model", "owned_by": "gpuhit", "root": self.model, "parent": None,
-                    "max_model_len": self.max_model_len}
-            return 200, "application/json", orjson.dumps({"object": "list", "data": [card]})
-        if path == "/ready":
-            router = self.router
-            ok = router is not None and any(router.healthy(i) for i in range(len(self.engines)))
-            return (200 if ok else 503), "application/json", orjson.dumps({"ready": ok})
-        if path == "/metrics":
-            return 200, METRICS_CONTENT_TYPE, self.metrics.render().encode()
-        if path == "/debug/state":
-            return 200, "application/json", orjson.dumps(self.debug_state())
-        return None
-
-    def debug_state(self) -> dict[str, Any]:
-        router = self.router
-        assert router is not None
-        counters = router.counters()
-        index = router.index
-        instances = []
-        for i, e in enumerate(self.engines):
-            st = e.stats()
-            inst: dict[str, Any] = {
-                "name": e.name, "url": e.base_url, "healthy": router.healthy(i),
-                "unhealthy_reason": router.unhealthy_reason[i], **counters[i],
-                "engine_stats": {"running": st.running, "waiting": st.waiting, "kv_usage": st.kv_usage,
-                                 "kv_capacity_blocks": st.kv_capacity_blocks},
-                "index_gpu_blocks": len(index.cached(i)),
-                "index_cpu_blocks": len(index.cached(i, "CPU")),
-                "kv_subscribers": [
-                    {"endpoint": s.endpoint, "synced": s.synced.is_set(), "batches": s.stats.batches,
-                     "gaps": s.stats.gaps, "resets": s.stats.resets, "decode_errors": s.stats.decode_errors,
-                     "last_seq": s.stats.last_seq}
-                    for s in e.subscribers
-                ],
-            }
-            instances.append(inst)
-        return {
-            "policy": self.policy_name, "index": self.cfg.index, "transport": self.cfg.transport,
-            "model": self.model, "block_size": self.block_size, "instances": instances,
-            "bindings": len(router.bindings), "bindings_evicted": router.bindings.evicted,
-            "router": router.stats.as_dict(),
-            "share": None if self.share is None else self.share.state(),
-            "hash_cache_blocks_hashed": self.hash_cache.blocks_hashed,
-            "hash": {"algo": self.hasher.hash_name, "none_hash_seed": self.hasher.seed},
-            "hash_check": None if self.verifier is None else dict(zip(self.verifier.names, self.verifier.state())),
-            "tokenizer": None if self.tokenizer is None else self.tokenizer.source,
-            "approximate_prompts": dict(self.not_exact),
-        }
-
-
-_CLEARED = KVEventBatch(ts=0.0, events=(AllBlocksCleared(),))
 
 
 async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:

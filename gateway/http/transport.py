@@ -123,6 +123,11 @@ class Upstream(Protocol):
 _CLOSED = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionResetError)
 
 
+# The gateway times upstream exchanges itself (TTFB, idle, --timeout: gateway.http.forward); the
+# session's default 300 s total would cut a long generation.
+_UNTIMED = aiohttp.ClientTimeout(total=None)
+
+
 class AioUpstreamResponse:
     __slots__ = ("_resp", "content_type", "status")
 
@@ -163,7 +168,8 @@ class AioUpstream:
     async def post(self, i: int, path: str, body: bytes, headers: Mapping[str, str]) -> AioUpstreamResponse:
         url = self.base_urls[i] + path
         try:
-            resp = await self.session.post(url, data=body, headers={"Content-Type": "application/json", **headers})
+            resp = await self.session.post(url, data=body, headers={"Content-Type": "application/json", **headers},
+                                           timeout=_UNTIMED)
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamConnectError(f"{exc.os_error or exc}") from None
         except _CLOSED as exc:

@@ -1,0 +1,106 @@
+"""The gateway's admin and read-only endpoints (a mixin of :class:`gateway.http.app.Gateway`):
+``GET /health``, ``/ready``, ``/v1/models``, ``/metrics``, ``/debug/state`` and
+``POST /reset_prefix_cache``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+
+from engines.kv_events import AllBlocksCleared, KVEventBatch
+from engines.vllm.client import VLLMEngine
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+
+# What the precise index is told when an engine's prefix cache is known to be empty.
+CLEARED = KVEventBatch(ts=0.0, events=(AllBlocksCleared(),))
+
+
+class Admin:
+    """Admin and GET endpoints of :class:`~gateway.http.app.Gateway`."""
+
+    async def reset_prefix_cache(self) -> tuple[int, str, bytes]:
+        """``POST /reset_prefix_cache``: vLLM's route on every engine, so a benchmark starts cold.
+
+        Answers ``{"success": all engines reset, "engines": {name: true | false | "error"}}`` (vLLM
+        answers ``success: false`` while blocks are in use; callers may retry). The precise index
+        forgets a reset engine's blocks before this answers (not only when the engine's
+        AllBlocksCleared event arrives); the approximate index ignores events and keeps its history.
+        """
+        assert self.session is not None and self.router is not None
+
+        async def one(i: int, eng: VLLMEngine) -> bool | str:
+            try:
+                async with self.session.post(eng.base_url + "/reset_prefix_cache") as r:  # type: ignore[union-attr]
+                    if r.status != 200:
+                        return f"HTTP {r.status}"
+                    ok = bool((await r.json(content_type=None)).get("success", False))
+            except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
+                return f"{type(exc).__name__}: {exc}"
+            if ok:
+                self.router.index.on_kv_event(i, CLEARED)  # type: ignore[union-attr]
+            return ok
+
+        got = await asyncio.gather(*(one(i, e) for i, e in enumerate(self.engines)))
+        body = {"success": all(g is True for g in got), "engines": {e.name: g for e, g in zip(self.engines, got)}}
+        return 200, "application/json", orjson.dumps(body)
+
+    # ------------------------------------------------------------------------------ GET endpoints
+
+    def get(self, path: str) -> tuple[int, str, bytes] | None:
+        """(status, content type, body) of a GET endpoint, None for an unknown path."""
+        if path == "/health":
+            return 200, "text/plain", b""
+        if path == "/v1/models":
+            card = {"id": self.model, "object": "model", "owned_by": "gpuhit", "root": self.model, "parent": None,
+                    "max_model_len": self.max_model_len}
+            return 200, "application/json", orjson.dumps({"object": "list", "data": [card]})
+        if path == "/ready":
+            router = self.router
+            ok = router is not None and any(router.healthy(i) for i in range(len(self.engines)))
+            return (200 if ok else 503), "application/json", orjson.dumps({"ready": ok})
+        if path == "/metrics":
+            return 200, METRICS_CONTENT_TYPE, self.metrics.render().encode()
+        if path == "/debug/state":
+            return 200, "application/json", orjson.dumps(self.debug_state())
+        return None
+
+    def debug_state(self) -> dict[str, Any]:
+        router = self.router
+        assert router is not None
+        counters = router.counters()
+        index = router.index
+        instances = []
+        for i, e in enumerate(self.engines):
+            st = e.stats()
+            inst: dict[str, Any] = {
+                "name": e.name, "url": e.base_url, "healthy": router.healthy(i),
+                "unhealthy_reason": router.unhealthy_reason[i], "breaker": self.breakers[i].as_dict(), **counters[i],
+                "engine_stats": {"running": st.running, "waiting": st.waiting, "kv_usage": st.kv_usage,
+                                 "kv_capacity_blocks": st.kv_capacity_blocks},
+                "index_gpu_blocks": len(index.cached(i)),
+                "index_cpu_blocks": len(index.cached(i, "CPU")),
+                "kv_stream": self.kv_stream_totals(i),
+                "kv_subscribers": [
+                    {"endpoint": s.endpoint, "synced": s.synced.is_set(), "batches": s.stats.batches,
+                     "gaps": s.stats.gaps, "resets": s.stats.resets, "decode_errors": s.stats.decode_errors,
+                     "replays_ok": s.stats.replays_ok, "replays_failed": s.stats.replays_failed,
+                     "restarts": s.stats.restarts, "last_seq": s.stats.last_seq}
+                    for s in e.subscribers
+                ],
+            }
+            instances.append(inst)
+        return {
+            "policy": self.policy_name, "index": self.cfg.index, "transport": self.cfg.transport,
+            "model": self.model, "block_size": self.block_size, "instances": instances,
+            "bindings": len(router.bindings), "bindings_evicted": router.bindings.evicted,
+            "router": router.stats.as_dict(),
+            "share": None if self.share is None else self.share.state(),
+            "hash_cache_blocks_hashed": self.hash_cache.blocks_hashed,
+            "hash": {"algo": self.hasher.hash_name, "none_hash_seed": self.hasher.seed},
+            "hash_check": None if self.verifier is None else dict(zip(self.verifier.names, self.verifier.state())),
+            "tokenizer": None if self.tokenizer is None else self.tokenizer.source,
+            "approximate_prompts": dict(self.not_exact),
+        }

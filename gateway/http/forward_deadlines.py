@@ -1,0 +1,142 @@
+"""Deadlines of the gateway's upstream exchanges: a time-to-first-byte limit, then an idle limit
+between chunks (instead of one cap on a whole stream, which would cut a long generation), and an
+abort for the exchanges of an engine whose circuit breaker opened. Used by
+:mod:`gateway.http.forward`; one timer per gateway checks them all (no timer per request)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+from typing import Self
+
+TTFB = "ttfb"
+IDLE = "idle"
+EJECTED = "ejected"
+
+
+class Watchdog:
+    """Deadlines of one upstream exchange: ``first`` seconds to the first answer byte, then
+    ``idle`` seconds between chunks (0 = no limit), measured on the loop's clock while the gateway
+    waits for the engine (time spent writing to the client is not the engine's: the caller sets
+    :attr:`last` to None around a write). :class:`Deadlines` checks every active watchdog on one
+    timer; when a deadline has passed, or :meth:`abort` is called (the engine's breaker opened),
+    the task inside ``async with`` is cancelled and gets a ``TimeoutError`` (as with
+    ``asyncio.timeout``), and :attr:`fired` says which (``ttfb``, ``idle``, ``ejected``).
+    Cost per request: a set insertion and removal; per chunk: one ``loop.time()``."""
+
+    __slots__ = ("_cancelling", "_deadlines", "_instance", "_task", "after", "fired", "first", "idle", "last",
+                 "limit", "why")
+
+    def __init__(self, deadlines: Deadlines, instance: int, first: float, idle: float):
+        self._deadlines = deadlines
+        self._instance = instance
+        self.limit = first or None  # the limit now: None once done (or when there is none)
+        self.idle = idle or None
+        self._task: asyncio.Task | None = None
+        self._cancelling = 0
+        self.last: float | None = None
+        self.first = True  # no answer byte yet: ``limit`` is the TTFB one
+        self.fired: str | None = None
+        self.after = 0.0  # the limit (seconds) that fired
+        self.why = ""
+
+    async def __aenter__(self) -> Self:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._cancelling = task.cancelling()
+        self.last = self._deadlines.loop.time()
+        self._deadlines.add(self._instance, self)
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.limit = None
+        self._deadlines.discard(self._instance, self)
+        task, self._task = self._task, None
+        assert task is not None
+        if self.fired is not None and task.uncancel() <= self._cancelling and et is asyncio.CancelledError:
+            raise TimeoutError from exc
+
+    def first_byte(self) -> None:
+        """The engine's first byte came: from now on the idle limit applies."""
+        self.first = False
+        self.limit = self.idle
+
+    def done(self) -> None:
+        """Nothing more to wait for from the engine: no deadline, no abort."""
+        self.limit = None
+        self._deadlines.discard(self._instance, self)
+
+    def check(self, now: float) -> None:
+        """Fire if the current deadline has passed (called by :class:`Deadlines`)."""
+        limit = self.limit
+        last = self.last
+        if limit is None or last is None or now - last < limit or self.fired is not None:
+            return
+        self.fired = TTFB if self.first else IDLE
+        self.after = limit
+        self._cancel()
+
+    def abort(self, why: str) -> None:
+        """End the exchange now (its engine was ejected)."""
+        if self.fired is not None:
+            return
+        self.fired = EJECTED
+        self.why = why
+        self._cancel()
+
+    def _cancel(self) -> None:
+        self._deadlines.discard(self._instance, self)
+        if self._task is not None:
+            self._task.cancel()
+
+
+class Deadlines:
+    """Every in-flight upstream exchange's :class:`Watchdog`, by engine, checked on one loop timer
+    every ``tick`` seconds while any is active (a deadline fires up to a tick late: the tick is a
+    twentieth of the shortest limit, within [10 ms, 1 s]). :meth:`abort` ends an engine's
+    exchanges at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int, ttfb: float, idle: float):
+        self.loop = loop
+        self.in_flight: list[set[Watchdog]] = [set() for _ in range(n)]
+        limits = [x for x in (ttfb, idle) if x > 0]
+        self.tick = min(max(min(limits) / 20, 0.01), 1.0) if limits else None
+        self._active = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, i: int, first: float, idle: float) -> Watchdog:
+        return Watchdog(self, i, first, idle)
+
+    def add(self, i: int, wd: Watchdog) -> None:
+        s = self.in_flight[i]
+        if wd not in s:
+            s.add(wd)
+            self._active += 1
+            if self._timer is None and self.tick is not None:
+                self._timer = self.loop.call_later(self.tick, self._sweep)
+
+    def discard(self, i: int, wd: Watchdog) -> None:
+        s = self.in_flight[i]
+        if wd in s:
+            s.remove(wd)
+            self._active -= 1
+
+    def abort(self, i: int, why: str) -> None:
+        for wd in list(self.in_flight[i]):
+            wd.abort(why)
+
+    def _sweep(self) -> None:
+        self._timer = None
+        now = self.loop.time()
+        for s in self.in_flight:
+            for wd in list(s):
+                wd.check(now)
+        if self._active and self.tick is not None:
+            self._timer = self.loop.call_later(self.tick, self._sweep)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
