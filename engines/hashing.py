@@ -363,7 +363,7 @@ def pickled_blocks(tokens: np.ndarray, block_size: int, parent_len: int) -> tupl
     rows[:, width - len(_TAIL) :] = _TAIL_BYTES
     starts = np.zeros(nb + 1, dtype=np.int64)
     np.cumsum(size, out=starts[1:])
-    return bytearray(rows[mask].tobytes()), starts
+    return bytearray(rows[mask]), starts
 
 
 def event_ints_of(digests: Sequence[bytes]) -> list[int]:

@@ -63,6 +63,7 @@ from gateway.hash_check import HashVerifier
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
     FAST_PARSE_MIN_BYTES,
+    PromptMemo,
     TokenIds,
     chat_text,
     fast_completion_ids,
@@ -128,6 +129,7 @@ class Gateway:
         # once the engines' block size is known.
         self.hasher = BlockHasher(cfg.block_size or 16, cfg.hash, cfg.hash_seed)
         self.hash_cache = SessionHashCache(self.hasher)
+        self.prompt_memo = PromptMemo()  # per session: the last token-id prompt's text and ids
         self.verifier: HashVerifier | None = None
         self.tokenizer: PromptTokenizer | None = PromptTokenizer(cfg.tokenizer) if cfg.tokenizer else None
         self.not_exact: dict[str, int] = {}  # text/chat requests routed by an approximate hash, by reason
@@ -458,7 +460,7 @@ class Gateway:
         """(body, :meth:`_parse`'s answer) of a large completions body whose prompt is a flat array of
         plain token ids, parsed without building the ids as Python ints
         (:func:`gateway.http.prompt.fast_completion_ids`); None for any other body."""
-        if len(raw) < FAST_PARSE_MIN_BYTES or (fast := fast_completion_ids(raw)) is None:
+        if len(raw) < FAST_PARSE_MIN_BYTES or (fast := fast_completion_ids(raw, self.prompt_memo, session)) is None:
             return None
         body, arr = fast
         protocol.check_model(body, self.model, f" Served: `{self.model}`.")

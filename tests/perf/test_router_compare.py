@@ -10,7 +10,8 @@ Both routers, and a direct-to-engine baseline, in front of the SAME two zero-lat
 
 Workloads: ``chat`` (a short chat request), ``2k`` (2,048 token ids), ``100k`` (100,000 token ids,
 a new prompt each request: every block hashed cold) and ``100k+512`` (agentic: each session's
-prompt is its previous one plus 512 tokens, ``x-session-id`` sent), at concurrency 1/16/64,
+prompt is its previous one plus 512 tokens, ``x-session-id`` sent; the warm-up pass is every
+session's first turn, the measured pass its following turns), at concurrency 1/16/64,
 streaming and not. Targets run interleaved per configuration, on distinct prompts (no state from
 one configuration helps the next). Each router's CPU time is read from ``/proc/<pid>/stat``
 (utime + stime, all threads) around its measured pass (the warm-up pass excluded).
@@ -103,6 +104,18 @@ def bodies(workload: str, conf: int, concurrency: int, total: int, stream: bool)
             seq.append((orjson.dumps({"model": "m", "prompt": ids, **extra}), {"x-session-id": f"c{conf}-w{w}"}))
         per_worker.append(seq)
     return [per_worker[k % concurrency][k // concurrency] for k in range(total)]
+
+
+def requests(workload: str, conf: int, concurrency: int, total: int, stream: bool
+             ) -> tuple[list[tuple[bytes, dict]], list[tuple[bytes, dict]]]:
+    """(warm-up, measured) requests: one per worker to warm up, on prompts of their own; for the
+    agentic workload the warm-up is every session's first turn and the measured pass its next turns
+    (steady state: each measured prompt extends one the router has seen)."""
+    if workload == "100k+512":
+        reqs = bodies(workload, conf, concurrency, total + concurrency, stream)
+        return reqs[:concurrency], reqs[concurrency:]
+    return bodies(workload, conf, concurrency, concurrency, stream), bodies(workload, conf + 10_000, concurrency,
+                                                                            total, stream)
 
 
 async def load(urls: list[str], path: str, concurrency: int, reqs: list[tuple[bytes, dict]]
@@ -207,9 +220,8 @@ def test_router_compare():
                         for _ in range(ROUNDS):
                             for t, (pid, urls) in targets.items():
                                 conf += 1
-                                warm = bodies(workload, conf, c, c, stream)
+                                warm, reqs = requests(workload, conf, c, n, stream)
                                 await load(urls, path, c, warm)
-                                reqs = bodies(workload, conf + 10_000, c, n, stream)
                                 c0 = cpu_seconds(pid) if pid else 0.0
                                 lat, wall = await load(urls, path, c, reqs)
                                 cpu = (cpu_seconds(pid) - c0) * 1e3 / n if pid else 0.0
