@@ -219,7 +219,7 @@ class BlockHasher:
             sha = hashlib.sha256
             for k in range(nb):
                 s = bounds[k]
-                buf[s + 13 : s + 13 + plen] = h
+                mv[s + 13 : s + 13 + plen] = h  # (a memoryview slice store: cheaper than bytearray's)
                 h = sha(mv[s : bounds[k + 1]]).digest()
                 append(h)
         else:
@@ -228,7 +228,7 @@ class BlockHasher:
             xxh = xxhash.xxh3_128_digest
             for k in range(nb):
                 s = bounds[k]
-                buf[s + 13 : s + 13 + plen] = h
+                mv[s + 13 : s + 13 + plen] = h
                 h = xxh(mv[s : bounds[k + 1]])
                 append(h)
         return out

@@ -6,7 +6,9 @@ Both routers, and a direct-to-engine baseline, in front of the SAME two zero-lat
 * ``direct``: the client round-robins over the two engines itself (the "added" baseline);
 * ``gpuhit``: ``gpuhit serve --policy lpwl --index precise`` (default fast transport);
 * ``vllm-router``: ``vllm-router --policy round_robin``;
-* ``gpuhit-rr`` (only with ``GPUHIT_BENCH_RR=1``): ``gpuhit serve --policy round_robin``.
+* ``gpuhit-rr`` (only with ``GPUHIT_BENCH_RR=1``): ``gpuhit serve --policy round_robin``;
+* ``gpuhit-before`` (only with ``GPUHIT_BENCH_BEFORE=<checkout>``): the same gpuhit command run from
+  another checkout (its PYTHONPATH), for before/after numbers from one run.
 
 Workloads: ``chat`` (a short chat request), ``2k`` (2,048 token ids), ``100k`` (100,000 token ids,
 a new prompt each request: every block hashed cold) and ``100k+512`` (agentic: each session's
@@ -202,6 +204,13 @@ def test_router_compare():
                                         "--index", "precise", "--model", "m", "--max-prompt-tokens", "0"], " on ")
             procs.append(gw)
             targets["gpuhit"] = (gw.proc.pid, [url])
+            before = os.environ.get("GPUHIT_BENCH_BEFORE")
+            if before:  # another gpuhit checkout (e.g. main before a change), same flags: before/after in one run
+                old = await spawn(["-m", "gpuhit.cli", "serve", "--port", "0", *eng_args, "--policy", "lpwl",
+                                   "--index", "precise", "--model", "m", "--max-prompt-tokens", "0"],
+                                  env={"PYTHONPATH": before})
+                procs.append(old)
+                targets["gpuhit-before"] = (old.proc.pid, [old.first_line.split(" on ", 1)[1].split(" ", 1)[0]])
             if os.environ.get("GPUHIT_BENCH_RR") == "1":
                 rr, url = await _spawn_url(["-m", "gpuhit.cli", "serve", "--port", "0", *eng_args, "--policy",
                                             "round_robin", "--index", "precise", "--model", "m",
