@@ -206,9 +206,11 @@ def test_router_compare():
             targets["gpuhit"] = (gw.proc.pid, [url])
             before = os.environ.get("GPUHIT_BENCH_BEFORE")
             if before:  # another gpuhit checkout (e.g. main before a change), same flags: before/after in one run
-                old = await spawn(["-m", "gpuhit.cli", "serve", "--port", "0", *eng_args, "--policy", "lpwl",
-                                   "--index", "precise", "--model", "m", "--max-prompt-tokens", "0"],
-                                  env={"PYTHONPATH": before})
+                # `python -m` would put this checkout (the cwd) first on sys.path: import from `before`
+                boot = f"import runpy, sys; sys.path.insert(0, {before!r}); runpy.run_module('gpuhit.cli', " \
+                       "run_name='__main__', alter_sys=True)"
+                old = await spawn(["-c", boot, "serve", "--port", "0", *eng_args, "--policy", "lpwl", "--index",
+                                   "precise", "--model", "m", "--max-prompt-tokens", "0"])
                 procs.append(old)
                 targets["gpuhit-before"] = (old.proc.pid, [old.first_line.split(" on ", 1)[1].split(" ", 1)[0]])
             if os.environ.get("GPUHIT_BENCH_RR") == "1":
