@@ -1,7 +1,11 @@
 """From a request body to what routing needs: prompt length and block hashes.
 
 * **Token-id prompts** (the replayer, any client sending ids): exact vLLM block hashes through
-  :class:`engines.hashing.BlockHasher`, memoized per session. Agentic turn k+1 extends turn k, so
+  :class:`engines.hashing.BlockHasher`, memoized per session. A large completions body's id array is
+  parsed straight into a numpy buffer (:func:`fast_completion_ids`; an agentic turn that extends the
+  session's previous prompt parses only its new ids, :class:`PromptMemo`) and the blocks' pickles are
+  laid out with numpy (:meth:`engines.hashing.BlockHasher.hash_array`); the client's bytes are
+  forwarded unchanged. Agentic turn k+1 extends turn k, so
   :class:`engines.hashing.SessionHashCache` keeps each session's last prompt and digests and hashes only the new
   blocks (a 100k-token prompt is never re-hashed). The session key is the ``x-session-id`` header
   when sent, else the first block's tokens (so two sessions with a shared system prompt share an
