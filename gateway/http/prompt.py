@@ -211,7 +211,9 @@ class PromptMemo:
     with the previous one followed by JSON whitespace and a comma, only the text after it is
     parsed (:func:`parse_ids`) and appended to the previous ids: one ``memcmp`` over the old text
     instead of parsing it again. The body is still validated whole (the caller parses the rest of
-    it and checks the prompt's place) so the answer is exactly what a full parse gives.
+    it and checks the prompt's place) so the answer is exactly what a full parse gives. Memory: the
+    array text of each remembered session (~6 bytes a token; the ids are shared with the session
+    hash cache's copy), at most ``max_sessions`` of them.
     """
 
     def __init__(self, max_sessions: int = 1024):
