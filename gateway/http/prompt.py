@@ -174,14 +174,17 @@ def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str
     flat array of plain non-negative integers; None for any other body (parse it whole). With a
     ``memo`` and a ``session``, a prompt that extends the session's previous one parses only the
     new ids (see :class:`PromptMemo`)."""
+    lb = -1
     at = raw.find(b'"prompt"')
-    if at < 0:
-        return None
-    i = _skip_ws(raw, at + 8)
-    if i >= len(raw) or raw[i] != 58:  # ':'
-        return None
-    lb = _skip_ws(raw, i + 1)
-    if lb >= len(raw) or raw[lb] != 91:  # '['
+    while at >= 0 and lb < 0:  # the first `"prompt": [` (the bytes may also occur as a string value)
+        i = _skip_ws(raw, at + 8)
+        if i < len(raw) and raw[i] == 58:  # ':'
+            j = _skip_ws(raw, i + 1)
+            if j < len(raw) and raw[j] == 91:  # '['
+                lb = j
+                break
+        at = raw.find(b'"prompt"', at + 8)
+    if lb < 0:
         return None
     rb = raw.find(b"]", lb)
     if rb < 0:
@@ -229,12 +232,13 @@ class PromptMemo:
             return None
         text, ids = last
         cut = start + len(text)
-        if cut >= stop or not raw.startswith(text, start):
+        if cut > stop or not raw.startswith(text, start):
             return None
-        i = cut
-        while i < stop and raw[i] in _WS:
-            i += 1
-        if i >= stop or raw[i] != 44 or raw[cut - 1] == 44:  # a comma must join the two parts
+        if cut == stop:  # the same prompt again (a retry)
+            self.reused += 1
+            return ids
+        i = _skip_ws(raw, cut)
+        if i >= stop or raw[i] != 44:  # a comma must join the two parts (`text` ends in a digit or space)
             return None
         more = parse_ids(np.frombuffer(raw, dtype=np.uint8, count=stop - i - 1, offset=i + 1))
         if more is None:

@@ -46,9 +46,9 @@ _ITEMS = ["0", "7", "255", "256", "65535", "65536", "2147483647", "2147483648", 
           "1234567890123456789", "18446744073709551615", "18446744073709551616", "-1", "-0", "1.5", "1e3",
           "01", "00", "[1,2]", "[]", "true", "null", '"x"', "", "1 2", "{}"]
 _SEPS = [",", ", ", " ,", ",\n", "\t,\r ", ",,", " "]
-_PRE = ['{"model":"m","prompt":', '{ "prompt" : ', '{"x":{"prompt":', '{"prompt": 5, "prompt":',
+_PRE = ['{"model":"m","prompt":', '{"model":"prompt","prompt":', '{"stop":["prompt"],"prompt": ', '{ "prompt" : ', '{"x":{"prompt":', '{"prompt": 5, "prompt":',
         '{"a\\"prompt":[1],"prompt":', '{"prompt":[9],"x":{"prompt":', '["prompt":', '{"prompt"\n:\t']
-_POST = ["}", ',"max_tokens":4}', ',"prompt":[7]}', ', "stream": true}', "", ",}", ',"pr\\u006fmpt":[3]}',
+_POST = ["}", ',"max_tokens":4}', ',"stop":["prompt"]}', ',"prompt":[7]}', ', "stream": true}', "", ",}", ',"pr\\u006fmpt":[3]}',
          ' ,"max_tokens": 4 } ', "}}", ',"x":"\\"prompt\\": [1]"}']
 
 
@@ -109,6 +109,7 @@ def test_prompt_memo_parses_only_the_extension():
     # not an extension: a changed id, a number continued, a different session -> parsed whole, still right
     prev = orjson.dumps({"prompt": [1, 2, 3]})
     for raw, want in ((b'{"prompt":[1,2,4,5]}', [1, 2, 4, 5]), (b'{"prompt":[1,2,34]}', [1, 2, 34]),
+                      (b'{"prompt":[1,2,3]}', [1, 2, 3]), (b'{"prompt":[1,2,3] ,"x":"prompt"}', [1, 2, 3]),
                       (b'{"prompt":[1,2,3 4]}', None), (b'{"prompt":[1,2,3,]}', None)):
         fast_completion_ids(prev, memo, "t")
         got = fast_completion_ids(raw, memo, "t")
