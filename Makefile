@@ -53,7 +53,13 @@ test: $(STAMP) $(VLLM_STAMP)
 test-core: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
-bench: $(STAMP)
+# vllm-router (Rust) for tests/perf/test_router_compare.py: only the benchmarks need it.
+BENCH_STAMP := $(VENV)/.bench
+$(BENCH_STAMP): pyproject.toml | $(STAMP)
+	$(PIP) install -q -e ".[bench]"
+	touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/perf
 
 lint: $(STAMP)

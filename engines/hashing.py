@@ -23,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
 from typing import Any
 
+import numpy as np
+
 from gpuhit.errors import ConfigError
 
 HashFn = Callable[[Any], bytes]
@@ -195,22 +197,64 @@ class BlockHasher:
     def event_ints(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[int]:
         return [to_event_int(d) for d in self.hash_blocks(token_ids, parent)]
 
+    def hash_array(self, tokens: np.ndarray, parent: bytes | None = None) -> list[bytes]:
+        """``hash_blocks`` of a 1-D integer array, bit-identical, 3-4x faster for sha256 / xxhash
+        with ids below 2**31: the blocks' pickles are built at once (:func:`pickled_blocks`) and
+        only the chain runs per block. Other cases (cbor algorithms, huge ids) take ``hash_blocks``."""
+        bs = self.block_size
+        nb = len(tokens) // bs
+        if nb == 0:
+            return []
+        if self.hash_name not in _PICKLED or bs <= 3 or self.extra_keys is not None \
+                or int(tokens[: nb * bs].max()) >= 1 << 31:
+            return self.hash_blocks(tokens[: nb * bs].tolist(), parent)
+        h = parent or self.root
+        plen = len(self.root)
+        buf, starts = pickled_blocks(tokens, bs, plen)
+        mv = memoryview(buf)
+        out: list[bytes] = []
+        append = out.append
+        bounds = starts.tolist()
+        if self.hash_name == "sha256":
+            sha = hashlib.sha256
+            for k in range(nb):
+                s = bounds[k]
+                mv[s + 13 : s + 13 + plen] = h  # (a memoryview slice store: cheaper than bytearray's)
+                h = sha(mv[s : bounds[k + 1]]).digest()
+                append(h)
+        else:
+            import xxhash
+
+            xxh = xxhash.xxh3_128_digest
+            for k in range(nb):
+                s = bounds[k]
+                mv[s + 13 : s + 13 + plen] = h
+                h = xxh(mv[s : bounds[k + 1]])
+                append(h)
+        return out
+
 
 class _Entry:
     __slots__ = ("digests", "ints", "tokens")
 
     def __init__(self) -> None:
-        self.tokens = b""  # the session's last prompt (full blocks) as packed uint64s
+        self.tokens = _NO_TOKENS  # the session's last prompt (full blocks), uint64
         self.digests: list[bytes] = []
         self.ints: list[int] = []
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.uint64)
+# Below this many new blocks the per-block path is as fast as laying out the pickles in numpy.
+_VECTOR_MIN_BLOCKS = 8
 
 
 class SessionHashCache:
     """Exact block hashes of token-id prompts, computed incrementally per session (LRU of sessions).
 
-    Prompts are compared as packed ``array('Q')`` bytes: finding the common prefix with the
-    session's previous prompt is a few C ``memcmp`` calls (binary search over blocks), never a
-    Python loop over tokens.
+    A session's previous prompt is kept as a uint64 array (the caller's, not a copy); the common
+    prefix with the new prompt is found with one vectorized compare, and only the blocks past it
+    are hashed (:meth:`BlockHasher.hash_array`): an agentic turn that appends 512 tokens to a
+    100k-token prompt hashes 32 blocks.
     """
 
     def __init__(self, hasher: BlockHasher, max_sessions: int = 4096):
@@ -222,11 +266,19 @@ class SessionHashCache:
     def hashes(self, token_ids: Sequence[int], session: str | None = None, packed: array | None = None) -> list[int]:
         """Event-int hashes of every full block. ``packed`` = ``array('Q', token_ids)`` if the
         caller already has it (the gateway builds it to validate the ids)."""
+        if packed is None:
+            packed = array("Q", token_ids)
+        return self.hashes_array(np.frombuffer(packed, dtype=np.uint64), session)
+
+    def hashes_array(self, ids: np.ndarray, session: str | None = None) -> list[int]:
+        """:meth:`hashes` of a 1-D uint64 array (kept by reference as the session's last prompt:
+        the caller must not modify it afterwards). The session key is ``session``, else the first
+        block's tokens."""
         bs = self.hasher.block_size
-        nfull = len(token_ids) // bs
+        nfull = len(ids) // bs
         if nfull == 0:
             return []
-        key: Any = session if session is not None else tuple(token_ids[:bs])
+        key: Any = session if session is not None else tuple(ids[:bs].tolist())
         entry = self._entries.get(key)
         if entry is None:
             entry = _Entry()
@@ -235,32 +287,89 @@ class SessionHashCache:
                 self._entries.popitem(last=False)
         else:
             self._entries.move_to_end(key)
-        if packed is None:
-            packed = array("Q", token_ids)
-        new = packed.tobytes()[: nfull * bs * 8]
-        old = entry.tokens
-        step = bs * 8
+        new = ids[: nfull * bs]
         m = min(len(entry.digests), nfull)
-        if m and new[: m * step] != old[: m * step]:
-            lo, hi = 0, m - 1  # largest k < m whose first k blocks are equal
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if new[: mid * step] == old[: mid * step]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            m = lo
-        digests = entry.digests[:m]
-        ints = entry.ints[:m]
-        parent = digests[-1] if digests else None
-        hash_block = self.hasher.hash_block
-        for start in range(m * bs, nfull * bs, bs):
-            parent = hash_block(parent, token_ids[start : start + bs])
-            digests.append(parent)
-            ints.append(to_event_int(parent))
-        self.blocks_hashed += nfull - m
+        if m:
+            diff = np.flatnonzero(new[: m * bs] != entry.tokens[: m * bs])
+            if len(diff):
+                m = int(diff[0]) // bs
+        if m == len(entry.digests):  # extends the previous prompt: append in place, no list copies
+            digests, ints = entry.digests, entry.ints
+        else:
+            digests, ints = entry.digests[:m], entry.ints[:m]
+        if nfull > m:
+            parent = digests[-1] if m else None
+            if nfull - m >= _VECTOR_MIN_BLOCKS:
+                fresh = self.hasher.hash_array(new[m * bs :], parent)
+            else:
+                fresh = self.hasher.hash_blocks(new[m * bs :].tolist(), parent)
+            digests.extend(fresh)
+            ints.extend(event_ints_of(fresh))
+            self.blocks_hashed += nfull - m
         # The session's latest prompt is the best predictor of its next one.
         entry.tokens = new
         entry.digests = digests
         entry.ints = ints
-        return ints
+        return ints.copy()  # the entry's list grows in place on the session's next turn
+
+
+# --------------------------------------------------------------------------- vectorized hashing
+#
+# For the pickle-based algorithms (sha256, xxhash) the bytes vLLM hashes for one block,
+# ``pickle.dumps((parent, tuple(tokens), None), protocol=5)``, are fully determined by the token
+# values: PROTO 5, FRAME <len>, SHORT_BINBYTES <parent>, MEMOIZE, MARK, one BININT1 / BININT2 /
+# BININT per token (ids below 2**31), TUPLE, MEMOIZE, NONE, TUPLE3, MEMOIZE, STOP. So every
+# block's pickle is laid out at once with numpy, with a hole for the parent digest; the only
+# per-block Python work left is the chain itself (write the parent into its hole, hash the slice).
+_PICKLED = frozenset({"sha256", "xxhash"})
+_TAIL = b"t\x94N\x87\x94."  # TUPLE MEMOIZE NONE TUPLE3 MEMOIZE STOP
+_TAIL_BYTES = np.frombuffer(_TAIL, dtype=np.uint8)
+
+
+def pickled_blocks(tokens: np.ndarray, block_size: int, parent_len: int) -> tuple[bytearray, np.ndarray]:
+    """The protocol-5 pickles of ``(parent, tuple(block), None)`` for every full block of ``tokens``
+    (ids < 2**31, ``block_size`` > 3), laid end to end, each with ``parent_len`` zero bytes where
+    its parent digest goes (at offset 13). Returns the buffer and each block's start offset (plus
+    the end). Built in whole-array passes: every token gets a 5-byte slot (opcode + 4 LE bytes) in
+    a fixed-width row per block, and one boolean compress keeps each token's encoded length."""
+    bs = block_size
+    nb = len(tokens) // bs
+    n = nb * bs
+    t = tokens[:n].astype("<u4")
+    mid = t >= 256
+    big = t >= 65536
+    head = 15 + parent_len  # PROTO(2) FRAME(9) SHORT_BINBYTES(2) parent MEMOIZE MARK
+    width = head + 5 * bs + len(_TAIL)
+    slots = np.empty(5 * n, dtype=np.uint8)
+    slots[0::5] = np.where(big, ord("J"), np.where(mid, ord("M"), ord("K")))  # BININT, BININT2, BININT1
+    le = t.view(np.uint8)
+    for c in range(4):
+        slots[c + 1 :: 5] = le[c::4]
+    keep = np.ones(5 * n, dtype=bool)
+    keep[2::5] = mid
+    keep[3::5] = big
+    keep[4::5] = big
+    rows = np.zeros((nb, width), dtype=np.uint8)
+    mask = np.ones((nb, width), dtype=bool)
+    rows[:, head : head + 5 * bs] = slots.reshape(nb, 5 * bs)
+    mask[:, head : head + 5 * bs] = keep.reshape(nb, 5 * bs)
+    size = head + 2 * bs + mid.reshape(nb, bs).sum(axis=1) + 2 * big.reshape(nb, bs).sum(axis=1) + len(_TAIL)
+    rows[:, 0:3] = (0x80, 5, 0x95)
+    rows[:, 3:11] = (size - 11).astype("<u8").view(np.uint8).reshape(nb, 8)
+    rows[:, 11] = ord("C")
+    rows[:, 12] = parent_len
+    rows[:, head - 2] = 0x94  # MEMOIZE
+    rows[:, head - 1] = ord("(")  # MARK
+    rows[:, width - len(_TAIL) :] = _TAIL_BYTES
+    starts = np.zeros(nb + 1, dtype=np.int64)
+    np.cumsum(size, out=starts[1:])
+    return bytearray(rows[mask]), starts
+
+
+def event_ints_of(digests: Sequence[bytes]) -> list[int]:
+    """``[to_event_int(d) for d in digests]`` in a few C passes (digests of one length)."""
+    if not digests:
+        return []
+    n = len(digests)
+    raw = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(n, -1)[:, -8:]
+    return np.ascontiguousarray(raw).view(">u8").ravel().tolist()

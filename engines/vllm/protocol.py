@@ -129,6 +129,11 @@ def parse_body(raw: bytes, served_model: str, unknown_model_hint: str = "") -> d
         err = bad_request("1 validation error:\n  request body must be a JSON object (Input should be a valid dictionary)", "body")
         err.error_type = "Bad Request"  # type: ignore[attr-defined]
         raise err
+    return check_model(body, served_model, unknown_model_hint)
+
+
+def check_model(body: dict[str, Any], served_model: str, unknown_model_hint: str = "") -> dict[str, Any]:
+    """``body`` when its ``model`` (if given) is the served one, else vLLM's 404 (see :func:`parse_body`)."""
     model = body.get("model")
     if model is not None and model != served_model:
         err = NotFoundError(f"The model `{model}` does not exist.{unknown_model_hint}")

@@ -51,6 +51,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import aiohttp
+import numpy as np
 import orjson
 from aiohttp import web
 
@@ -67,7 +68,11 @@ from gateway.http.forward import Forwarding
 from gateway.http.forward_breakers import Breakers
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
+    FAST_PARSE_MIN_BYTES,
+    PromptMemo,
+    TokenIds,
     chat_text,
+    fast_completion_ids,
     header_value,
     pack_token_ids,
     text_chunk_hashes,
@@ -118,6 +123,7 @@ class Gateway(Forwarding, Breakers, Admin):
         # once the engines' block size is known.
         self.hasher = BlockHasher(cfg.block_size or 16, cfg.hash, cfg.hash_seed)
         self.hash_cache = SessionHashCache(self.hasher)
+        self.prompt_memo = PromptMemo()  # per session: the last token-id prompt's text and ids
         self.verifier: HashVerifier | None = None
         self.tokenizer: PromptTokenizer | None = PromptTokenizer(cfg.tokenizer) if cfg.tokenizer else None
         self.not_exact: dict[str, int] = {}  # text/chat requests routed by an approximate hash, by reason
@@ -444,12 +450,30 @@ class Gateway(Forwarding, Breakers, Admin):
             max_tokens = self._check_len(n, max_tokens)
             return n, max_tokens, stream, hashes, ids
         if isinstance(prompt, list) and prompt and (packed := pack_token_ids(prompt)) is not None:
-            n = len(prompt)
-            if self.vocab_size and (top := max(packed)) >= self.vocab_size:
-                raise _bad(f"Token id {top} is out of vocabulary", "prompt")  # vLLM's words
-            max_tokens = self._check_len(n, max_tokens)
-            return n, max_tokens, stream, tuple(self.hash_cache.hashes(prompt, session, packed)), prompt
+            return self._token_ids(np.frombuffer(packed, dtype=np.uint64), max_tokens, stream, session, prompt)
         raise _bad("prompt must be a string or a non-empty list of non-negative token ids (one prompt)", "prompt")
+
+    def _token_ids(self, arr: np.ndarray, max_tokens: int, stream: bool, session: str | None, ids: Any
+                   ) -> tuple[int, int, bool, tuple[int, ...], Any]:
+        """A token-id prompt (``arr``: uint64, non-empty) checked and hashed; ``ids`` is what the
+        route request carries (the client's list, or a :class:`TokenIds` view of ``arr``)."""
+        n = len(arr)
+        if self.vocab_size and (top := int(arr.max())) >= self.vocab_size:
+            raise _bad(f"Token id {top} is out of vocabulary", "prompt")  # vLLM's words
+        max_tokens = self._check_len(n, max_tokens)
+        return n, max_tokens, stream, tuple(self.hash_cache.hashes_array(arr, session)), ids
+
+    def _parse_fast(self, raw: bytes, session: str | None
+                    ) -> tuple[dict[str, Any], tuple[int, int, bool, tuple[int, ...], Any]] | None:
+        """(body, :meth:`_parse`'s answer) of a large completions body whose prompt is a flat array of
+        plain token ids, parsed without building the ids as Python ints
+        (:func:`gateway.http.prompt.fast_completion_ids`); None for any other body."""
+        if len(raw) < FAST_PARSE_MIN_BYTES or (fast := fast_completion_ids(raw, self.prompt_memo, session)) is None:
+            return None
+        body, arr = fast
+        protocol.check_model(body, self.model, f" Served: `{self.model}`.")
+        max_tokens, stream = self._common(body, chat=False)
+        return body, self._token_ids(arr, max_tokens, stream, session, TokenIds(arr))
 
     # ------------------------------------------------------------------------------ the request
 
@@ -464,8 +488,12 @@ class Gateway(Forwarding, Breakers, Admin):
         try:
             if (denied := self.auth_error(headers, endpoint)) is not None:
                 raise denied
-            body = self._parse_body(headers, raw)
-            n, max_tokens, stream, hashes, ids = self._parse(endpoint, headers, body, session)
+            fast = self._parse_fast(raw, session) if endpoint == COMPLETIONS else None
+            if fast is None:
+                body = self._parse_body(headers, raw)
+                n, max_tokens, stream, hashes, ids = self._parse(endpoint, headers, body, session)
+            else:
+                body, (n, max_tokens, stream, hashes, ids) = fast
         except GpuhitError as exc:
             return await self._send_error(down, exc, endpoint)
         router = self.router
@@ -479,6 +507,8 @@ class Gateway(Forwarding, Breakers, Admin):
                 return await self._send_error(down, _bad(str(exc)), endpoint)
             except GpuhitError as exc:
                 return await self._send_error(down, exc, endpoint)
+            if fast is not None and ticket.needs_producer:  # the body is re-serialized with kv_transfer_params
+                body["prompt"] = list(ids)
             self.metrics.routing.observe((perf_counter_ns() - ns0) * 1e-9)
             own_hit = 0
             if ticket.action != FORWARD:

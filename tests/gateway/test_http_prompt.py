@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from engines.hashing import BlockHasher, SessionHashCache
-from gateway.http.prompt import chat_text, text_chunk_hashes
+import random
+
+import numpy as np
+import orjson
+import pytest
+
+from engines.hashing import HASH_FUNCTIONS, BlockHasher, SessionHashCache, event_ints_of, to_event_int
+from gateway.http.prompt import PromptMemo, chat_text, fast_completion_ids, parse_ids, text_chunk_hashes
+from gpuhit.errors import GpuhitError
 
 
 def test_reference_vector_and_incremental_reuse():
@@ -31,3 +38,177 @@ def test_text_chunks_are_prefix_stable():
     assert len(a) == 2 and b[:2] == a and len(b) == 3
     assert text_chunk_hashes("y" * 130, 64)[0] != a[0]
     assert chat_text([{"role": "user", "content": [{"type": "text", "text": "hi"}]}]) == "user\nhi\n"
+
+
+# --------------------------------------------------------------------------- the fast token-id path
+
+_ITEMS = ["0", "7", "255", "256", "65535", "65536", "2147483647", "2147483648", "123456789012345678",
+          "1234567890123456789", "18446744073709551615", "18446744073709551616", "-1", "-0", "1.5", "1e3",
+          "01", "00", "[1,2]", "[]", "true", "null", '"x"', "", "1 2", "{}"]
+_SEPS = [",", ", ", " ,", ",\n", "\t,\r ", ",,", " "]
+_PRE = ['{"model":"m","prompt":', '{"model":"prompt","prompt":', '{"stop":["prompt"],"prompt": ', '{ "prompt" : ', '{"x":{"prompt":', '{"prompt": 5, "prompt":',
+        '{"a\\"prompt":[1],"prompt":', '{"prompt":[9],"x":{"prompt":', '["prompt":', '{"prompt"\n:\t']
+_POST = ["}", ',"max_tokens":4}', ',"stop":["prompt"]}', ',"prompt":[7]}', ', "stream": true}', "", ",}", ',"pr\\u006fmpt":[3]}',
+         ' ,"max_tokens": 4 } ', "}}", ',"x":"\\"prompt\\": [1]"}']
+
+
+def _random_body(rng: random.Random) -> bytes:
+    n = rng.randrange(0, 9)
+    items = [rng.choice(_ITEMS) if rng.random() < 0.3 else str(rng.randrange(0, 200_000)) for _ in range(n)]
+    seps = [rng.choice(_SEPS) if rng.random() < 0.4 else "," for _ in range(max(n - 1, 0))]
+    text = "".join(a + (seps[i] if i < len(seps) else "") for i, a in enumerate(items))
+    arr = "[" + rng.choice(["", " ", "\n"]) + text + rng.choice(["", " ", "\t"]) + "]"
+    return (rng.choice(_PRE) + arr + rng.choice(_POST)).encode()
+
+
+def test_fast_ids_equal_orjson_or_step_aside():
+    """The fast path returns exactly what orjson parses (prompt as ids, the rest of the body equal),
+    or None, for random odd bodies: whitespace, signs, floats, nested arrays, leading zeros,
+    64-bit overflow, escaped / nested / duplicate "prompt" keys, invalid JSON."""
+    rng = random.Random(18)
+    taken = 0
+    for _ in range(4000):
+        raw = _random_body(rng)
+        got = fast_completion_ids(raw)
+        if got is None:
+            continue
+        taken += 1
+        doc = orjson.loads(raw)  # the fast path never accepts what orjson refuses
+        body, ids = got
+        assert isinstance(doc, dict) and doc["prompt"] == ids.tolist(), raw
+        assert all(type(x) is int and 0 <= x < 1 << 63 for x in doc["prompt"]), raw
+        doc.pop("prompt")
+        body.pop("prompt")
+        assert body == doc, raw
+    assert taken > 150  # the generator does reach the fast path
+
+
+def test_parse_ids_large_and_rejects():
+    rng = np.random.default_rng(18)
+    ids = rng.integers(0, 10**18, 5000).tolist() + [0, 9, 10]
+    for sep in (b",", b", ", b" ,\n"):
+        text = sep.join(str(i).encode() for i in ids)
+        got = parse_ids(np.frombuffer(b" " + text + b"\t", dtype=np.uint8))
+        assert got is not None and got.tolist() == ids
+    for bad in (b"", b" ", b"1,", b",1", b"1,,2", b"1 2", b"01", b"-1", b"1.0", b"1e2", b"[1]", b"1234567890123456789"):
+        assert parse_ids(np.frombuffer(bad, dtype=np.uint8)) is None, bad
+
+
+def test_prompt_memo_parses_only_the_extension():
+    memo = PromptMemo()
+    base = list(range(1000, 1300))
+    for turn, (sep, more) in enumerate([(",", [5, 6]), (" , ", [7]), (",\n", list(range(40)))]):
+        prompt = base + more
+        head = orjson.dumps({"model": "m", "prompt": base}).decode().split("]")[0]
+        raw = (head + sep + ",".join(map(str, more)) + '],"max_tokens":4}').encode()
+        fast_completion_ids(orjson.dumps({"model": "m", "prompt": base}), memo, "s")
+        before = memo.reused
+        body, ids = fast_completion_ids(raw, memo, "s")
+        assert ids.tolist() == prompt and body["max_tokens"] == 4 and memo.reused == before + 1
+        base = prompt
+    # not an extension: a changed id, a number continued, a different session -> parsed whole, still right
+    prev = orjson.dumps({"prompt": [1, 2, 3]})
+    for raw, want in ((b'{"prompt":[1,2,4,5]}', [1, 2, 4, 5]), (b'{"prompt":[1,2,34]}', [1, 2, 34]),
+                      (b'{"prompt":[1,2,3]}', [1, 2, 3]), (b'{"prompt":[1,2,3] ,"x":"prompt"}', [1, 2, 3]),
+                      (b'{"prompt":[1,2,3 4]}', None), (b'{"prompt":[1,2,3,]}', None)):
+        fast_completion_ids(prev, memo, "t")
+        got = fast_completion_ids(raw, memo, "t")
+        assert (None if got is None else got[1].tolist()) == want, raw
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash", "sha256_cbor"])
+@pytest.mark.parametrize("block_size", [16, 4, 3])
+def test_hash_array_is_bit_exact(algo, block_size):
+    if algo == "xxhash":
+        pytest.importorskip("xxhash")
+    hasher = BlockHasher(block_size, algo, "0")
+    rng = np.random.default_rng(block_size)
+    for top in (256, 65536, 1 << 31, 1 << 40):
+        t = rng.integers(0, top, 40 * block_size + 5, dtype=np.uint64)
+        t[:4] = [255, 256, 65535, 65536]
+        got = hasher.hash_array(t)
+        assert got == hasher.hash_blocks(t.tolist())
+        parent = got[3]
+        assert hasher.hash_array(t[4 * block_size :], parent) == got[4:]
+        assert event_ints_of(got) == [to_event_int(d) for d in got]
+    assert HASH_FUNCTIONS[algo]  # the algorithm exists as vLLM names it
+
+
+def test_session_cache_array_path_matches_reference():
+    hasher = BlockHasher(16)
+    cache = SessionHashCache(hasher)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 150_000, 16 * 300 + 7, dtype=np.uint64)
+    assert cache.hashes_array(prompt, "s") == hasher.event_ints(prompt.tolist())
+    longer = np.concatenate((prompt, rng.integers(0, 150_000, 512, dtype=np.uint64)))
+    before = cache.blocks_hashed
+    assert cache.hashes_array(longer, "s") == hasher.event_ints(longer.tolist())
+    assert cache.blocks_hashed - before == len(longer) // 16 - len(prompt) // 16
+    forked = longer.copy()
+    forked[16 * 100 + 3] += 1
+    assert cache.hashes_array(forked, "s") == hasher.event_ints(forked.tolist())
+    assert cache.hashes_array(prompt[:40], "s") == hasher.event_ints(prompt[:40].tolist())
+
+
+def _gateway(**kw):
+    from gateway.config import EngineEntry, GatewayConfig
+    from gateway.http.app import Gateway
+
+    cfg = GatewayConfig(engines=(EngineEntry("http://127.0.0.1:9", "e0"),), model="m", block_size=16, **kw)
+    return Gateway(cfg.validate())
+
+
+def _outcome(fn):
+    try:
+        n, mt, stream, hashes, ids = fn()
+    except GpuhitError as exc:
+        return type(exc).__name__, str(exc), getattr(exc, "param", None), int(exc.http_status)
+    return n, mt, stream, hashes, list(ids)
+
+
+def test_gateway_fast_and_full_parse_agree_on_large_bodies():
+    """Bodies past FAST_PARSE_MIN_BYTES: the fast path's answer or error is exactly the full
+    parse's, and where it steps aside (None) the gateway parses whole as before."""
+    from gateway.http.prompt import FAST_PARSE_MIN_BYTES
+    from gateway.http.transport import COMPLETIONS
+
+    gw = _gateway(vocab_size=150_000)
+    gw.max_model_len = 200_000
+    rng = random.Random(7)
+    big = ",".join(str(rng.randrange(150_000)) for _ in range(20_000))
+    bodies = [
+        '{"model":"m","prompt":[IDS],"max_tokens":4}',
+        '{"model":"other","prompt":[IDS]}',
+        '{"prompt":[IDS],"max_tokens":0}',
+        '{"prompt":[IDS],"max_tokens":4,"stream":"yes"}',
+        '{"prompt":[IDS,150000]}',
+        '{"prompt":[IDS,-1]}',
+        '{"prompt":[IDS,1.5]}',
+        '{"prompt":[[IDS]]}',
+        '{"prompt":[IDS],"max_tokens":300000}',
+        '{"prompt":[IDS] "max_tokens":4}',
+        '{"prompt":[IDS],}',
+        '[{"prompt":[IDS]}]',
+        '{"prompt":[IDS], "prompt": "text"}',
+    ]
+    took = 0
+    for template in bodies:
+        text = template.replace("IDS", big)
+        raw = text.encode()
+        assert len(raw) >= FAST_PARSE_MIN_BYTES
+
+        def full(raw=raw):
+            return gw._parse(COMPLETIONS, {}, gw._parse_body({}, raw), "s")
+
+        try:
+            fast = gw._parse_fast(raw, "s")
+        except GpuhitError as exc:
+            took += 1
+            fast_out = type(exc).__name__, str(exc), getattr(exc, "param", None), int(exc.http_status)
+        else:
+            if fast is None:
+                continue
+            took += 1
+            fast_out = _outcome(lambda fast=fast: fast[1])
+        assert fast_out == _outcome(full), text[-60:]
+    assert took >= 5

@@ -1,0 +1,308 @@
+"""Benchmark: `gpuhit serve` against vllm-router (PyPI ``vllm-router``, Rust) in ONE run.
+
+Both routers, and a direct-to-engine baseline, in front of the SAME two zero-latency mock engines
+(``tests/perf/mock_engine.py``, real loopback processes). Targets:
+
+* ``direct``: the client round-robins over the two engines itself (the "added" baseline);
+* ``gpuhit``: ``gpuhit serve --policy lpwl --index precise`` (default fast transport);
+* ``vllm-router``: ``vllm-router --policy round_robin``;
+* ``gpuhit-rr`` (only with ``GPUHIT_BENCH_RR=1``): ``gpuhit serve --policy round_robin``;
+* ``gpuhit-before`` (only with ``GPUHIT_BENCH_BEFORE=<checkout>``): the same gpuhit command run from
+  another checkout (its PYTHONPATH), for before/after numbers from one run.
+
+Workloads: ``chat`` (a short chat request), ``2k`` (2,048 token ids), ``100k`` (100,000 token ids,
+a new prompt each request: every block hashed cold) and ``100k+512`` (agentic: each session's
+prompt is its previous one plus 512 tokens, ``x-session-id`` sent; the warm-up pass is every
+session's first turn, the measured pass its following turns), at concurrency 1/16/64,
+streaming and not. Targets run interleaved per configuration, on distinct prompts (no state from
+one configuration helps the next). Each router's CPU time is read from its threads'
+``/proc/<pid>/task/*/schedstat`` (ns) around its measured pass (the warm-up pass excluded).
+
+Prints per configuration: p50 latency, added p50 over direct, router CPU-ms per request,
+throughput, and gpuhit / vllm-router ratios. ``make bench`` runs it; ``GPUHIT_BENCH_SCALE`` scales
+the request counts (default 1: a few minutes on 2 cores), ``GPUHIT_BENCH_ROUNDS`` repeats each
+configuration (median of rounds; default 1), ``GPUHIT_BENCH_ONLY=chat,2k`` picks workloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.e2e.helpers import Proc, spawn
+
+HERE = pathlib.Path(__file__).resolve().parent
+CONCURRENCY = (1, 16, 64)
+SCALE = float(os.environ.get("GPUHIT_BENCH_SCALE", "1"))
+ROUNDS = int(os.environ.get("GPUHIT_BENCH_ROUNDS", "1"))
+WORKLOADS = ("chat", "2k", "100k", "100k+512")
+ONLY = tuple(w for w in os.environ.get("GPUHIT_BENCH_ONLY", ",".join(WORKLOADS)).split(",") if w)
+# requests per measured pass, by workload and concurrency
+REQUESTS = {
+    "chat": {1: 300, 16: 800, 64: 1280},
+    "2k": {1: 200, 16: 480, 64: 640},
+    "100k": {1: 16, 16: 48, 64: 128},
+    "100k+512": {1: 16, 16: 48, 64: 128},
+}
+CLK = os.sysconf("SC_CLK_TCK")
+VOCAB = 150_000
+
+
+def cpu_seconds(pid: int) -> float:
+    """On-CPU time of every thread of ``pid`` (``/proc/<pid>/task/*/schedstat``, nanoseconds: the
+    clock-tick utime + stime of ``/proc/<pid>/stat`` is 10 ms coarse, too coarse for 0.3 ms
+    requests); falls back to utime + stime where schedstat is absent."""
+    try:
+        total = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        if total:
+            return total / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK  # utime + stime
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    # Token ids spread over a realistic vocabulary (1- to 6-digit ids, as a real tokenizer's).
+    x = seed * 2654435761 % (1 << 32) | 1
+    out = []
+    for _ in range(n):
+        x = (x * 1103515245 + 12345) & 0x7FFFFFFF
+        out.append(x % VOCAB)
+    return out
+
+
+def bodies(workload: str, conf: int, concurrency: int, total: int, stream: bool) -> list[tuple[bytes, dict]]:
+    """(body bytes, headers) of every request, in the order workers take them. ``conf`` makes the
+    prompts of each configuration distinct from every other's."""
+    extra: dict = {"max_tokens": 4, "stream": stream}
+    if stream:
+        extra["stream_options"] = {"include_usage": True}
+    out = []
+    if workload == "chat":
+        for k in range(total):
+            msgs = [{"role": "system", "content": "You are a helpful coding assistant."},
+                    {"role": "user", "content": f"Request {conf}-{k}: what does this function return?"}]
+            out.append((orjson.dumps({"model": "m", "messages": msgs, **extra}), {}))
+        return out
+    if workload in ("2k", "100k"):
+        n = 2048 if workload == "2k" else 100_000
+        cache: dict[int, list[int]] = {}
+        for k in range(total):
+            # 2k: 16 distinct prompts per configuration, reused (a hash-cache mix); 100k: all distinct
+            key = k % 16 if workload == "2k" else k
+            ids = cache.setdefault(key, _ids(conf * 100_003 + key, n))
+            out.append((orjson.dumps({"model": "m", "prompt": ids, **extra}), {}))
+        return out
+    # agentic: worker w's session grows by 512 tokens a turn from a 100k-token start
+    turns = -(-total // concurrency)
+    per_worker = []
+    for w in range(concurrency):
+        ids = _ids(conf * 7_919 + w + 1, 100_000)
+        seq = []
+        for t in range(turns):
+            ids = ids + _ids(conf * 31 + w * 977 + t + 7, 512)
+            seq.append((orjson.dumps({"model": "m", "prompt": ids, **extra}), {"x-session-id": f"c{conf}-w{w}"}))
+        per_worker.append(seq)
+    return [per_worker[k % concurrency][k // concurrency] for k in range(total)]
+
+
+def requests(workload: str, conf: int, concurrency: int, total: int, stream: bool
+             ) -> tuple[list[tuple[bytes, dict]], list[tuple[bytes, dict]]]:
+    """(warm-up, measured) requests: one per worker to warm up, on prompts of their own; for the
+    agentic workload the warm-up is every session's first turn and the measured pass its next turns
+    (steady state: each measured prompt extends one the router has seen)."""
+    if workload == "100k+512":
+        reqs = bodies(workload, conf, concurrency, total + concurrency, stream)
+        return reqs[:concurrency], reqs[concurrency:]
+    return bodies(workload, conf, concurrency, concurrency, stream), bodies(workload, conf + 10_000, concurrency,
+                                                                            total, stream)
+
+
+async def load(urls: list[str], path: str, concurrency: int, reqs: list[tuple[bytes, dict]]
+               ) -> tuple[list[float], float, list[str]]:
+    """Latencies of the 200 answers, wall time and the errors of sending ``reqs`` with
+    ``concurrency`` workers; request k goes to ``urls[k % len(urls)]``. Worker w sends requests
+    w, w + c, w + 2c, ... (a session's turns in order). An error answer (a router overloaded on a
+    busy machine) is counted and reported, not fatal to the whole run."""
+    clock = time.perf_counter
+    lat: list[float] = []
+    errors: list[str] = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as http:
+
+        async def worker(w: int) -> None:
+            for k in range(w, len(reqs), concurrency):
+                data, headers = reqs[k]
+                t0 = clock()
+                async with http.post(urls[k % len(urls)] + path, data=data,
+                                     headers={"content-type": "application/json", **headers}) as r:
+                    data = await r.read()
+                if r.status != 200:
+                    errors.append(f"{r.status} {data[:120].decode(errors='replace')}")
+                    continue
+                lat.append(clock() - t0)
+
+        t0 = clock()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        wall = clock() - t0
+    return lat, wall, errors
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def _spawn_url(args: list[str], marker: str) -> tuple[Proc, str]:
+    p = await spawn(args)
+    return p, p.first_line.split(marker, 1)[1].split(" ", 1)[0]
+
+
+async def _vllm_router(engines: list[str]) -> tuple[asyncio.subprocess.Process, str]:
+    """vllm-router on a free port; waits until it answers /v1/models through an engine."""
+    import socket
+
+    exe = shutil.which("vllm-router") or str(pathlib.Path(sys.executable).parent / "vllm-router")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *engines, "--policy", "round_robin",
+        "--log-level", "warning", "--disable-retries", "--disable-circuit-breaker", "--max-payload-size",
+        str(64 << 20), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as http:
+        for _ in range(600):
+            try:
+                async with http.get(url + "/health") as r:
+                    if r.status == 200:
+                        return proc, url
+            except aiohttp.ClientError:
+                pass
+            if proc.returncode is not None:
+                break
+            await asyncio.sleep(0.1)  # polling a child's readiness, not synchronizing with it
+    proc.kill()
+    raise AssertionError("vllm-router did not become ready")
+
+
+@pytest.mark.timeout(3600)
+def test_router_compare():
+    if not (shutil.which("vllm-router") or (pathlib.Path(sys.executable).parent / "vllm-router").exists()):
+        pytest.skip("vllm-router is not installed (pip install 'gpuhit[bench]')")
+
+    async def main():
+        procs: list[Proc] = []
+        rows = []
+        failed: list[str] = []
+        vr = None
+        try:
+            engines = []
+            for _ in range(2):
+                p, u = await _spawn_url([str(HERE / "mock_engine.py")], " on ")
+                procs.append(p)
+                engines.append(u)
+            eng_args = [a for u in engines for a in ("--engine", u)]
+            targets: dict[str, tuple[int | None, list[str]]] = {"direct": (None, engines)}
+            gw, url = await _spawn_url(["-m", "gpuhit.cli", "serve", "--port", "0", *eng_args, "--policy", "lpwl",
+                                        "--index", "precise", "--model", "m", "--max-prompt-tokens", "0"], " on ")
+            procs.append(gw)
+            targets["gpuhit"] = (gw.proc.pid, [url])
+            before = os.environ.get("GPUHIT_BENCH_BEFORE")
+            if before:  # another gpuhit checkout (e.g. main before a change), same flags: before/after in one run
+                # `python -m` would put this checkout (the cwd) first on sys.path: import from `before`
+                boot = f"import runpy, sys; sys.path.insert(0, {before!r}); runpy.run_module('gpuhit.cli', " \
+                       "run_name='__main__', alter_sys=True)"
+                old = await spawn(["-c", boot, "serve", "--port", "0", *eng_args, "--policy", "lpwl", "--index",
+                                   "precise", "--model", "m", "--max-prompt-tokens", "0"])
+                procs.append(old)
+                targets["gpuhit-before"] = (old.proc.pid, [old.first_line.split(" on ", 1)[1].split(" ", 1)[0]])
+            if os.environ.get("GPUHIT_BENCH_RR") == "1":
+                rr, url = await _spawn_url(["-m", "gpuhit.cli", "serve", "--port", "0", *eng_args, "--policy",
+                                            "round_robin", "--index", "precise", "--model", "m",
+                                            "--max-prompt-tokens", "0"], " on ")
+                procs.append(rr)
+                targets["gpuhit-rr"] = (rr.proc.pid, [url])
+            vr, url = await _vllm_router(engines)
+            targets["vllm-router"] = (vr.pid, [url])
+            conf = 0
+            for workload in (w for w in WORKLOADS if w in ONLY):
+                path = "/v1/chat/completions" if workload == "chat" else "/v1/completions"
+                for stream in (False, True):
+                    for c in CONCURRENCY:
+                        n = max(c, int(REQUESTS[workload][c] * SCALE))
+                        got: dict[str, list[tuple[float, float, float]]] = {t: [] for t in targets}
+                        for _ in range(ROUNDS):
+                            for t, (pid, urls) in targets.items():
+                                conf += 1
+                                warm, reqs = requests(workload, conf, c, n, stream)
+                                await load(urls, path, c, warm)
+                                assert reqs
+                                c0 = cpu_seconds(pid) if pid else 0.0
+                                lat, wall, errors = await load(urls, path, c, reqs)
+                                cpu = (cpu_seconds(pid) - c0) * 1e3 / n if pid else 0.0
+                                got[t].append((pct(lat, .5) if lat else float("nan"), cpu, len(lat) / wall))
+                                if errors:
+                                    failed.append(f"{t} {workload} stream={stream} c={c}: {len(errors)} errors, "
+                                                  f"first: {errors[0]}")
+                                    print("  " + failed[-1], flush=True)
+                        med = {t: tuple(statistics.median(v[i] for v in got[t]) for i in range(3)) for t in got}
+                        rows.append((workload, stream, c, n, med))
+                        _print_row(rows[-1])
+        finally:
+            if vr is not None and vr.returncode is None:
+                vr.kill()
+                await vr.wait()
+            for p in procs:
+                await p.stop()
+        _print_table(rows)
+        for line in failed:
+            print("errors:", line)
+
+    import uvloop
+
+    uvloop.run(main())
+
+
+def _print_row(row) -> None:
+    workload, stream, c, n, med = row
+    cells = " ".join(f"{t}={v[0]*1e3:.2f}ms/{v[1]:.2f}cpu/{v[2]:.0f}rps" for t, v in med.items())
+    print(f"  {workload} stream={stream} c={c} n={n}: {cells}", flush=True)
+
+
+def _print_table(rows) -> None:
+    routers = [t for t in rows[0][4] if t != "direct"] if rows else []
+    print()
+    print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+          f", scale {SCALE}, rounds {ROUNDS}")
+    head = "| workload | stream | c | n | direct p50 ms |"
+    for t in routers:
+        head += f" {t} added p50 ms | {t} CPU-ms/req | {t} req/s |"
+    head += " added ratio | CPU ratio | req/s ratio |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for workload, stream, c, n, med in rows:
+        d = med["direct"][0]
+        line = f"| {workload} | {'yes' if stream else 'no'} | {c} | {n} | {d*1e3:.2f} |"
+        for t in routers:
+            p50, cpu, rps = med[t]
+            line += f" {(p50 - d)*1e3:.2f} | {cpu:.2f} | {rps:.0f} |"
+        g, v = med["gpuhit"], med["vllm-router"]
+        ga, va = max(g[0] - d, 1e-6), max(v[0] - d, 1e-6)
+        line += f" {ga / va:.2f} | {g[1] / max(v[1], 1e-9):.2f} | {g[2] / v[2]:.2f} |"
+        print(line)
+    print("(ratios are gpuhit / vllm-router: added p50 and CPU lower is better, req/s higher is better)")
