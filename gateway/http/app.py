@@ -80,6 +80,7 @@ from gateway.http.prompt import (
 )
 from gateway.http.transport import (
     CHAT,
+    COMPLETIONS,
     AioUpstream,
     Downstream,
     Upstream,
