@@ -40,6 +40,7 @@ class RequestRecord:
     refused before it ran (vLLM's 4xx: e.g. a prompt of >= max_model_len tokens), 0 otherwise; an
     ``error`` with ``rejected`` 0 is a failure after acceptance. ``note`` says what was sent differently
     from the trace (e.g. ``max_tokens 1: trace output 0``, since vLLM refuses ``max_tokens`` 0).
+    ``preemptions``: how often the engine preempted the request (0 where the engine does not say).
     """
 
     run_id: str = ""
@@ -62,6 +63,7 @@ class RequestRecord:
     error: str = ""
     rejected: int = 0
     note: str = ""
+    preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed); simulated runs
 
     @property
     def ok(self) -> bool:
@@ -71,7 +73,7 @@ class RequestRecord:
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(RequestRecord))
 _INT_COLUMNS = frozenset(
     {"seed", "turn", "input_tokens", "output_tokens", "predicted_hit_tokens", "realized_hit_tokens",
-     "implied_hit_tokens", "rejected"}
+     "implied_hit_tokens", "rejected", "preemptions"}
 )
 _FLOAT_COLUMNS = frozenset({"arrival", "first_token", "finish"})
 

@@ -151,6 +151,7 @@ class SimTarget:
             realized_hit_tokens=realized,
             error=res.error or "",
             note=note,
+            preemptions=res.num_preemptions,
         )
 
 
