@@ -118,3 +118,22 @@ def test_router_fills_resident_blocks_and_session_start_and_forwards_the_priorit
     plain.begin(_req("c0", 4, "c", 9000))
     assert [x.resident_blocks for x in plain.snapshot(_req("d0", 4, "d", 9900)).instances] == [0, 0]
     assert plain.begin(_req("d0", 4, "d", 9900)).consumer_request().priority == 0
+
+
+def test_lpwl_migrate_prio_exports_ahead_of_the_backlog_and_charges_the_move():
+    from policies.lpwl import EXPORT_PRIORITY, SEED_EXPORT_TOKENS_PER_TOKEN
+
+    assert abs(SEED_EXPORT_TOKENS_PER_TOKEN - 0.2027) < 1e-3  # 96 KiB / 9.7 GB/s per token vs 50 us
+    m = registry.build("lpwl_migrate_prio")
+    assert m.scheduling_policy == "priority" and registry.build("lpwl_migrate").scheduling_policy == "fcfs"
+    # 64k-token prompt, 3,990 of 4,000 blocks held by the hot host: cost = 64000 - 63840 + 0.2027 * 64000
+    host = InstanceState(0, "i0", pending_prefill_tokens=90_000, gpu_hit_blocks=3990)
+    light = InstanceState(1, "i1", pending_prefill_tokens=80_000)
+    s = snap([host, light], input_tokens=64_000, binding=0)
+    assert round(m.export_cost_tokens(s, host)) == 160 + 12972
+    d = registry.build("lpwl_migrate").decide(s)  # the old trigger: 10k lighter is a reason to move
+    assert d.action == "migrate" and d.producer_priority is None
+    assert m.decide(s).action == FORWARD  # 10k of gain < 13.1k of export cost: stay
+    light = InstanceState(1, "i1", pending_prefill_tokens=50_000)
+    d = m.decide(snap([host, light], input_tokens=64_000, binding=0))
+    assert (d.action, d.source, d.target, d.producer_priority) == ("migrate", 0, 1, EXPORT_PRIORITY)
