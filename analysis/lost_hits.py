@@ -218,13 +218,12 @@ def _pct(x: float, total: float) -> str:
 
 def report_markdown(res: Mapping[str, Any]) -> str:
     """The lost-hit section of a report: one table of runs, one of instances per run."""
-    lines = ["## Lost hits", "",
-             f"KV capacity per instance: {res['capacity_tokens']:.0f} tokens. Lost reuse = implied - realized "
+    intro = (f"KV capacity per instance: {res['capacity_tokens']:.0f} tokens. Lost reuse = implied - realized "
              "prefix-hit tokens of accepted requests, by reason (% of their implied reuse); requests by reason "
-             "in brackets; rejected requests (refused before running) apart.", "",
-             "| run | implied Mtok | predicted % | realized % | lost % | evicted idle % | evicted queued % "
-             "| preempted % | cold instance % | full hits | rejected |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "in brackets; rejected requests (refused before running) apart.")
+    head = ("| run | implied Mtok | predicted % | realized % | lost % | evicted idle % | evicted queued % "
+            "| preempted % | cold instance % | full hits | rejected |")
+    lines = ["## Lost hits", "", intro, "", head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run, s in res["runs"].items():
         imp = s["implied"]
         lines.append(
@@ -237,9 +236,10 @@ def report_markdown(res: Mapping[str, Any]) -> str:
             f"| {s['n_hit']}/{s['requests'] - s['n_rejected']} | {s['n_rejected']} |")
     lines.append("")
     for run, rows in res["instances"].items():
-        lines += [f"**{run}** per instance: requests, sessions, evicted tokens (k), share of time the live "
-                  "working set (active + idle live sessions' KV) exceeds capacity, its peak (k tokens), "
-                  "mean queued prefill (k tokens), mean running decodes", "",
+        what = (f"**{run}** per instance: requests, sessions, evicted tokens (k), share of time the live "
+                "working set (active + idle live sessions' KV) exceeds capacity, its peak (k tokens), "
+                "mean queued prefill (k tokens), mean running decodes")
+        lines += [what, "",
                   "| instance | requests | sessions | evicted k | over cap % | peak WS k | queued k | decodes |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
@@ -287,6 +287,33 @@ def plot_timeline(tl: Mapping[str, Mapping[str, list[float]]], capacity: float, 
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def write_folder_section(folder: str | pathlib.Path, *, plots: bool, profile: str | None = None
+                         ) -> tuple[str, list[pathlib.Path]]:
+    """The replay report's hook: write ``lost_hits.md`` into a simulated replay's results folder
+    and, with ``plots``, one timeline per policy (its first seed's run) as ``lost-hits-<run>.png``.
+    Returns the Markdown and the plot paths."""
+    folder = pathlib.Path(folder)
+    res = analyze_folder(folder, profile=profile)
+    text = report_markdown(res)
+    (folder / "lost_hits.md").write_text(text + "\n", encoding="utf-8")
+    out: list[pathlib.Path] = []
+    if plots:
+        firsts: dict[str, str] = {}
+        for run in sorted(res["timelines"], key=lambda r: (r.rsplit("-seed", 1)[0], _seed_of(r))):
+            firsts.setdefault(run.rsplit("-seed", 1)[0], run)
+        for run in firsts.values():
+            if not res["timelines"][run]:  # no request ran (all rejected): nothing to draw
+                continue
+            out.append(plot_timeline(res["timelines"][run], res["capacity_tokens"],
+                                     folder / f"lost-hits-{run}.png", run))
+    return text, out
+
+
+def _seed_of(run: str) -> int:
+    tail = run.rsplit("-seed", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
 
 
 def register(subparsers: Any) -> None:

@@ -64,7 +64,7 @@ def residency_work(snapshot: Snapshot, s: InstanceState) -> tuple[int, int, int]
 def session_priority(snapshot: Snapshot) -> int:
     """Program-level FCFS: the session's start (first seen by the gateway) in integer milliseconds."""
     t = snapshot.session_started_at
-    return int(round(1000.0 * (snapshot.now if t is None else t)))
+    return round(1000.0 * (snapshot.now if t is None else t))
 
 
 @dataclass(frozen=True, slots=True)
