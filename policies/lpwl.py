@@ -138,15 +138,21 @@ def _lpwl(name: str, params: Mapping[str, Any]) -> LPWL:
     return LPWL(name=name)
 
 
+# The trigger's params, shared by lpwl_migrate and lpwl_migrate_prio.
+_TRIGGER_PARAMS = {
+    "t_hot_tokens": Param("int", 32768, lambda v: v >= 0, ">= 0 tokens"),
+    "t_cool_s": Param("float", 30.0, lambda v: v >= 0, ">= 0 seconds"),
+    "min_gain_tokens": Param("int", 0, lambda v: v >= 0, ">= 0 tokens"),
+}
+
+
 @register("lpwl_migrate")
 def _lpwl_migrate(name: str, params: Mapping[str, Any]) -> LPWLMigrate:
     p = parse_params(
         "lpwl_migrate",
         params,
         {
-            "t_hot_tokens": Param("int", 32768, lambda v: v >= 0, ">= 0 tokens"),
-            "t_cool_s": Param("float", 30.0, lambda v: v >= 0, ">= 0 seconds"),
-            "min_gain_tokens": Param("int", 0, lambda v: v >= 0, ">= 0 tokens"),
+            **_TRIGGER_PARAMS,
             "export_priority": Param("bool", False),
             "export_tokens_per_token": Param("float", 0.0, lambda v: v >= 0, ">= 0"),
         },
@@ -158,14 +164,6 @@ def _lpwl_migrate(name: str, params: Mapping[str, Any]) -> LPWLMigrate:
 def _lpwl_migrate_prio(name: str, params: Mapping[str, Any]) -> LPWLMigrate:
     """lpwl_migrate whose export runs at vLLM priority ahead of the host's backlog and whose trigger
     charges the export's cost (the seeds' NIC and prefill rates); other params as lpwl_migrate's."""
-    p = parse_params(
-        "lpwl_migrate_prio",
-        params,
-        {
-            "t_hot_tokens": Param("int", 32768, lambda v: v >= 0, ">= 0 tokens"),
-            "t_cool_s": Param("float", 30.0, lambda v: v >= 0, ">= 0 seconds"),
-            "min_gain_tokens": Param("int", 0, lambda v: v >= 0, ">= 0 tokens"),
-        },
-    )
+    p = parse_params("lpwl_migrate_prio", params, _TRIGGER_PARAMS)
     return LPWLMigrate(name=name, type="lpwl_migrate_prio", export_priority=True,
                        export_tokens_per_token=SEED_EXPORT_TOKENS_PER_TOKEN, **p)
