@@ -115,6 +115,7 @@ class RecordWriter:
             raise ConfigError("records are written as CSV (append-only); convert with to_parquet() afterwards")
         self.done: set[tuple[str, int]] = set()
         self.resumed_rows = 0
+        self._columns: tuple[str, ...] = COLUMNS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         exists = self.path.exists() and self.path.stat().st_size > 0
         if exists and not resume:
@@ -138,8 +139,12 @@ class RecordWriter:
                 fh.truncate(cut)
             data = data[:cut]
         reader = csv.DictReader(io.StringIO(data.decode("utf-8")))
-        if reader.fieldnames is None or tuple(reader.fieldnames) != COLUMNS:
+        cols = tuple(reader.fieldnames or ())
+        # A file written before later columns were added (e.g. ``preemptions``) has a prefix of
+        # COLUMNS: resumed rows keep the file's own columns so it stays one consistent CSV.
+        if not cols or COLUMNS[: len(cols)] != cols or "note" not in cols:
             raise ConfigError(f"{self.path} is not a gpuhit records file (columns {reader.fieldnames})")
+        self._columns = cols
         for row in reader:
             if policy is not None and row["policy"] != policy:
                 raise ConfigError(f"{self.path} holds a run of policy {row['policy']!r}, not {policy!r}")
@@ -149,7 +154,8 @@ class RecordWriter:
             self.resumed_rows += 1
 
     def write(self, rec: RequestRecord) -> None:
-        self._csv.writerow(record_to_row(rec))
+        row = record_to_row(rec)
+        self._csv.writerow(row if self._columns is COLUMNS else row[: len(self._columns)])
         self._fh.flush()
 
     def close(self) -> None:
