@@ -121,7 +121,7 @@ def run_set(folder: pathlib.Path, argv: Sequence[str], expected_runs: int, log: 
         if not _replay_has("--resume"):
             raise ConfigError(f"{folder} holds an unfinished run set and this gpuhit replay has no --resume: "
                               "remove that folder (or choose a new --out) and run again")
-        full = [*full, "--resume"]
+        full = [*full, "--resume", str(folder)]
     args = _replay_parser().parse_args(full)
     folder.mkdir(parents=True, exist_ok=True)
     if not stamp.exists():

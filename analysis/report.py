@@ -140,9 +140,11 @@ def _run_cell(key: str, v: Any) -> str:
 
 def write_report(path: str | os.PathLike[str], *, title: str, comparison: Mapping[str, Any],
                  table_text: str, plots: Sequence[str | os.PathLike[str]] = (),
-                 meta: Mapping[str, Any] | None = None, runs: Sequence[Mapping[str, Any]] = ()) -> pathlib.Path:
+                 meta: Mapping[str, Any] | None = None, runs: Sequence[Mapping[str, Any]] = (),
+                 sections: Sequence[tuple[str, str]] = ()) -> pathlib.Path:
     """Write the HTML report to ``path``. ``runs``: per-run summaries (policy, seed, ...) for the
-    per-run table; ``meta``: command line, trace, timing - shown as a definition list."""
+    per-run table; ``meta``: command line, trace, timing - shown as a definition list; ``sections``:
+    further ``(title, preformatted text)`` sections (e.g. the lost-hit analysis)."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
     if meta:
@@ -164,6 +166,8 @@ def write_report(path: str | os.PathLike[str], *, title: str, comparison: Mappin
             parts.append("<tr>" + "".join(f"<td>{html.escape(_run_cell(k, d.get(k)))}</td>" for k, _ in _RUN_KEYS)
                          + "</tr>")
         parts.append("</table>")
+    for title_, text in sections:
+        parts.append(f"<h2>{html.escape(title_)}</h2><pre>{html.escape(text)}</pre>")
     parts.append("</body></html>")
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

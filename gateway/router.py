@@ -38,6 +38,7 @@ from engines.base import EngineClient, GenerateRequest, GenerateResult
 from engines.kv_events import KVEventBatch
 from gateway.bindings import SessionBindings
 from gateway.kv_index import KVIndex
+from gateway.residency import SessionResidency
 from gateway.snapshot import (
     ACTIONS,
     FETCH,
@@ -209,6 +210,7 @@ class Ticket:
             block_hashes=req.block_hashes,
             session_id=req.session_id,
             kv_transfer_params=producer_transfer_params(self.transfer_id),
+            priority=self.decision.producer_priority or 0,
         )
 
     def producer_done(self, result: GenerateResult | None, error: str | None = None) -> Mapping[str, Any] | None:
@@ -255,6 +257,7 @@ class Ticket:
             block_hashes=req.block_hashes,
             session_id=req.session_id,
             kv_transfer_params=kv_transfer_params,
+            priority=self.decision.priority or 0,
         )
 
     # -- completion hooks --------------------------------------------------------------------------
@@ -283,6 +286,7 @@ class Ticket:
             r._pending[t] -= self._pending
         r._in_flight[t] -= 1
         r._active_blocks[t] -= self._blocks
+        r.residency.on_finished(self.request.session_id, t, r.now())
         st = r.stats
         st.finished += 1
         err = error or (result.error if result is not None else None)
@@ -343,6 +347,9 @@ class Router:
         # without them; only the chosen instances' hits are looked up, for the accounting. Matching
         # every instance is the costliest part of a snapshot when sessions are spread out.
         self._reads_hits = bool(getattr(policy, "reads_prefix_hits", True))
+        # Only policies that declare ``reads_residency = True`` pay for the per-instance working-set sum.
+        self._reads_residency = bool(getattr(policy, "reads_residency", False))
+        self.residency = SessionResidency()
         self.index = index
         self.block_size = block_size
         self.roles = roles
@@ -461,6 +468,9 @@ class Router:
             raise NoInstanceError("no healthy instance: every engine is marked unhealthy")
         hits = self._match(req.block_hashes) if with_hits else [(0, 0)] * len(self.engines)
         use_stats = self.use_engine_stats
+        now = self.now()
+        n = len(self.engines)
+        resident = self.residency.resident_blocks(n, now, req.session_id) if self._reads_residency else [0] * n
         states = []
         for i, eng in enumerate(self.engines):
             st = eng.stats() if use_stats else None
@@ -482,6 +492,7 @@ class Router:
                     g,
                     c,
                     self._routed[i],
+                    resident[i],
                 )
             )
         view = RequestView(
@@ -496,7 +507,8 @@ class Router:
             next(self._seq),
         )
         b = self.bindings
-        return Snapshot(self.now(), view, tuple(states), b.get(req.session_id), b.last_migrated_at(req.session_id))
+        return Snapshot(now, view, tuple(states), b.get(req.session_id), b.last_migrated_at(req.session_id),
+                        self.residency.started_at(req.session_id))
 
     def decide(self, req: RouteRequest) -> Decision:
         """Snapshot + policy + validation (sync). Logs nothing and changes no counters."""
@@ -586,6 +598,9 @@ class Router:
         st.decisions_by_instance[tgt] += 1
         st.actions[d.action] = st.actions.get(d.action, 0) + 1
         st.predicted_hit_tokens += t.predicted_hit_tokens
+        self.residency.on_arrival(req.session_id, snap.now)
+        if d.action in (FORWARD, MIGRATE):
+            self.residency.on_routed(req.session_id, tgt, t._blocks)
         if d.action == FORWARD:
             self.bindings.bind(req.session_id, tgt)
             self.index.on_routed(tgt, req.block_hashes)

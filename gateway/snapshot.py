@@ -41,6 +41,10 @@ class InstanceState:
     # or PD prefill): the last deterministic tie-break of argmin/argmax policies, so ties rotate over
     # instances instead of favouring index 0.
     routed: int = 0
+    # KV blocks (context after their last turn) of the OTHER live sessions bound here: a request in
+    # flight, or idle for less than the live window (see gateway/residency.py). The working set this
+    # instance should keep in HBM. Filled only for policies with ``reads_residency = True`` (else 0).
+    resident_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,7 @@ class Snapshot:
     instances: tuple[InstanceState, ...]
     binding: int | None = None  # instance the session is bound to, if any
     last_migrated_at: float | None = None  # when this session was last migrated
+    session_started_at: float | None = None  # when the gateway first saw this session (None: first turn)
 
     def hit_tokens(self, i: int) -> int:
         """GPU prefix-hit tokens of this request on instance ``i`` (capped at input - 1, as vLLM
@@ -80,3 +85,8 @@ class Decision:
     # Counterfactual: the score every candidate got (lower is better unless the policy says otherwise).
     scores: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     predicted_hit_blocks: int = 0
+    # vLLM's per-request ``priority`` (smaller runs first under ``--scheduling-policy priority``), for
+    # the target request and for the producer (KV export) step of a KV-moving action. None: the
+    # request is forwarded unchanged (vLLM's default 0).
+    priority: int | None = None
+    producer_priority: int | None = None

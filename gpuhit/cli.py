@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "gateway.cli",  # gpuhit serve, gpuhit vllm-cmd
     "engines.attention.cli",  # gpuhit attention ...
     "analysis.cli_compare",  # gpuhit compare
+    "analysis.lost_hits",  # gpuhit lost-hits
 )
 
 

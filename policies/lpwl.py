@@ -12,9 +12,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.snapshot import FORWARD, MIGRATE, Decision, Snapshot
+from gateway.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
+
+# vLLM priority of a migration's KV export under --scheduling-policy priority: smaller runs first, and
+# every other request keeps vLLM's default 0, so the export goes ahead of the host's whole backlog.
+EXPORT_PRIORITY = -1
+
+# Prefill-token equivalents per prompt token of moving a session's KV: 96 KiB/token (Qwen3-Coder-30B-A3B)
+# over the seeds' ~9.7 GB/s NIC is ~10.1 us, against ~50 us of prefill per token (DESIGN.md section 1).
+SEED_EXPORT_TOKENS_PER_TOKEN = 98304 / 9.7e9 / 50e-6
 
 
 def lpwl_choice(snapshot: Snapshot) -> tuple[int, tuple[tuple[int, float], ...]]:
@@ -62,6 +70,12 @@ class LPWLMigrate:
     the fewest-pending destination is barely lighter, so the absolute trigger moves sessions (NIC
     time, and evictions of the destination's cache) for no queueing gain; on full ``weka_cc`` at
     0.008 sessions/s that made lpwl_migrate the worst colocated policy (``analysis/results``).
+
+    The export (the producer step on the host) is an ordinary request there, so by default it queues
+    behind the very backlog that triggered the move. ``export_priority`` sends it at vLLM priority
+    :data:`EXPORT_PRIORITY` (engines under ``--scheduling-policy priority``), ahead of every
+    default-priority request; ``export_tokens_per_token`` > 0 charges the move its cost
+    (:meth:`export_cost_tokens`) against the queueing gain. ``lpwl_migrate_prio`` sets both.
     """
 
     name: str = "lpwl_migrate"
@@ -69,6 +83,20 @@ class LPWLMigrate:
     t_hot_tokens: int = 32768
     t_cool_s: float = 30.0
     min_gain_tokens: int = 0
+    export_priority: bool = False
+    export_tokens_per_token: float = 0.0
+
+    @property
+    def scheduling_policy(self) -> str:
+        """The vLLM ``--scheduling-policy`` the engines need: ``priority`` when the export jumps the queue."""
+        return "priority" if self.export_priority else "fcfs"
+
+    def export_cost_tokens(self, snapshot: Snapshot, host: InstanceState) -> float:
+        """What the move costs, in prefill-token equivalents: the host computes the prompt's tail it
+        does not hold, and the whole prompt's KV crosses the NIC (``export_tokens_per_token`` per
+        prompt token; 0 = the old trigger, which booked the export as if it were free)."""
+        tail = new_prefill_tokens(snapshot, host)
+        return tail + self.export_tokens_per_token * snapshot.request.input_tokens
 
     def decide(self, snapshot: Snapshot) -> Decision:
         target, scores = lpwl_choice(snapshot)
@@ -83,6 +111,8 @@ class LPWLMigrate:
                 if others:
                     dest = min(others, key=lambda s: (s.pending_prefill_tokens, *tie_key(s)))
                     gain = host.pending_prefill_tokens - dest.pending_prefill_tokens
+                    if self.export_tokens_per_token > 0:
+                        gain -= self.export_cost_tokens(snapshot, host)
                     if gain > 0 and gain >= self.min_gain_tokens:
                         return Decision(
                             MIGRATE, dest.index,
@@ -91,6 +121,7 @@ class LPWLMigrate:
                             f"instance {dest.index} (pending {dest.pending_prefill_tokens})",
                             source=h, scores=scores,
                             predicted_hit_blocks=max(host.gpu_hit_blocks, dest.gpu_hit_blocks),
+                            producer_priority=EXPORT_PRIORITY if self.export_priority else None,
                         )
         inst = insts[target]
         return Decision(
@@ -107,15 +138,32 @@ def _lpwl(name: str, params: Mapping[str, Any]) -> LPWL:
     return LPWL(name=name)
 
 
+# The trigger's params, shared by lpwl_migrate and lpwl_migrate_prio.
+_TRIGGER_PARAMS = {
+    "t_hot_tokens": Param("int", 32768, lambda v: v >= 0, ">= 0 tokens"),
+    "t_cool_s": Param("float", 30.0, lambda v: v >= 0, ">= 0 seconds"),
+    "min_gain_tokens": Param("int", 0, lambda v: v >= 0, ">= 0 tokens"),
+}
+
+
 @register("lpwl_migrate")
 def _lpwl_migrate(name: str, params: Mapping[str, Any]) -> LPWLMigrate:
     p = parse_params(
         "lpwl_migrate",
         params,
         {
-            "t_hot_tokens": Param("int", 32768, lambda v: v >= 0, ">= 0 tokens"),
-            "t_cool_s": Param("float", 30.0, lambda v: v >= 0, ">= 0 seconds"),
-            "min_gain_tokens": Param("int", 0, lambda v: v >= 0, ">= 0 tokens"),
+            **_TRIGGER_PARAMS,
+            "export_priority": Param("bool", False),
+            "export_tokens_per_token": Param("float", 0.0, lambda v: v >= 0, ">= 0"),
         },
     )
     return LPWLMigrate(name=name, **p)
+
+
+@register("lpwl_migrate_prio")
+def _lpwl_migrate_prio(name: str, params: Mapping[str, Any]) -> LPWLMigrate:
+    """lpwl_migrate whose export runs at vLLM priority ahead of the host's backlog and whose trigger
+    charges the export's cost (the seeds' NIC and prefill rates); other params as lpwl_migrate's."""
+    p = parse_params("lpwl_migrate_prio", params, _TRIGGER_PARAMS)
+    return LPWLMigrate(name=name, type="lpwl_migrate_prio", export_priority=True,
+                       export_tokens_per_token=SEED_EXPORT_TOKENS_PER_TOKEN, **p)

@@ -38,6 +38,7 @@ _POLICY_MODULES: tuple[str, ...] = (
     "policies.cache_aware",
     "policies.lpwl",
     "policies.pd",
+    "policies.resident",
     "policies.route_query",
 )
 _loaded = False

@@ -426,10 +426,13 @@ def _simulated(args: argparse.Namespace) -> int:
     plots: list[pathlib.Path] = []
     if not args.no_plots:
         plots = replay_report.plots(out, results)
+    from analysis.lost_hits import write_folder_section
     from analysis.report import write_report
 
+    lost_text, lost_plots = write_folder_section(out, plots=not args.no_plots, profile=args.profile)
     write_report(out / "report.html", title=f"gpuhit replay: {trace.name} on {args.instances} instances",
-                 comparison=doc, table_text=table, plots=plots, meta=meta, runs=summaries)
+                 comparison=doc, table_text=table, plots=plots + lost_plots, meta=meta, runs=summaries,
+                 sections=[("Lost hits (gpuhit lost-hits)", lost_text)])
     if args.json:
         print(to_json({"meta": meta, "comparison": doc, "runs": summaries, "out": str(out)}))
     else:

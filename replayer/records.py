@@ -40,6 +40,7 @@ class RequestRecord:
     refused before it ran (vLLM's 4xx: e.g. a prompt of >= max_model_len tokens), 0 otherwise; an
     ``error`` with ``rejected`` 0 is a failure after acceptance. ``note`` says what was sent differently
     from the trace (e.g. ``max_tokens 1: trace output 0``, since vLLM refuses ``max_tokens`` 0).
+    ``preemptions``: how often the engine preempted the request (0 where the engine does not say).
     """
 
     run_id: str = ""
@@ -62,6 +63,7 @@ class RequestRecord:
     error: str = ""
     rejected: int = 0
     note: str = ""
+    preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed); simulated runs
 
     @property
     def ok(self) -> bool:
@@ -71,7 +73,7 @@ class RequestRecord:
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(RequestRecord))
 _INT_COLUMNS = frozenset(
     {"seed", "turn", "input_tokens", "output_tokens", "predicted_hit_tokens", "realized_hit_tokens",
-     "implied_hit_tokens", "rejected"}
+     "implied_hit_tokens", "rejected", "preemptions"}
 )
 _FLOAT_COLUMNS = frozenset({"arrival", "first_token", "finish"})
 
@@ -113,6 +115,7 @@ class RecordWriter:
             raise ConfigError("records are written as CSV (append-only); convert with to_parquet() afterwards")
         self.done: set[tuple[str, int]] = set()
         self.resumed_rows = 0
+        self._columns: tuple[str, ...] = COLUMNS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         exists = self.path.exists() and self.path.stat().st_size > 0
         if exists and not resume:
@@ -136,8 +139,12 @@ class RecordWriter:
                 fh.truncate(cut)
             data = data[:cut]
         reader = csv.DictReader(io.StringIO(data.decode("utf-8")))
-        if reader.fieldnames is None or tuple(reader.fieldnames) != COLUMNS:
+        cols = tuple(reader.fieldnames or ())
+        # A file written before later columns were added (e.g. ``preemptions``) has a prefix of
+        # COLUMNS: resumed rows keep the file's own columns so it stays one consistent CSV.
+        if not cols or COLUMNS[: len(cols)] != cols or "note" not in cols:
             raise ConfigError(f"{self.path} is not a gpuhit records file (columns {reader.fieldnames})")
+        self._columns = cols
         for row in reader:
             if policy is not None and row["policy"] != policy:
                 raise ConfigError(f"{self.path} holds a run of policy {row['policy']!r}, not {policy!r}")
@@ -147,7 +154,8 @@ class RecordWriter:
             self.resumed_rows += 1
 
     def write(self, rec: RequestRecord) -> None:
-        self._csv.writerow(record_to_row(rec))
+        row = record_to_row(rec)
+        self._csv.writerow(row if self._columns is COLUMNS else row[: len(self._columns)])
         self._fh.flush()
 
     def close(self) -> None:

@@ -151,6 +151,7 @@ class SimTarget:
             realized_hit_tokens=realized,
             error=res.error or "",
             note=note,
+            preemptions=res.num_preemptions,
         )
 
 
@@ -318,6 +319,12 @@ def simulate(
     if util_interval is None:
         util_interval = max(1.0, (span if not math.isnan(span) and span > 0 else 3600.0) / 300.0)
 
+    sched = getattr(pol, "scheduling_policy", None)  # a policy that sets vLLM priorities needs it
+    if sched is not None and engine_factory is None:
+        given = (engine_kwargs or {}).get("scheduling_policy", sched)
+        if given != sched:
+            raise ConfigError(f"policy {pol_name!r} needs scheduling_policy {sched!r}, engines given {given!r}")
+        engine_kwargs = {**(engine_kwargs or {}), "scheduling_policy": sched}
     factory = engine_factory or emulated_factory(profile, engine_kwargs, util_interval)
     if synth is None:
         synth = TokenSynthesizer(seed=seed, engine_block_size=block_size)

@@ -44,16 +44,27 @@ _TAIL = 4096  # bytes of the stream end kept to find the usage chunk without par
 _NIXL_PARAMS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
 
 
+def forwarded_body(body: Mapping[str, Any], raw: bytes, kv_transfer_params: Mapping[str, Any] | None,
+                   priority: int | None) -> bytes:
+    """The bytes forwarded to the target: the client's own bytes unless the router adds something
+    (the consumer's ``kv_transfer_params`` after a producer step, or the policy's vLLM ``priority``),
+    in which case the parsed body is re-serialized with those fields."""
+    extra: dict[str, Any] = {}
+    if kv_transfer_params is not None:
+        extra["kv_transfer_params"] = kv_transfer_params
+    if priority is not None:
+        extra["priority"] = priority
+    return orjson.dumps({**body, **extra}) if extra else raw
+
+
 class Forwarding:
     """The upstream half of :class:`~gateway.http.app.Gateway`'s request logic."""
 
     async def _act(self, down: Downstream, endpoint: str, body: Mapping[str, Any], raw: bytes, stream: bool,
                    ticket: Ticket, res: GenerateResult, resp_headers: dict[str, str], up_headers: dict[str, str],
                    own_hit: int) -> None:
-        if ticket.needs_producer:
-            params = await self._producer_step(ticket, up_headers)
-            if params is not None:
-                raw = orjson.dumps({**body, "kv_transfer_params": params})
+        params = await self._producer_step(ticket, up_headers) if ticket.needs_producer else None
+        raw = forwarded_body(body, raw, params, ticket.decision.priority)
         await self._forward(down, endpoint, raw, stream, ticket, res, resp_headers, up_headers, own_hit)
 
     async def _fail(self, down: Downstream, exc: GpuhitError, endpoint: str, headers: Mapping[str, str]) -> None:
@@ -84,6 +95,8 @@ class Forwarding:
         # answer in the body's kv_transfer_params.
         body = {"model": self.model, "prompt": list(preq.prompt_token_ids), "max_tokens": 1, "min_tokens": 1,
                 "ignore_eos": True, "stream": False, "kv_transfer_params": dict(preq.kv_transfer_params or {})}
+        if ticket.decision.producer_priority is not None:  # e.g. a migration's export ahead of the backlog
+            body["priority"] = ticket.decision.producer_priority
         res = GenerateResult(request_id=preq.request_id, prompt_tokens=preq.prompt_len)
         name = self.engines[src].name
         cfg = self.cfg

@@ -79,6 +79,17 @@ def test_experiment_ab_end_to_end_and_resume(tmp_path, capsys):
     assert [r["status"] for r in again["experiment"]["replays"]] == ["reused"] * 4
     assert [p.stat().st_mtime_ns for p in records] == stamps
     assert again["comparisons"]["knee"]["table"] == doc["comparisons"]["knee"]["table"]
+    # an interrupted point (no summary.json, one run unsaved): resumed, only that run is redone
+    point = out / "points" / f"knee-rate-{knee:.6g}"
+    (point / "summary.json").unlink()
+    lost = sorted((point / "runs").iterdir())[0]
+    lost.unlink()
+    assert main(argv) == 0
+    resumed = json.loads(capsys.readouterr().out)
+    assert sorted(r["status"] for r in resumed["experiment"]["replays"]) == ["ran"] + ["reused"] * 3
+    redone = point / "records" / (lost.stem + ".csv")
+    assert [p.stat().st_mtime_ns for p in records if p != redone] == [s for p, s in zip(records, stamps) if p != redone]
+    assert resumed["comparisons"]["knee"]["table"] == doc["comparisons"]["knee"]["table"]
     # other options into the same folder: refused, never mixed with the runs already there
     changed = [("3" if a == "2" and argv[i - 1] == "--seeds" else a) for i, a in enumerate(argv)]
     assert main(changed) == 2

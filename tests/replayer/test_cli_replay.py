@@ -24,7 +24,9 @@ def test_replay_json_table_and_files(tmp_path, capsys):
         assert 0 < r["gpu_util_median"] <= 1 and 0 < r["apc_realized"] <= r["apc_implied"] + 1e-9
     assert doc["comparison"]["table"]["lpwl"]["latency_p90"]["n"] == 1
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["comparison.json", "comparison.txt", "plan.json", "records", "report.html", "runs", "summary.json"]
+    assert names == ["comparison.json", "comparison.txt", "lost_hits.md", "plan.json", "records", "report.html", "runs",
+                     "summary.json"]
+    assert "| lpwl-seed0 |" in (out / "lost_hits.md").read_text()
     assert sorted(p.name for p in (out / "records").iterdir()) == ["lpwl-seed0.csv", "round_robin-seed0.csv"]
     table = (out / "comparison.txt").read_text().splitlines()
     assert table[1].split()[0] == "policy" and table[3].startswith("lpwl") and table[4].startswith("round_robin")
@@ -39,7 +41,11 @@ def test_replay_text_output_with_plots_and_pd(tmp_path, capsys):
     assert "pd_disagg[1P+1D]" in text and "results:" in text
     for png in ("latency_cdf.png", "worker_ttft_p90.png", "gpu_utilization.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
-    assert (out / "report.html").read_text().count("data:image/png;base64,") == 3
+    # the three comparison plots, then one lost-hit timeline per policy (its first seed)
+    for run in ("lpwl-seed0", "pd_disagg_1P_1D_-seed0"):  # records/ file stems
+        assert (out / f"lost-hits-{run}.png").read_bytes()[:4] == b"\x89PNG"
+    report = (out / "report.html").read_text()
+    assert report.count("data:image/png;base64,") == 5 and "Lost hits (gpuhit lost-hits)" in report
 
 
 def test_unknown_policy_is_a_clear_error(tmp_path, capsys):
