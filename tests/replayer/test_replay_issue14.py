@@ -76,9 +76,9 @@ def test_ctrl_c_then_resume_gives_the_same_table(tmp_path):
     out = tmp_path / "cut"
     proc = subprocess.Popen(_cmd(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)  # its own process group, like a terminal's job
-    first = out / "runs" / "round_robin-seed0.json"
+    runs = out / "runs"
     try:
-        while not first.exists():  # poll the filesystem for the first finished run
+        while not (runs.is_dir() and any(runs.glob("*.json"))):  # poll the filesystem for the first finished run
             assert proc.poll() is None, proc.communicate()
             try:
                 proc.wait(timeout=0.02)
@@ -92,7 +92,7 @@ def test_ctrl_c_then_resume_gives_the_same_table(tmp_path):
     assert proc.returncode == 130, err
     assert b"Finish with: gpuhit replay --resume" in err
     saved = {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
-    assert "round_robin-seed0.json" in saved and len(saved) < 3
+    assert 1 <= len(saved) < 3  # the first finished run is kept, the last one never ran
     assert not (out / "summary.json").exists()
 
     again = subprocess.run(_cmd(out), env=env, capture_output=True, timeout=600, check=False)
