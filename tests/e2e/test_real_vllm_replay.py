@@ -124,7 +124,10 @@ def test_engine_killed_mid_stream_ejected_then_readmitted(real_vllm_pair):
         async with http.post(url + "/v1/completions", json=body) as r:
             assert r.status == 200
             name = r.headers["x-gpuhit-instance"]
-            killed = False
+            # Killed as soon as the stream has started, before this client reads a chunk: the tiny model
+            # generates fast, and a loaded machine could otherwise let all 3,000 tokens reach the socket
+            # buffers before the first chunk is read here (the stream would then end normally).
+            real_vllm_pair.servers[int(name[1:])].kill()  # v0 -> servers[0]
             async for line in r.content:
                 line = line.strip()
                 if not line.startswith(b"data: "):
@@ -134,9 +137,6 @@ def test_engine_killed_mid_stream_ejected_then_readmitted(real_vllm_pair):
                     events.append({"done": True})
                     break
                 events.append(json.loads(data))
-                if not killed:
-                    killed = True
-                    real_vllm_pair.servers[int(name[1:])].kill()  # v0 -> servers[0]
         return name, events
 
     async def main() -> None:
@@ -172,4 +172,9 @@ def test_engine_killed_mid_stream_ejected_then_readmitted(real_vllm_pair):
             await wait_until(lambda: len(gw.router.index.cached(dead)) > 0, timeout=SYNC_TIMEOUT,
                              what="fresh KV events from the restarted engine")
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:  # later tests share the pair: never leave one of its servers dead
+        for i, srv in enumerate(real_vllm_pair.servers):
+            if srv.proc is None or srv.proc.poll() is not None:
+                real_vllm_pair.restart(i)
