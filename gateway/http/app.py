@@ -508,9 +508,6 @@ class Gateway(Forwarding, Breakers, Admin):
                 return await self._send_error(down, _bad(str(exc)), endpoint)
             except GpuhitError as exc:
                 return await self._send_error(down, exc, endpoint)
-            if fast is not None and (ticket.needs_producer or ticket.decision.priority is not None):
-                # the body is re-serialized (kv_transfer_params, priority): the real ids, not the placeholder
-                body["prompt"] = list(ids)
             self.metrics.routing.observe((perf_counter_ns() - ns0) * 1e-9)
             own_hit = 0
             if ticket.action != FORWARD:

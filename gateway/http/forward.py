@@ -22,7 +22,7 @@ The mixin reads the gateway's ``cfg``, ``engines``, ``upstream``, ``session``, `
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -32,6 +32,7 @@ from engines.base import GenerateResult
 from engines.vllm import protocol
 from gateway import breaker
 from gateway.http.forward_deadlines import EJECTED, TTFB, Watchdog
+from gateway.http.prompt import client_body
 from gateway.http.transport import COMPLETIONS, Downstream, UpstreamClosedError, UpstreamConnectError
 from gateway.http.usage import usage_from_tail
 from gateway.router import Ticket
@@ -45,16 +46,17 @@ _NIXL_PARAMS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_
 
 
 def forwarded_body(body: Mapping[str, Any], raw: bytes, kv_transfer_params: Mapping[str, Any] | None,
-                   priority: int | None) -> bytes:
+                   priority: int | None, prompt_ids: Sequence[int] | None = None) -> bytes:
     """The bytes forwarded to the target: the client's own bytes unless the router adds something
     (the consumer's ``kv_transfer_params`` after a producer step, or the policy's vLLM ``priority``),
-    in which case the parsed body is re-serialized with those fields."""
+    in which case the parsed body is re-serialized with those fields (a fast-parsed prompt restored
+    from ``prompt_ids``, :func:`~gateway.http.prompt.client_body`)."""
     extra: dict[str, Any] = {}
     if kv_transfer_params is not None:
         extra["kv_transfer_params"] = kv_transfer_params
     if priority is not None:
         extra["priority"] = priority
-    return orjson.dumps({**body, **extra}) if extra else raw
+    return orjson.dumps({**client_body(body, prompt_ids), **extra}) if extra else raw
 
 
 class Forwarding:
@@ -64,7 +66,7 @@ class Forwarding:
                    ticket: Ticket, res: GenerateResult, resp_headers: dict[str, str], up_headers: dict[str, str],
                    own_hit: int) -> None:
         params = await self._producer_step(ticket, up_headers) if ticket.needs_producer else None
-        raw = forwarded_body(body, raw, params, ticket.decision.priority)
+        raw = forwarded_body(body, raw, params, ticket.decision.priority, ticket.request.prompt_token_ids)
         await self._forward(down, endpoint, raw, stream, ticket, res, resp_headers, up_headers, own_hit)
 
     async def _fail(self, down: Downstream, exc: GpuhitError, endpoint: str, headers: Mapping[str, str]) -> None:

@@ -207,6 +207,17 @@ def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str
     return body, ids
 
 
+def client_body(body: Mapping[str, Any], prompt_ids: Sequence[int] | None) -> dict[str, Any]:
+    """``body`` as the client sent it: a prompt that :func:`fast_completion_ids` left as its sentinel
+    gets the parsed ids back (for the few answers that re-serialize the body; the rest forward the
+    client's bytes unchanged)."""
+    if body.get("prompt") == _SENTINEL:
+        if prompt_ids is None:
+            raise ValueError("a fast-parsed body needs its prompt ids to be re-serialized")
+        return {**body, "prompt": list(prompt_ids)}
+    return dict(body)
+
+
 class PromptMemo:
     """Each session's last token-id prompt, as its JSON text and its parsed ids (LRU).
 
