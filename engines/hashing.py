@@ -20,7 +20,8 @@ import os
 import pickle
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -148,10 +149,27 @@ def present_run_end(hashes: Sequence[Any], table: Container[Any], lo: int, n: in
     request's blocks tail first, so a cache nearly always is), ``k`` is the length of the present
     prefix; otherwise the first absent position is somewhere below ``k`` and callers that need the
     exact answer verify ``hashes[lo:k - 1]``.
+
+    A :class:`PromptHashes` not hashed that far is searched from the front instead (galloping:
+    positions lo + 1, 2, 4, ... until one is absent, then binary search), so the chain is hashed only
+    about twice as far as the present prefix reaches, not to its end.
     """
-    if hashes[n - 1] in table:
+    if type(hashes) is PromptHashes and hashes.computed < n:
+        step = 1
+        while True:
+            p = min(lo + step, n)
+            if hashes[p - 1] not in table:
+                hi = p - 1
+                break
+            lo = p
+            if p == n:
+                return n
+            step <<= 1
+    elif hashes[n - 1] in table:
         return n
-    hi = n - 1  # invariant: hashes[lo - 1] present, hashes[hi] absent
+    else:
+        hi = n - 1
+    # invariant: hashes[lo - 1] present, hashes[hi] absent
     while lo < hi:
         mid = (lo + hi + 1) >> 1
         if hashes[mid - 1] in table:
@@ -234,83 +252,157 @@ class BlockHasher:
         return out
 
 
-class _Entry:
-    __slots__ = ("digests", "ints", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens = _NO_TOKENS  # the session's last prompt (full blocks), uint64
-        self.digests: list[bytes] = []
-        self.ints: list[int] = []
-
-
 _NO_TOKENS = np.zeros(0, dtype=np.uint64)
 # Below this many new blocks the per-block path is as fast as laying out the pickles in numpy.
 _VECTOR_MIN_BLOCKS = 8
 
 
-class SessionHashCache:
-    """Exact block hashes of token-id prompts, computed incrementally per session (LRU of sessions).
+class PromptHashes(Sequence[int]):
+    """The event-int block hashes of one token-id prompt, computed on demand.
 
-    A session's previous prompt is kept as a uint64 array (the caller's, not a copy); the common
-    prefix with the new prompt is found with one vectorized compare, and only the blocks past it
-    are hashed (:meth:`BlockHasher.hash_array`): an agentic turn that appends 512 tokens to a
-    100k-token prompt hashes 32 blocks.
+    Routing needs a prompt's hashes only as far as some instance holds its prefix: the index's
+    search (:func:`present_run_end`) probes the chain from the start, so a prompt no instance has
+    seen costs one block's hash, not 6,250 (a 100k-token prompt). Whatever has been computed is
+    kept, and the next turn of the session reuses it (:class:`SessionHashCache`); :meth:`complete`
+    hashes the rest (the gateway calls it after forwarding a request that names its session, so
+    the next turn finds the whole chain ready). Reading position ``i`` hashes blocks up to ``i``;
+    ``len`` is the number of full blocks and costs nothing.
+
+    The digest and int lists may be handed to the session's next prompt, which then appends its
+    own blocks to them: ``_count`` is how many entries belong to this prompt, and a prompt whose
+    lists were handed on copies its part before it extends it.
+    """
+
+    __slots__ = ("_count", "_digests", "_hasher", "_ints", "_n", "_owner", "tokens")
+
+    def __init__(self, hasher: BlockHasher, tokens: Any, digests: list[bytes] | None = None,
+                 ints: list[int] | None = None, owner: SessionHashCache | None = None):
+        self._hasher = hasher
+        # The prompt's ids (uint64), by reference and never modified: a numpy array, or anything
+        # whose slices are (gateway.http.prompt.LazyIds: ids parsed as far as they are hashed).
+        self.tokens = tokens
+        self._n = len(tokens) // hasher.block_size
+        self._digests = [] if digests is None else digests
+        self._ints = [] if ints is None else ints
+        self._count = len(self._ints)
+        self._owner = owner
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def computed(self) -> int:
+        """Blocks hashed so far (from the start of the prompt)."""
+        return self._count
+
+    def _ensure(self, k: int) -> None:
+        """Hash blocks up to ``k`` (exclusive)."""
+        c = self._count
+        if k <= c:
+            return
+        if len(self._ints) != c:  # the lists went on to a later prompt: take a copy of our part
+            self._digests = self._digests[:c]
+            self._ints = self._ints[:c]
+        bs = self._hasher.block_size
+        seg = self.tokens[c * bs : k * bs]
+        parent = self._digests[c - 1] if c else None
+        if k - c >= _VECTOR_MIN_BLOCKS:
+            fresh = self._hasher.hash_array(seg, parent)
+        else:
+            fresh = self._hasher.hash_blocks(seg.tolist(), parent)
+        self._digests.extend(fresh)
+        self._ints.extend(event_ints_of(fresh))
+        self._count = k
+        if self._owner is not None:
+            self._owner.blocks_hashed += k - c
+
+    def complete(self) -> None:
+        """Hash every block not hashed yet."""
+        self._ensure(self._n)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        n = self._n
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            self._ensure(stop if step > 0 else n)
+            return self._ints[: self._count][i] if step <= 0 else self._ints[start:stop:step]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("block index out of range")
+        if i >= self._count:
+            self._ensure(i + 1)
+        return self._ints[i]
+
+    def __iter__(self) -> Iterator[int]:
+        self._ensure(self._n)
+        return islice(self._ints, self._n)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PromptHashes):
+            other = list(other)
+        if isinstance(other, (list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PromptHashes({self._n} blocks, {self._count} hashed)"
+
+
+class SessionHashCache:
+    """Exact block hashes of token-id prompts, per session, lazily and incrementally (LRU of sessions).
+
+    Each session's latest :class:`PromptHashes` is kept; a new prompt of the session finds its
+    common prefix with that one's tokens (one vectorized compare, over the blocks already hashed)
+    and starts from those digests, so an agentic turn that appends 512 tokens to a 100k-token
+    prompt hashes at most 32 blocks, and a prompt no instance has seen hashes as few as routing asks
+    for. The session key is ``session``, else the first block's tokens.
     """
 
     def __init__(self, hasher: BlockHasher, max_sessions: int = 4096):
         self.hasher = hasher
         self.max_sessions = max_sessions
-        self._entries: OrderedDict[Any, _Entry] = OrderedDict()
-        self.blocks_hashed = 0  # work counter (tests and benchmarks)
+        self._entries: OrderedDict[Any, PromptHashes] = OrderedDict()
+        self.blocks_hashed = 0  # work counter (tests, /debug/state, benchmarks)
 
-    def hashes(self, token_ids: Sequence[int], session: str | None = None, packed: array | None = None) -> list[int]:
-        """Event-int hashes of every full block. ``packed`` = ``array('Q', token_ids)`` if the
+    def hashes(self, token_ids: Sequence[int], session: str | None = None, packed: array | None = None
+               ) -> PromptHashes:
+        """:meth:`hashes_array` of a token list. ``packed`` = ``array('Q', token_ids)`` if the
         caller already has it (the gateway builds it to validate the ids)."""
         if packed is None:
             packed = array("Q", token_ids)
         return self.hashes_array(np.frombuffer(packed, dtype=np.uint64), session)
 
-    def hashes_array(self, ids: np.ndarray, session: str | None = None) -> list[int]:
-        """:meth:`hashes` of a 1-D uint64 array (kept by reference as the session's last prompt:
-        the caller must not modify it afterwards). The session key is ``session``, else the first
-        block's tokens."""
-        bs = self.hasher.block_size
+    def hashes_array(self, ids: Any, session: str | None = None) -> PromptHashes:
+        """The lazily hashed blocks of a 1-D uint64 array, or of ids whose slices are such arrays
+        (kept by reference: the caller must not modify them afterwards)."""
+        hasher = self.hasher
+        bs = hasher.block_size
         nfull = len(ids) // bs
         if nfull == 0:
-            return []
+            return PromptHashes(hasher, ids, owner=self)
         key: Any = session if session is not None else tuple(ids[:bs].tolist())
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = _Entry()
-            self._entries[key] = entry
-            if len(self._entries) > self.max_sessions:
-                self._entries.popitem(last=False)
+        last = self._entries.get(key)
+        if last is None:
+            out = PromptHashes(hasher, ids, owner=self)
         else:
-            self._entries.move_to_end(key)
-        new = ids[: nfull * bs]
-        m = min(len(entry.digests), nfull)
-        if m:
-            diff = np.flatnonzero(new[: m * bs] != entry.tokens[: m * bs])
-            if len(diff):
-                m = int(diff[0]) // bs
-        if m == len(entry.digests):  # extends the previous prompt: append in place, no list copies
-            digests, ints = entry.digests, entry.ints
-        else:
-            digests, ints = entry.digests[:m], entry.ints[:m]
-        if nfull > m:
-            parent = digests[-1] if m else None
-            if nfull - m >= _VECTOR_MIN_BLOCKS:
-                fresh = self.hasher.hash_array(new[m * bs :], parent)
+            m = min(last.computed, nfull)
+            if m:
+                diff = np.flatnonzero(ids[: m * bs] != last.tokens[: m * bs])
+                if len(diff):
+                    m = int(diff[0]) // bs
+            if m == last.computed and len(last._ints) == m:  # extends it: take its lists over, no copies
+                out = PromptHashes(hasher, ids, last._digests, last._ints, owner=self)
             else:
-                fresh = self.hasher.hash_blocks(new[m * bs :].tolist(), parent)
-            digests.extend(fresh)
-            ints.extend(event_ints_of(fresh))
-            self.blocks_hashed += nfull - m
+                out = PromptHashes(hasher, ids, last._digests[:m], last._ints[:m], owner=self)
         # The session's latest prompt is the best predictor of its next one.
-        entry.tokens = new
-        entry.digests = digests
-        entry.ints = ints
-        return ints.copy()  # the entry's list grows in place on the session's next turn
+        self._entries[key] = out
+        self._entries.move_to_end(key)
+        if len(self._entries) > self.max_sessions:
+            self._entries.popitem(last=False)
+        return out
 
 
 # --------------------------------------------------------------------------- vectorized hashing

@@ -58,12 +58,14 @@ DEFAULT_KV_BYTES_PER_TOKEN = 98304
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """What the router needs to know about one request (block hashes precomputed by the caller)."""
+    """What the router needs to know about one request. ``block_hashes``: the prompt's full blocks'
+    hashes, a tuple or a lazily hashed :class:`engines.hashing.PromptHashes` (the router reads only
+    as far as the index's search goes)."""
 
     request_id: str
     prompt_len: int
     max_tokens: int
-    block_hashes: tuple[int, ...]
+    block_hashes: Sequence[int]
     prompt_token_ids: Sequence[int] | None = None
     session_id: str | None = None
     parent_session: str | None = None

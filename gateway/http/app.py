@@ -46,7 +46,7 @@ import asyncio
 import hmac
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from time import perf_counter_ns
 from typing import Any
 
@@ -56,7 +56,7 @@ import orjson
 from aiohttp import web
 
 from engines.base import GenerateResult
-from engines.hashing import BlockHasher, SessionHashCache
+from engines.hashing import BlockHasher, PromptHashes, SessionHashCache
 from engines.vllm import protocol
 from engines.vllm.client import VLLMEngine
 from engines.vllm.health import HealthMonitor
@@ -69,6 +69,7 @@ from gateway.http.forward_breakers import Breakers
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
     FAST_PARSE_MIN_BYTES,
+    LazyIds,
     PromptMemo,
     TokenIds,
     chat_text,
@@ -412,13 +413,13 @@ class Gateway(Forwarding, Breakers, Admin):
     def _approximate(self, reason: str) -> None:
         self.not_exact[reason] = self.not_exact.get(reason, 0) + 1
 
-    def _exact(self, ids: list[int], session: str | None) -> tuple[int, tuple[int, ...], list[int]]:
+    def _exact(self, ids: list[int], session: str | None) -> tuple[int, Sequence[int], list[int]]:
         if not ids:
             raise _bad("prompt is empty", "prompt")
-        return len(ids), tuple(self.hash_cache.hashes(ids, session)), ids
+        return len(ids), self.hash_cache.hashes(ids, session), ids
 
     def _parse(self, endpoint: str, headers: Mapping[str, str], body: Mapping[str, Any], session: str | None
-               ) -> tuple[int, int, bool, tuple[int, ...], list[int] | None]:
+               ) -> tuple[int, int, bool, Sequence[int], list[int] | None]:
         """(prompt tokens, max_tokens, stream, block hashes, token ids or None) of a valid request."""
         if endpoint == CHAT:
             max_tokens, stream = self._common(body, chat=True)
@@ -454,18 +455,20 @@ class Gateway(Forwarding, Breakers, Admin):
             return self._token_ids(np.frombuffer(packed, dtype=np.uint64), max_tokens, stream, session, prompt)
         raise _bad("prompt must be a string or a non-empty list of non-negative token ids (one prompt)", "prompt")
 
-    def _token_ids(self, arr: np.ndarray, max_tokens: int, stream: bool, session: str | None, ids: Any
-                   ) -> tuple[int, int, bool, tuple[int, ...], Any]:
-        """A token-id prompt (``arr``: uint64, non-empty) checked and hashed; ``ids`` is what the
-        route request carries (the client's list, or a :class:`TokenIds` view of ``arr``)."""
+    def _token_ids(self, arr: np.ndarray | LazyIds, max_tokens: int, stream: bool, session: str | None, ids: Any
+                   ) -> tuple[int, int, bool, Sequence[int], Any]:
+        """A token-id prompt (``arr``: uint64, non-empty; or :class:`LazyIds`, parsed as far as the
+        hashing reads, and whole only when the vocabulary check needs every id) checked and hashed;
+        ``ids`` is what the route request carries (the client's list, or a :class:`TokenIds` view of
+        ``arr``)."""
         n = len(arr)
         if self.vocab_size and (top := int(arr.max())) >= self.vocab_size:
             raise _bad(f"Token id {top} is out of vocabulary", "prompt")  # vLLM's words
         max_tokens = self._check_len(n, max_tokens)
-        return n, max_tokens, stream, tuple(self.hash_cache.hashes_array(arr, session)), ids
+        return n, max_tokens, stream, self.hash_cache.hashes_array(arr, session), ids
 
     def _parse_fast(self, raw: bytes, session: str | None
-                    ) -> tuple[dict[str, Any], tuple[int, int, bool, tuple[int, ...], Any]] | None:
+                    ) -> tuple[dict[str, Any], tuple[int, int, bool, Sequence[int], Any]] | None:
         """(body, :meth:`_parse`'s answer) of a large completions body whose prompt is a flat array of
         plain token ids, parsed without building the ids as Python ints
         (:func:`gateway.http.prompt.fast_completion_ids`); None for any other body."""
@@ -509,6 +512,11 @@ class Gateway(Forwarding, Breakers, Admin):
             except GpuhitError as exc:
                 return await self._send_error(down, exc, endpoint)
             self.metrics.routing.observe((perf_counter_ns() - ns0) * 1e-9)
+            if session is not None and type(hashes) is PromptHashes and hashes.computed < len(hashes):
+                # Routing hashed only as far as the index holds the prefix. A named session will be
+                # back with this prompt extended: hash the rest once the request is on its way
+                # (the loop's next turn), so that turn neither waits for it nor repeats it.
+                loop.call_soon(hashes.complete)
             own_hit = 0
             if ticket.action != FORWARD:
                 # The target's own prefix hit, before this request adds to it: the rest of its

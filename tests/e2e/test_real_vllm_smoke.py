@@ -38,3 +38,44 @@ def test_kv_event_sources_shape(real_vllm_pair):
     assert isinstance(sources, dict) and set(sources) == {"0"}
     assert sources["0"]["endpoint"] == f"tcp://*:{srv.kv_events_port}"
     assert sources["0"]["replay_endpoint"] == f"tcp://*:{srv.kv_events_port + 1}"
+
+
+def test_real_vllm_event_batches_take_the_typed_decoder(real_vllm_pair, monkeypatch):
+    """vLLM's own payloads (read back through its replay socket) decode on the msgspec fast path,
+    token ids left raw, and equal what the general decoder makes of them."""
+    import msgpack
+    import zmq
+
+    from engines import kv_event_codec as codec
+    from engines.kv_events import BlockStored
+
+    srv = real_vllm_pair.servers[0]
+    prompt = list(range(3000, 3000 + 32 * 5 + 7))
+    _post(srv.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2})
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    sock.connect(f"tcp://127.0.0.1:{srv.kv_events_port + 1}")
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        payloads = []
+        while True:
+            frames = sock.recv_multipart()
+            if frames[-2] == b"\xff" * 8:
+                break
+            payloads.append(frames[-1])
+    finally:
+        sock.close()
+        ctx.term()
+    stored = []
+    for p in payloads:
+        fast = codec._decode_current(p)
+        assert fast is not None, msgpack.unpackb(p)  # vLLM 0.32's shape fits the typed structs
+        with monkeypatch.context() as m:
+            m.setattr(codec, "_decode_current", lambda _p: None)
+            assert fast == codec.decode_batch(p)
+        stored += [e for e in fast.events if type(e) is BlockStored]
+    ours = [e for e in stored if tuple(e.token_ids[:32]) == tuple(prompt[:32])]
+    assert ours and all(type(e.token_ids) is codec.RawTokenIds for e in stored)
+    assert sum(len(e.block_hashes) for e in ours) >= 5

@@ -125,3 +125,38 @@ def test_seq_frames():
     assert END_SEQ == (-1).to_bytes(8, "big", signed=True)
     with pytest.raises(KVEventDecodeError):
         decode_seq(b"\x01")
+
+
+def test_the_typed_fast_path_decodes_as_the_general_one_and_leaves_token_ids_raw_until_read(monkeypatch):
+    import random
+
+    from engines import kv_event_codec as codec
+
+    rng = random.Random(5)
+    for trial in range(40):
+        events = []
+        for _ in range(rng.randrange(1, 5)):
+            kind = rng.random()
+            if kind < 0.6:
+                n = rng.choice([1, 15, 16, 17, 4096])
+                toks = tuple(rng.randrange(0, 1 << rng.choice([7, 16, 31])) for _ in range(16 * n))
+                events.append(BlockStored(tuple(rng.randrange(1 << 64) for _ in range(n)),
+                                          rng.choice([None, rng.randrange(1 << 64)]), toks, 16, None,
+                                          rng.choice(["GPU", "CPU"]), None, rng.choice([None, 1])))
+            elif kind < 0.9:
+                events.append(BlockRemoved(tuple(rng.randrange(1 << 64) for _ in range(rng.randrange(1, 9))), "GPU"))
+            else:
+                events.append(AllBlocksCleared())
+        batch = KVEventBatch(float(trial), tuple(events), rng.choice([None, 0, 3]))
+        payload = encode_batch(batch)
+        fast = decode_batch(payload)
+        assert fast.events and all(type(e.token_ids) is codec.RawTokenIds for e in fast.events if type(e) is BlockStored)
+        with monkeypatch.context() as m:
+            m.setattr(codec, "_decode_current", lambda p: None)  # the general decoder alone
+            general = decode_batch(payload)
+        assert fast == general == batch
+    # len and a chain's first block without decoding the rest
+    ev = decode_batch(encode_batch(KVEventBatch(0.0, (BlockStored((1,), None, tuple(range(70_000)), 16),))))
+    ids = ev.events[0].token_ids
+    assert len(ids) == 70_000 and ids[:16] == tuple(range(16)) and ids._ids is None
+    assert ids[69_999] == 69_999 and ids._ids is not None

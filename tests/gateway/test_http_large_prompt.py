@@ -59,3 +59,59 @@ def test_large_prompts_take_the_fast_path_with_exact_hits():
                 assert st.predicted_hit_tokens == st.realized_hit_tokens
 
     asyncio.run(main())
+
+
+def test_a_fresh_prompt_is_hashed_only_as_far_as_routing_reads_and_a_sessions_rest_after_forwarding():
+    """A prompt no instance holds costs routing one block's hash; a prompt naming its session is
+    hashed whole once forwarded, so its next turn hashes only the new blocks; predicted hits stay
+    exact either way (the lazily hashed chain is read as far as the index holds it)."""
+    async def main():
+        engines = [FakeEngine(n, prefill_s_per_token=1e-7, decode_s_per_token=1e-4, capacity_blocks=8192) for n in "ab"]
+        async with servers(engines) as srvs, gateway([f"http://127.0.0.1:{s.port}" for s in srvs], policy="lpwl") as (gw, url):  # noqa: SIM117
+            async with aiohttp.ClientSession() as http:
+                rng = random.Random(7)
+                cache = gw.hash_cache
+
+                async def send(p: list[int], session: str | None) -> tuple[str, int, dict]:
+                    headers = {"content-type": "application/json"} | ({"x-session-id": session} if session else {})
+                    async with http.post(url + "/v1/completions", data=_body(p), headers=headers) as r:
+                        assert r.status == 200, await r.text()
+                        doc = await r.json()
+                        return r.headers["x-gpuhit-instance"], int(r.headers["x-gpuhit-predicted-hit"]), doc["usage"]
+
+                def settled(i: int):
+                    return lambda: gw.router.index.cached(i) == set(engines[i].cache)
+
+                # No session: only block 0 is hashed (no instance holds it).
+                fresh = [rng.randrange(150_000) for _ in range(16 * 1000 + 3)]
+                first, hit, _ = await send(fresh, None)
+                assert hit == 0 and cache.blocks_hashed <= 1  # (an empty index is not even probed)
+                i = ["e0", "e1"].index(first)
+                await wait_until(settled(i), what="KV events")
+                before = cache.blocks_hashed
+                other = [rng.randrange(150_000) for _ in range(16 * 1000)]
+                _, hit, _ = await send(other, None)
+                assert hit == 0 and cache.blocks_hashed - before == 1  # probed against a populated index
+                await wait_until(lambda: all(settled(k)() for k in (0, 1)), what="KV events")
+                # Its extension (still no session; keyed by its first block) hashes through the whole
+                # held prefix, and the prediction is exact.
+                more = fresh + [rng.randrange(150_000) for _ in range(100)]
+                inst, hit, usage = await send(more, None)
+                assert inst == first and hit == 1000 * 16 == usage["prompt_tokens_details"]["cached_tokens"]
+                assert 1000 <= cache.blocks_hashed - before - 1 <= len(more) // 16
+                # A named session: hashed whole right after forwarding; its next turn hashes its new blocks.
+                before = cache.blocks_hashed
+                s1 = [rng.randrange(150_000) for _ in range(16 * 800)]
+                first, hit, _ = await send(s1, "s")
+                assert hit == 0
+                await wait_until(lambda: cache.blocks_hashed - before == 800, what="the rest hashed")
+                j = ["e0", "e1"].index(first)
+                await wait_until(settled(j), what="KV events")
+                s2 = s1 + [rng.randrange(150_000) for _ in range(16 * 32)]
+                inst, hit, usage = await send(s2, "s")
+                assert inst == first and hit == 800 * 16 == usage["prompt_tokens_details"]["cached_tokens"]
+                await wait_until(lambda: cache.blocks_hashed - before == 832, what="the new blocks hashed")
+                st = gw.router.stats
+                assert st.predicted_hit_tokens == st.realized_hit_tokens
+
+    asyncio.run(main())

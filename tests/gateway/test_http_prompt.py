@@ -212,3 +212,75 @@ def test_gateway_fast_and_full_parse_agree_on_large_bodies():
             fast_out = _outcome(lambda fast=fast: fast[1])
         assert fast_out == _outcome(full), text[-60:]
     assert took >= 5
+
+
+def test_lazy_prompt_hashes_read_like_the_eager_list_and_hash_only_what_is_read():
+    hasher = BlockHasher(16)
+    cache = SessionHashCache(hasher)
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 150_000, 16 * 200 + 5, dtype=np.uint64)
+    eager = hasher.event_ints(prompt.tolist())
+    lazy = cache.hashes_array(prompt, "s")
+    assert len(lazy) == 200 and lazy.computed == 0 and cache.blocks_hashed == 0
+    assert lazy[3] == eager[3] and lazy.computed == 4
+    assert lazy[-1] == eager[-1] and lazy.computed == 200
+    assert lazy[10:20] == eager[10:20] and lazy[::-7] == eager[::-7] and list(lazy) == eager
+    with pytest.raises(IndexError):
+        lazy[200]
+    # The session's next prompt takes the digests over; the earlier prompt still reads its own.
+    head = cache.hashes_array(prompt[: 16 * 50], "t")
+    assert head[9] == eager[9]
+    longer = cache.hashes_array(prompt, "t")  # extends `head` (10 blocks hashed): takes its lists
+    assert longer[120] == eager[120]
+    assert head[49] == eager[49] and list(head) == eager[:50]  # `head` copied its part before extending
+    assert list(longer) == eager
+
+
+@pytest.mark.parametrize("chained", [True, False])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_index_search_over_lazy_hashes_answers_as_over_the_list_and_hashes_about_twice_the_hit(seed, chained):
+    from gateway.kv_index import _BlockSet, _ChainSet
+
+    hasher = BlockHasher(16)
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 150_000, 16 * 300, dtype=np.uint64)
+    eager = hasher.event_ints(prompt.tolist())
+    for trial in range(30):
+        blocks = _ChainSet() if chained else _BlockSet()
+        held = int(rng.integers(0, 301))
+        keep = list(range(held))
+        if trial % 3 == 0 and held > 2:  # a hole below the held run's end
+            keep.remove(int(rng.integers(1, held)))
+        for k in keep:
+            blocks.add(eager[k], eager[k - 1] if k else None)
+        if trial % 5 == 0:  # unrelated blocks
+            for x in rng.integers(0, 1 << 62, 50).tolist():
+                blocks.add(x, None)
+        lazy = SessionHashCache(hasher).hashes_array(prompt)
+        hit = blocks.prefix_hit(lazy)
+        assert hit == blocks.prefix_hit(eager) == next((k for k in range(300) if eager[k] not in blocks.blocks), 300)
+        assert lazy.computed <= min(300, 2 * max(hit, held) + 2)  # (a hole: searched to the held run's end)
+
+
+def test_ids_without_a_session_are_checked_whole_but_parsed_only_as_far_as_they_are_read():
+    from gateway.http.prompt import LazyIds
+
+    rng = random.Random(4)
+    ids = [rng.randrange(0, 200_000) for _ in range(30_000)]
+    for text in (orjson.dumps(ids), ", ".join(map(str, ids)).encode(), b"[ " + b" ,\n".join(b"%d" % i for i in ids) + b" ]"):
+        raw = b'{"model":"m","prompt":' + (text if text.startswith(b"[") else b"[" + text + b"]") + b',"max_tokens":4}'
+        _, lazy = fast_completion_ids(raw)
+        assert isinstance(lazy, LazyIds) and len(lazy) == 30_000 and lazy.parsed == 0
+        assert lazy[:16].tolist() == ids[:16] and lazy.parsed < 30_000
+        assert lazy[-1] == ids[-1] and lazy.parsed == 30_000
+        assert lazy.tolist() == ids and int(lazy.max()) == max(ids) and np.asarray(lazy).tolist() == ids
+    # checked whole before anything is read: a bad id far down the array refuses the fast path
+    assert fast_completion_ids(b'{"prompt":[' + b"1," * 20_000 + b'01]}') is None
+    assert fast_completion_ids(b'{"prompt":[' + b"1," * 20_000 + b'1234567890123456789]}') is None
+    assert fast_completion_ids(b'{"prompt":[' + b"1," * 20_000 + b'-1]}') is None
+    # a lazily parsed prompt hashes like the parsed one, reading only what it hashes
+    cache = SessionHashCache(BlockHasher(16))
+    _, lazy = fast_completion_ids(b'{"prompt":' + orjson.dumps(ids) + b"}")
+    h = cache.hashes_array(lazy)
+    assert h[0] == BlockHasher(16).event_ints(ids[:16])[0] and lazy.parsed < 30_000
+    assert list(h) == BlockHasher(16).event_ints(ids)

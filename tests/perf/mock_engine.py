@@ -1,13 +1,18 @@
 """A zero-latency mock vLLM engine for router benchmarks (``python tests/perf/mock_engine.py``).
 
-Why not ``gpuhit emulate --zero-cost``: the emulator parses every prompt and hashes its blocks (a
-100k-token prompt costs it tens of ms of CPU), so on a small machine it would dominate the latency
-and steal the routers' CPU. This mock never parses a body: it reads it, looks for ``"stream":true``
-and answers a canned OpenAI completion / chat completion (4 tokens, a ``usage`` with
-``cached_tokens``), streamed as SSE chunks or whole. It serves what both routers read at start-up:
-``/health``, ``/v1/models``, ``/metrics`` (``vllm:cache_config_info`` with the block size) and
-``/kv_event_sources`` (a ZMQ PUB socket that never publishes: the gateway's precise index
-subscribes and stays empty). Prints ``mock engine on http://127.0.0.1:<port>`` once listening.
+Why not ``gpuhit emulate --zero-cost``: the emulator schedules every prompt through its KV manager,
+which on a small machine would dominate the latency and steal the routers' CPU. This mock answers a
+canned OpenAI completion / chat completion at once (4 tokens, a ``usage`` with ``cached_tokens``),
+streamed as SSE chunks or whole, and serves what both routers read at start-up: ``/health``,
+``/v1/models``, ``/metrics`` (``vllm:cache_config_info`` with the block size) and
+``/kv_event_sources``.
+
+It does publish KV events as vLLM would, so a KV-aware router's precise index holds what the
+engines hold and its lookups, lazy hashing included, do the work they do in production: every
+token-id prompt's full blocks (vLLM's sha256 block hashes, :mod:`engines.hashing`) not stored yet
+are announced in one ``BlockStored`` batch on the ZMQ PUB socket before the answer is written
+(the blocks are never evicted: 100,000 blocks of capacity). Prints ``mock engine on
+http://127.0.0.1:<port>`` once listening.
 """
 
 from __future__ import annotations
@@ -16,7 +21,13 @@ import argparse
 import asyncio
 
 import httptools
+import numpy as np
 import orjson
+
+from engines.hashing import BlockHasher, SessionHashCache
+from engines.kv_event_codec import encode_batch, encode_seq
+from engines.kv_events import BlockStored, KVEventBatch
+from gateway.http.prompt import FAST_PARSE_MIN_BYTES, fast_completion_ids
 
 BLOCK_SIZE = 16
 OUT = 4
@@ -77,12 +88,47 @@ def _answers(kv_port: int) -> dict[bytes, bytes]:
 NOT_FOUND = _whole(b"404 Not Found", b"application/json", b'{"error":"not found"}')
 
 
+class _Store:
+    """What this engine has cached, and the PUB socket it announces new blocks on."""
+
+    def __init__(self, pub) -> None:
+        self.pub = pub
+        self.seq = 0
+        self.hashes = SessionHashCache(BlockHasher(BLOCK_SIZE))
+        self.cached: set[int] = set()
+
+    def on_prompt(self, body: bytes, session: str | None) -> None:
+        """Announce the prompt's full blocks that are not cached yet (token-id prompts only)."""
+        if len(body) >= FAST_PARSE_MIN_BYTES and (fast := fast_completion_ids(body)) is not None:
+            ids = fast[1]
+        else:
+            try:
+                prompt = orjson.loads(body).get("prompt")
+            except (orjson.JSONDecodeError, AttributeError):
+                return
+            if not isinstance(prompt, list) or not prompt or not all(type(t) is int for t in prompt):
+                return
+            ids = np.array(prompt, dtype=np.uint64)
+        hs = list(self.hashes.hashes_array(ids, session))
+        k = next((j for j, h in enumerate(hs) if h not in self.cached), len(hs))
+        if k == len(hs):
+            return
+        new = hs[k:]
+        self.cached.update(new)
+        tokens = ids[k * BLOCK_SIZE : len(hs) * BLOCK_SIZE].tolist()
+        batch = KVEventBatch(0.0, (BlockStored(tuple(new), hs[k - 1] if k else None, tuple(tokens), BLOCK_SIZE),))
+        self.pub.send_multipart([b"kv-events", encode_seq(self.seq), encode_batch(batch)])
+        self.seq += 1
+
+
 class _Conn(asyncio.Protocol):
-    def __init__(self, answers: dict[bytes, bytes]):
+    def __init__(self, answers: dict[bytes, bytes], store: _Store):
         self.answers = answers
+        self.store = store
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
         self.body: list[bytes] = []
+        self.session: str | None = None
 
     def connection_made(self, transport):  # type: ignore[override]
         self.transport = transport
@@ -96,6 +142,11 @@ class _Conn(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url = url.split(b"?", 1)[0]
         self.body = []
+        self.session = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"x-session-id":
+            self.session = value.decode("latin-1")
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -104,6 +155,7 @@ class _Conn(asyncio.Protocol):
         key = self.url
         if key.endswith(b"completions"):
             body = b"".join(self.body)
+            self.store.on_prompt(body, self.session)
             if b'"stream":true' in body or b'"stream": true' in body:
                 key += b"+s"
         self.transport.write(self.answers.get(key, NOT_FOUND))
@@ -117,7 +169,8 @@ async def main(port: int) -> None:
     kv_port = pub.bind_to_random_port("tcp://127.0.0.1")
     answers = _answers(kv_port)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Conn(answers), "127.0.0.1", port, backlog=1024)
+    store = _Store(pub)
+    server = await loop.create_server(lambda: _Conn(answers, store), "127.0.0.1", port, backlog=1024)
     print(f"mock engine on http://127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
     await server.serve_forever()
 

@@ -1,7 +1,8 @@
 """Benchmark: `gpuhit serve` against vllm-router (PyPI ``vllm-router``, Rust) in ONE run.
 
 Both routers, and a direct-to-engine baseline, in front of the SAME two zero-latency mock engines
-(``tests/perf/mock_engine.py``, real loopback processes). Targets:
+(``tests/perf/mock_engine.py``, real loopback processes that publish vLLM KV events for every block
+they cache, so gpuhit's precise index is populated and its event decoding counted). Targets:
 
 * ``direct``: the client round-robins over the two engines itself (the "added" baseline);
 * ``gpuhit``: ``gpuhit serve --policy lpwl --index precise`` (default fast transport);
