@@ -616,10 +616,11 @@ class FastUpstreamResponse:
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def _wait(self) -> None:
-        self._waiter = self._conn.loop.create_future()
-        await self._waiter
-        self._waiter = None
+    def _wait(self) -> asyncio.Future:
+        """A future that the next event on this answer resolves (awaited directly: no coroutine
+        per wait). Once done it stays in place until the next wait; ``_wake`` skips a done one."""
+        w = self._waiter = self._conn.loop.create_future()
+        return w
 
     async def head(self) -> None:
         while not self.head_done:
