@@ -11,8 +11,11 @@ routing. Here each side is one ``asyncio.Protocol`` fed by httptools' C parser (
   a client's FIN is taken as its disconnect (no half-closed connections: that is what lets a
   client that leaves cancel its request at once),
   malformed requests -> 400 and closed, unknown paths 404, wrong methods 405. Streams go out
-  chunked; writes wait while the client's socket buffer is full. A client that disconnects
-  cancels its request's task, which closes the upstream connection (the engine aborts).
+  chunked, what is written of them in one loop iteration in one write (head, chunks and end of a
+  short answer: one syscall); writes wait while the client's socket buffer is full. A client that
+  disconnects cancels its request's task, which closes the upstream connection (the engine aborts).
+  One loop timer per connection watches its current deadline (head, body, keep-alive idle), moved
+  lazily: a request moves the deadline, not the timer.
 * :class:`FastUpstream`: a pool of keep-alive connections per engine (TCP_NODELAY), the body
   bytes written untouched in one ``write`` with the head, the answer relayed as it arrives
   (every chunk already received is handed over in one piece), the engine's socket paused while
