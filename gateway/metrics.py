@@ -3,9 +3,12 @@
 Counters are exact running totals kept in plain dicts (the hot path does a few dict increments:
 no label-object lookup, no lock; one event loop) and exported at scrape time by a collector, so a
 token counter of 123,456,789 renders as ``1.23456789e+08`` (every digit; prometheus_client's Go
-float format), never rounded. Histograms are prometheus_client's own. Each :class:`GatewayMetrics`
-owns its :class:`~prometheus_client.CollectorRegistry` (two gateways in one process never share
-series). Names:
+float format), never rounded. Histograms likewise (:class:`Histogram`): a list of bucket counts and
+a sum per series, one ``bisect`` per observation (prometheus_client's ``Histogram.observe`` takes
+a lock and costs ~1 us, three of them a request), exported with the samples prometheus_client's
+own histogram writes (cumulative ``_bucket``, ``_count``, ``_sum``, ``_created``). Each
+:class:`GatewayMetrics` owns its :class:`~prometheus_client.CollectorRegistry` (two gateways in
+one process never share series). Names:
 
 * ``gpuhit_gateway_requests_total{endpoint,code}``
 * ``gpuhit_gateway_decisions_total{policy,instance,action}``
@@ -30,11 +33,16 @@ series). Names:
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import metrics as _prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from gateway.breaker import STATES
 
@@ -69,6 +77,75 @@ class Counter:
         return fam
 
 
+class _Series:
+    """One histogram series: per-bucket counts (not cumulative; the last is +Inf) and the sum."""
+
+    __slots__ = ("bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...], created: float):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.created = created
+
+    def observe(self, value: float) -> None:
+        # bisect_left: the first bound >= value, Prometheus' ``le`` (prometheus_client's ``<=``).
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class Histogram:
+    """A labelled histogram as plain bucket counts per label tuple (see the module docstring).
+    ``wall`` gives the series' ``_created`` time (read once per series, never for a measurement)."""
+
+    __slots__ = ("_one", "bounds", "help", "labelnames", "name", "series", "wall")
+
+    def __init__(self, name: str, help_: str, buckets: tuple[float, ...], labelnames: tuple[str, ...] = (),
+                 wall: Callable[[], float] = time.time):
+        if list(buckets) != sorted(buckets) or len(set(buckets)) != len(buckets):
+            raise ValueError(f"histogram {name}: buckets must be strictly increasing, got {buckets}")
+        self.name = name
+        self.help = help_
+        self.labelnames = labelnames
+        self.bounds = tuple(float(b) for b in buckets)
+        self.wall = wall
+        self.series: dict[tuple[str, ...], _Series] = {}
+        self._one = None if labelnames else self.labels()
+
+    def labels(self, *values: str) -> _Series:
+        """The series of these label values (created, at zero, on first use)."""
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"histogram {self.name} takes labels {self.labelnames}, got {values}")
+        s = self.series.get(values)
+        if s is None:
+            s = self.series[values] = _Series(self.bounds, self.wall())
+        return s
+
+    def observe(self, value: float) -> None:
+        """Observe ``value`` in the unlabelled histogram's one series."""
+        assert self._one is not None, "a labelled histogram is observed through labels(...)"
+        self._one.observe(value)
+
+    def family(self) -> Metric:
+        """The samples prometheus_client's own histogram writes, series by series: cumulative
+        ``_bucket`` (``le`` as Go floats, then +Inf), ``_count``, ``_sum``, ``_created`` (unless
+        prometheus_client's created series are disabled)."""
+        fam = Metric(self.name, self.help, "histogram")
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        created = _prometheus_metrics._use_created
+        for values, s in self.series.items():
+            labels = dict(zip(self.labelnames, values))
+            acc = 0.0
+            for le, n in zip(les, s.counts):
+                acc += n
+                fam.samples.append(Sample(self.name + "_bucket", {**labels, "le": le}, acc))
+            fam.samples.append(Sample(self.name + "_count", labels, acc))
+            fam.samples.append(Sample(self.name + "_sum", labels, s.sum))
+            if created:
+                fam.samples.append(Sample(self.name + "_created", labels, s.created))
+        return fam
+
+
 class _Collector:
     """Exports the dict counters and the per-instance gauges when the registry is scraped."""
 
@@ -80,6 +157,8 @@ class _Collector:
 
     def collect(self) -> Iterable[Metric]:
         m = self.m
+        for h in m.histograms:
+            yield h.family()
         for c in m.counters:
             yield c.family()
         healthy = GaugeMetricFamily("gpuhit_gateway_instance_healthy", "1 if the instance takes traffic.",
@@ -128,9 +207,10 @@ class _Collector:
 
 
 class GatewayMetrics:
-    """Every metric of one gateway; ``render()`` is the ``/metrics`` body (``CONTENT_TYPE``)."""
+    """Every metric of one gateway; ``render()`` is the ``/metrics`` body (``CONTENT_TYPE``).
+    ``wall`` is the clock of the histograms' ``_created`` series (prometheus_client's: Unix time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wall: Callable[[], float] = time.time) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter("gpuhit_gateway_requests_total", "Requests answered, by endpoint and HTTP status.",
                                 ("endpoint", "code"))
@@ -155,19 +235,18 @@ class GatewayMetrics:
         self.breakers: Callable[[], Iterable[tuple[str, Any]]] | None = None
         self.kv_streams: Callable[[], Iterable[tuple[str, dict[str, int]]]] | None = None
         self.extra: list[Callable[[], Iterable[Metric]]] = []
-        r = self.registry
         self.routing = Histogram("gpuhit_gateway_routing_seconds",
-                                 "Time to route one request (parse, hash, snapshot, decide).",
-                                 buckets=ROUTING_BUCKETS, registry=r)
+                                 "Time to route one request (parse, hash, snapshot, decide).", ROUTING_BUCKETS,
+                                 wall=wall)
         self.latency = Histogram("gpuhit_gateway_request_seconds",
                                  "Routed requests: arrival to the answer's last byte (errors included).",
-                                 ("endpoint",), buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("gpuhit_gateway_ttft_seconds",
-                              "Routed requests: arrival to the engine's first answer byte.",
-                              ("endpoint",), buckets=LATENCY_BUCKETS, registry=r)
+                                 LATENCY_BUCKETS, ("endpoint",), wall=wall)
+        self.ttft = Histogram("gpuhit_gateway_ttft_seconds", "Routed requests: arrival to the engine's first answer byte.",
+                              LATENCY_BUCKETS, ("endpoint",), wall=wall)
+        self.histograms = (self.routing, self.latency, self.ttft)
         self._latency = {e: self.latency.labels(e) for e in ("/v1/completions", "/v1/chat/completions")}
         self._ttft = {e: self.ttft.labels(e) for e in ("/v1/completions", "/v1/chat/completions")}
-        r.register(_Collector(self))
+        self.registry.register(_Collector(self))
 
     def observe_latency(self, endpoint: str, seconds: float) -> None:
         self._latency[endpoint].observe(seconds)

@@ -11,8 +11,11 @@ routing. Here each side is one ``asyncio.Protocol`` fed by httptools' C parser (
   a client's FIN is taken as its disconnect (no half-closed connections: that is what lets a
   client that leaves cancel its request at once),
   malformed requests -> 400 and closed, unknown paths 404, wrong methods 405. Streams go out
-  chunked; writes wait while the client's socket buffer is full. A client that disconnects
-  cancels its request's task, which closes the upstream connection (the engine aborts).
+  chunked, what is written of them in one loop iteration in one write (head, chunks and end of a
+  short answer: one syscall); writes wait while the client's socket buffer is full. A client that
+  disconnects cancels its request's task, which closes the upstream connection (the engine aborts).
+  One loop timer per connection watches its current deadline (head, body, keep-alive idle), moved
+  lazily: a request moves the deadline, not the timer.
 * :class:`FastUpstream`: a pool of keep-alive connections per engine (TCP_NODELAY), the body
   bytes written untouched in one ``write`` with the head, the answer relayed as it arrives
   (every chunk already received is handed over in one piece), the engine's socket paused while
@@ -74,6 +77,8 @@ MAX_HEADERS = 100
 # is fed must be bounded before it parses, not only checked after.
 _HEAD_MAX = MAX_LINE + MAX_HEADER_BYTES + 4 * MAX_HEADERS + 4
 _LINGER_S = 2.0  # how long a refused connection's remaining bytes are read and discarded
+_TIMER_SLACK = 1e-3  # a timer this close to its deadline counts as on time (loop timers have ms resolution)
+_OUT_MAX = 1 << 16  # stream bytes held for the end of the loop iteration before they are written at once
 
 
 def _nodelay(transport: asyncio.BaseTransport) -> None:
@@ -83,7 +88,16 @@ def _nodelay(transport: asyncio.BaseTransport) -> None:
 
 
 def _status_line(status: int) -> bytes:
-    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Status"))
+    line = _STATUS_LINES.get(status)
+    return line if line is not None else b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Status"))
+
+
+_STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in _REASONS.items()}
+
+
+def _header_lines(headers: Mapping[str, str]) -> bytes:
+    """``name: value\r\n`` per header, latin-1 (anything else replaced), in one encode."""
+    return "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode("latin-1", "replace")
 
 
 # ------------------------------------------------------------------------------------ server
@@ -113,36 +127,33 @@ class _Downstream:
         self.head_only = head_only  # a HEAD request: the GET answer's head, no body
         self.started = False
 
-    def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> list[bytes]:
-        out = [_status_line(status), extra]
-        for k, v in headers.items():
-            out.append(f"{k}: {v}\r\n".encode("latin-1", "replace"))
-        if not self.keep_alive:
-            out.append(b"connection: close\r\n")
-        out.append(b"\r\n")
-        return out
+    def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
+        return b"%b%b%b%b\r\n" % (_status_line(status), extra, _header_lines(headers) if headers else b"",
+                                   b"" if self.keep_alive else b"connection: close\r\n")
 
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes, content_type: str) -> None:
         extra = b"content-type: %s\r\ncontent-length: %d\r\n" % (content_type.encode("latin-1"), len(body))
         head = self._head(status, headers, extra)
-        if not self.head_only:
-            head.append(body)
-        self.conn.write(b"".join(head))
+        self.conn.write(head if self.head_only else head + body)
+
+    # A stream's head, chunks and end are handed to the connection as they come and leave in one
+    # write per loop iteration (:meth:`_ServerConn.write_soon`): a short answer relayed from one
+    # upstream read goes out in one syscall instead of three.
 
     async def start_stream(self, headers: Mapping[str, str]) -> None:
         self.started = True
-        self.conn.write(b"".join(self._head(200, headers, b"content-type: text/event-stream\r\n"
-                                                         b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n")))
+        self.conn.write_soon(self._head(200, headers, b"content-type: text/event-stream\r\n"
+                                                      b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n"))
 
     async def write(self, data: bytes) -> None:
         if data:
             conn = self.conn
-            conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+            conn.write_soon(b"%x\r\n%b\r\n" % (len(data), data))
             if conn.paused:
                 await conn.drain()
 
     async def end(self) -> None:
-        self.conn.write(b"0\r\n\r\n")
+        self.conn.write_soon(b"0\r\n\r\n")
 
 
 class _ServerConn(asyncio.Protocol):
@@ -178,8 +189,17 @@ class _ServerConn(asyncio.Protocol):
         self._head_room = _HEAD_MAX
         self._partial = False  # a request has begun and is not complete
         self._heads = 0  # request heads parsed on this connection
+        # The connection's one deadline (kind, loop time) and the one loop timer that checks it.
+        # Moving the deadline is two stores; the timer is re-set only when the deadline moves
+        # earlier than it (or when it fires early: then to the deadline), not three times a request.
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._timer_kind = ""
+        self._deadline: float | None = None
+        # Stream bytes written during this loop iteration, sent in one write at its end.
+        self._out: list[bytes] = []
+        self._out_size = 0
+        self._flush_handle: asyncio.Handle | None = None
 
     # -- asyncio.Protocol
 
@@ -203,6 +223,8 @@ class _ServerConn(asyncio.Protocol):
         self.closed = True
         self.server.conns.discard(self)
         self._disarm()
+        self._stop_timers()
+        self._out = []
         d = self._drain
         if d is not None and not d.done():
             d.set_exception(ConnectionResetError("the client closed the connection"))
@@ -221,6 +243,12 @@ class _ServerConn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._stop_parsing or self.closed:
             return
+        try:
+            self._feed(data)
+        finally:
+            self._sync_timer()  # the parser's callbacks moved the deadline; the timer follows once
+
+    def _feed(self, data: bytes) -> None:
         try:
             while data:
                 room = self._head_room
@@ -256,22 +284,47 @@ class _ServerConn(asyncio.Protocol):
     # -- timers
 
     def _arm(self, kind: str, delay: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        """Set the connection's deadline ``delay`` seconds from now, timer included."""
         self._timer_kind = kind
-        self._timer = self.server.loop.call_later(delay, self._expired, kind)
+        self._deadline = self.server.loop.time() + delay
+        self._sync_timer()
 
     def _disarm(self) -> None:
+        """No deadline (the timer, if set, finds none when it fires)."""
+        self._timer_kind = ""
+        self._deadline = None
+
+    def _sync_timer(self) -> None:
+        """Make sure the timer fires by the deadline: set it, or move it earlier; never later."""
+        d = self._deadline
+        if d is None:
+            return
+        t = self._timer
+        if t is not None:
+            if self._timer_at <= d:
+                return  # it fires first and re-arms itself for the deadline then
+            t.cancel()
+        self._timer_at = d
+        self._timer = self.server.loop.call_at(d, self._expired)
+
+    def _stop_timers(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-            self._timer_kind = ""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
 
-    def _expired(self, kind: str) -> None:
+    def _expired(self) -> None:
         self._timer = None
-        self._timer_kind = ""
-        if self.closed:
+        d = self._deadline
+        if self.closed or d is None:
             return
+        if d - self.server.loop.time() > _TIMER_SLACK:
+            self._sync_timer()  # the deadline moved on since the timer was set: wait for it
+            return
+        kind = self._timer_kind
+        self._disarm()
         if kind == "linger" or (not self._partial and self._task is None):
             self.close()  # idle keep-alive, or a connection that never sent a request: nothing to answer
             return
@@ -291,7 +344,8 @@ class _ServerConn(asyncio.Protocol):
         self._size = 0
         self._partial = True
         if self._timer_kind != "head":  # the connection's first request keeps its opening deadline
-            self._arm("head", self.server.header_timeout)
+            self._timer_kind = "head"
+            self._deadline = self.server.loop.time() + self.server.header_timeout
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
@@ -315,7 +369,8 @@ class _ServerConn(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._heads += 1
-        self._arm("body", self.server.body_timeout)
+        self._timer_kind = "body"
+        self._deadline = self.server.loop.time() + self.server.body_timeout
         url = b"".join(self._url)
         q = url.find(b"?")
         self._path = path = (url if q < 0 else url[:q]).decode("latin-1")
@@ -436,9 +491,40 @@ class _ServerConn(asyncio.Protocol):
     # -- writing
 
     def write(self, data: bytes) -> None:
+        """Write now (after any stream bytes still held); ``ConnectionResetError`` once the client is gone."""
         if self.closed or self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
+        if self._out:
+            self._out.append(data)
+            data = b"".join(self._out)
+            self._out = []
+            self._out_size = 0
         self.transport.write(data)
+
+    def write_soon(self, data: bytes) -> None:
+        """Write at the end of this loop iteration, with whatever else is written until then (at once
+        past ``_OUT_MAX`` bytes, so the transport's flow control still applies)."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        self._out.append(data)
+        self._out_size += len(data)
+        if self._out_size > _OUT_MAX:
+            self._flush()
+        elif self._flush_handle is None:
+            self._flush_handle = self.server.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        out = self._out
+        if not out:
+            return
+        self._out = []
+        self._out_size = 0
+        t = self.transport
+        if not self.closed and t is not None and not t.is_closing():
+            t.write(out[0] if len(out) == 1 else b"".join(out))
 
     async def drain(self) -> None:
         if self.closed:
@@ -448,7 +534,9 @@ class _ServerConn(asyncio.Protocol):
         await self._drain
 
     def close(self) -> None:
+        self._flush()
         self._disarm()
+        self._stop_timers()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
@@ -457,6 +545,7 @@ class _ServerConn(asyncio.Protocol):
         bytes (the rest of a refused head or body) sends an RST that can destroy the answer in
         flight. So: FIN our side, discard what still arrives, close at the client's FIN or after
         ``_LINGER_S``."""
+        self._flush()
         t = self.transport
         if t is None or t.is_closing():
             return
@@ -530,10 +619,11 @@ class FastUpstreamResponse:
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def _wait(self) -> None:
-        self._waiter = self._conn.loop.create_future()
-        await self._waiter
-        self._waiter = None
+    def _wait(self) -> asyncio.Future:
+        """A future that the next event on this answer resolves (awaited directly: no coroutine
+        per wait). Once done it stays in place until the next wait; ``_wake`` skips a done one."""
+        w = self._waiter = self._conn.loop.create_future()
+        return w
 
     async def head(self) -> None:
         while not self.head_done:
@@ -549,23 +639,29 @@ class FastUpstreamResponse:
         chunks = self._chunks
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        conn = self._conn
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The answer as it arrives: every chunk received so far in one piece (an iterator object,
+        not an async generator: no loop hooks to register and finalize per stream)."""
         self.streaming = True
+        return self
+
+    def __aiter__(self) -> FastUpstreamResponse:
+        return self
+
+    async def __anext__(self) -> bytes:
         while True:
             chunks = self._chunks
             if chunks:
                 data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 self._chunks = []
                 self._size = 0
-                conn.resume()
-                yield data
-            elif self.complete:
-                return
-            elif self._error is not None:
+                self._conn.resume()
+                return data
+            if self.complete:
+                raise StopAsyncIteration
+            if self._error is not None:
                 raise self._error
-            else:
-                await self._wait()
+            await self._wait()
 
     def release(self) -> None:
         if self._released:
@@ -671,7 +767,8 @@ class _Pool:
     first), and none idle longer than ``idle_timeout`` (a trim timer runs while any is idle), so a
     load peak leaves no thousand idle sockets behind."""
 
-    __slots__ = ("_trim", "all", "host", "host_header", "idle", "idle_timeout", "max_idle", "port", "prefix")
+    __slots__ = ("_heads", "_trim", "all", "host", "host_header", "idle", "idle_timeout", "max_idle", "port",
+                 "prefix")
 
     def __init__(self, url: str, max_idle: int, idle_timeout: float):
         u = urlsplit(url)
@@ -687,6 +784,15 @@ class _Pool:
         self.idle: deque[_UpConn] = deque()  # oldest left, most recently used right
         self.all: set[_UpConn] = set()
         self._trim: asyncio.TimerHandle | None = None
+        self._heads: dict[str, bytes] = {}
+
+    def head(self, path: str) -> bytes:
+        """A POST's request line and fixed headers to ``path``, up to the content-length's value."""
+        h = self._heads.get(path)
+        if h is None:
+            h = self._heads[path] = (b"POST %b%b HTTP/1.1\r\nhost: %b\r\ncontent-type: application/json\r\n"
+                                     b"content-length: " % (self.prefix, path.encode("latin-1"), self.host_header))
+        return h
 
     def put(self, conn: _UpConn) -> None:
         if self.max_idle <= 0:
@@ -753,13 +859,7 @@ class FastUpstream:
 
     async def post(self, i: int, path: str, body: bytes, headers: Mapping[str, str]) -> FastUpstreamResponse:
         pool = self.pools[i]
-        head = [b"POST %b%b HTTP/1.1\r\nhost: %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                % (pool.prefix, path.encode("latin-1"), pool.host_header, len(body))]
-        for k, v in headers.items():
-            head.append(f"{k}: {v}\r\n".encode("latin-1", "replace"))
-        head.append(b"\r\n")
-        head.append(body)
-        data = b"".join(head)
+        data = b"%b%d\r\n%b\r\n%b" % (pool.head(path), len(body), _header_lines(headers) if headers else b"", body)
         conn = pool.take()
         for attempt in (0, 1):
             reused = conn is not None

@@ -184,14 +184,16 @@ class Forwarding:
             # A non-streamed answer arrives whole at the end: the budget a stream of the same length
             # gets (none when there is no idle timeout to scale).
             first = first + cfg.idle_timeout * ticket.request.max_tokens if first and cfg.idle_timeout else 0.0
-        wd = self.deadlines.watch(i, first, cfg.idle_timeout)
+        wd = self.deadlines.enter(i, first, cfg.idle_timeout)
         try:
-            async with wd:
-                await self._exchange(down, endpoint, raw, stream, ticket, res, headers, up_headers, own_hit, wd)
-        except TimeoutError:
-            if wd.fired is None:
-                raise  # the whole-request --timeout, handled by the caller
+            await self._exchange(down, endpoint, raw, stream, ticket, res, headers, up_headers, own_hit, wd)
+        except BaseException as exc:
+            own = wd.leave(cancelled=isinstance(exc, asyncio.CancelledError))
+            if not own and (wd.fired is None or not isinstance(exc, TimeoutError)):
+                raise  # the client left, the whole-request --timeout (handled by the caller), a bug
             await self._watchdog_fired(down, endpoint, ticket, headers, wd)
+        else:
+            wd.leave(cancelled=False)
 
     async def _exchange(self, down: Downstream, endpoint: str, raw: bytes, stream: bool, ticket: Ticket,
                         res: GenerateResult, headers: dict[str, str], up_headers: dict[str, str], own_hit: int,
@@ -265,10 +267,11 @@ class Forwarding:
             self._engine_failed(i, breaker.TIMEOUT, why)
         await self._fail(down, exc, endpoint, headers)
 
-    def _finish_ok(self, ticket: Ticket, res: GenerateResult, u: Any, name: str, own_hit: int) -> None:
+    def _finish_ok(self, ticket: Ticket, res: GenerateResult, u: dict[str, Any] | None, name: str,
+                   own_hit: int) -> None:
         m = self.metrics
         moved = ticket.action != FORWARD and not ticket.fallback
-        if isinstance(u, Mapping):
+        if u is not None:
             res.completion_tokens = int(u.get("completion_tokens") or 0)
             cached = protocol.cached_tokens_of(u) or 0
             m.realized_hit.inc((name,), cached)

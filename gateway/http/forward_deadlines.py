@@ -6,8 +6,6 @@ abort for the exchanges of an engine whose circuit breaker opened. Used by
 from __future__ import annotations
 
 import asyncio
-from types import TracebackType
-from typing import Self
 
 TTFB = "ttfb"
 IDLE = "idle"
@@ -20,43 +18,38 @@ class Watchdog:
     waits for the engine (time spent writing to the client is not the engine's: the caller sets
     :attr:`last` to None around a write). :class:`Deadlines` checks every active watchdog on one
     timer; when a deadline has passed, or :meth:`abort` is called (the engine's breaker opened),
-    the task inside ``async with`` is cancelled and gets a ``TimeoutError`` (as with
-    ``asyncio.timeout``), and :attr:`fired` says which (``ttfb``, ``idle``, ``ejected``).
-    Cost per request: a set insertion and removal; per chunk: one ``loop.time()``."""
+    the task that made it (:meth:`Deadlines.enter`) is cancelled, :meth:`leave` answers True for
+    that cancellation (the caller turns it into its 504 / 502) and :attr:`fired` says which
+    (``ttfb``, ``idle``, ``ejected``). Plain calls, not an ``async with``: entering and leaving
+    cost a set insertion and removal, no coroutine; per chunk: one ``loop.time()``."""
 
     __slots__ = ("_cancelling", "_deadlines", "_instance", "_task", "after", "fired", "first", "idle", "last",
                  "limit", "why")
 
-    def __init__(self, deadlines: Deadlines, instance: int, first: float, idle: float):
+    def __init__(self, deadlines: Deadlines, instance: int, first: float, idle: float, task: asyncio.Task):
         self._deadlines = deadlines
         self._instance = instance
         self.limit = first or None  # the limit now: None once done (or when there is none)
         self.idle = idle or None
-        self._task: asyncio.Task | None = None
-        self._cancelling = 0
-        self.last: float | None = None
+        self._task: asyncio.Task | None = task
+        self._cancelling = task.cancelling()
+        self.last: float | None = deadlines.loop.time()
         self.first = True  # no answer byte yet: ``limit`` is the TTFB one
         self.fired: str | None = None
         self.after = 0.0  # the limit (seconds) that fired
         self.why = ""
 
-    async def __aenter__(self) -> Self:
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
-        self._cancelling = task.cancelling()
-        self.last = self._deadlines.loop.time()
-        self._deadlines.add(self._instance, self)
-        return self
-
-    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    def leave(self, cancelled: bool) -> bool:
+        """The exchange is over (``cancelled``: it ended in ``CancelledError``). True when that
+        cancellation was this watchdog's own (a deadline or an ejection, not the client leaving
+        or a whole-request timeout): the caller answers with the error of :attr:`fired`
+        instead of propagating it. As ``asyncio.timeout`` does, the watchdog's cancel request is
+        withdrawn (``uncancel``) once it fired, whether or not it reached the task."""
         self.limit = None
         self._deadlines.discard(self._instance, self)
         task, self._task = self._task, None
-        assert task is not None
-        if self.fired is not None and task.uncancel() <= self._cancelling and et is asyncio.CancelledError:
-            raise TimeoutError from exc
+        assert task is not None, "leave() called twice"
+        return self.fired is not None and task.uncancel() <= self._cancelling and cancelled
 
     def first_byte(self) -> None:
         """The engine's first byte came: from now on the idle limit applies."""
@@ -106,8 +99,14 @@ class Deadlines:
         self._active = 0
         self._timer: asyncio.TimerHandle | None = None
 
-    def watch(self, i: int, first: float, idle: float) -> Watchdog:
-        return Watchdog(self, i, first, idle)
+    def enter(self, i: int, first: float, idle: float) -> Watchdog:
+        """A watchdog over the current task's exchange with engine ``i``, active from now until its
+        :meth:`Watchdog.leave` (or :meth:`Watchdog.done`)."""
+        task = asyncio.current_task(self.loop)
+        assert task is not None, "Deadlines.enter() outside a task"
+        wd = Watchdog(self, i, first, idle, task)
+        self.add(i, wd)
+        return wd
 
     def add(self, i: int, wd: Watchdog) -> None:
         s = self.in_flight[i]

@@ -3,13 +3,12 @@ parsing the rest (vLLM puts ``usage`` last, in the final SSE event or at the end
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
 
-def usage_from_tail(tail: bytes, sse: bool = True) -> Mapping[str, Any] | None:
+def usage_from_tail(tail: bytes, sse: bool = True) -> dict[str, Any] | None:
     """The ``usage`` object of the last SSE event that has one, found in the stream's tail
     (``sse=False``: of a plain JSON body's tail, where ``"usage": {...}`` holds only scalars and
     the flat ``prompt_tokens_details`` object)."""
@@ -20,20 +19,18 @@ def usage_from_tail(tail: bytes, sse: bool = True) -> Mapping[str, Any] | None:
         start = tail.find(b"{", at)
         if start < 0 or tail[at + 7 : start].strip() != b":":  # "usage": null, or cut off
             return None
-        depth = 0
-        for j in range(start, len(tail)):
-            c = tail[j]
-            if c == 123:  # {
-                depth += 1
-            elif c == 125:  # }
-                depth -= 1
-                if depth == 0:
-                    try:
-                        obj = orjson.loads(tail[start : j + 1])
-                    except ValueError:
-                        return None
-                    return obj if isinstance(obj, dict) else None
-        return None
+        # The object ends at the first "}" where the braces since `start` balance, found by C-level
+        # find / count (a Python loop over its bytes cost ~5 us a request).
+        end = tail.find(b"}", start)
+        while end >= 0 and tail.count(b"{", start, end) != tail.count(b"}", start, end) + 1:
+            end = tail.find(b"}", end + 1)
+        if end < 0:
+            return None
+        try:
+            obj = orjson.loads(tail[start : end + 1])
+        except ValueError:
+            return None
+        return obj if isinstance(obj, dict) else None
     at = tail.rfind(b'"usage"')
     while at >= 0:
         start = tail.rfind(b"data:", 0, at)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from engines.fake import FakeEngine
 from tests.e2e.helpers import gateway, servers, wait_until
 
@@ -151,3 +153,89 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request():
 
     asyncio.run(main())
 
+
+
+class _RecordingTransport:
+    """A client socket's transport that keeps what is written, write by write."""
+
+    def __init__(self):
+        self.writes: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.closing
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def get_extra_info(self, name: str, default=None):
+        return default
+
+
+def test_a_streamed_answer_leaves_in_one_write_per_loop_iteration():
+    """Head, chunks and end written in one loop iteration go out in one write at its end, in order;
+    a whole answer (respond) sends what is held first; past 64 KB held, bytes go at once; closing
+    sends what is held before the close."""
+    from types import SimpleNamespace
+
+    from gateway.http.fast import _Downstream, _ServerConn
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        server = SimpleNamespace(gw=None, max_body_bytes=1 << 20, loop=loop, conns=set())
+        conn = _ServerConn(server)
+        t = conn.transport = _RecordingTransport()
+        down = _Downstream(conn, keep_alive=True)
+        await down.start_stream({"x-gpuhit-instance": "e0"})
+        await down.write(b"data: 1\n\n")
+        await down.write(b"data: [DONE]\n\n")
+        await down.end()
+        assert t.writes == []
+        await asyncio.sleep(0)  # one loop iteration: the held bytes are flushed by then
+        (data,) = t.writes
+        assert data.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+        assert b"x-gpuhit-instance: e0\r\n\r\n" in data
+        assert data.endswith(b"\r\n9\r\ndata: 1\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        # A whole answer after a stream's held end (pipelining): the end first, one write.
+        await down.end()
+        await _Downstream(conn, keep_alive=True).respond(200, {}, b"{}", "application/json")
+        assert t.writes[1] == b"0\r\n\r\nHTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+        await asyncio.sleep(0)
+        assert len(t.writes) == 2  # nothing left held
+        # Past 64 KB held, out at once (the transport's flow control sees it).
+        await down.write(b"x" * 70_000)
+        assert len(t.writes) == 3 and t.writes[2].startswith(b"11170\r\nxxx")
+        # Closing sends what is held first.
+        await down.end()
+        conn.close()
+        assert t.writes[3] == b"0\r\n\r\n" and t.closing
+        with pytest.raises(ConnectionResetError):
+            await down.write(b"late")
+
+    asyncio.run(main())
+
+
+def test_a_keep_alive_connection_outlives_its_first_head_deadline():
+    """The connection's timer is moved lazily: when the opening head deadline's timer fires after
+    the first request was answered, it re-arms for the keep-alive deadline instead of closing."""
+    async def main():
+        async with servers([FakeEngine("a")]) as srvs, \
+                gateway(urls(srvs), transport="fast", header_timeout=0.2, keepalive_timeout=60.0) as (gw, url):
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request(completion([1] * 20)))
+            assert (await read_response(reader))[0] == 200
+            (conn,) = gw._server.conns
+            opening = conn._timer_at
+            assert conn._timer_kind == "idle" and conn._deadline > opening + 30
+            # The opening deadline's timer fires (0.2 s) and re-arms for the idle deadline.
+            await wait_until(lambda: conn._timer_at > opening + 30, what="the timer re-armed for the idle deadline")
+            writer.write(request(completion([2] * 20)))
+            assert (await read_response(reader))[0] == 200
+            writer.close()
+
+    asyncio.run(main())

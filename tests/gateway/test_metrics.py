@@ -83,3 +83,41 @@ def test_live_metrics_gauges_and_histograms(transport):
             assert got[("gpuhit_gateway_ttft_seconds_count", ep)] == 2
 
     asyncio.run(main())
+
+
+def test_histograms_render_as_prometheus_clients_own():
+    """The plain-dict histograms write what prometheus_client's Histogram writes for the same
+    observations (bucket edges included: a value equal to a bound is in that bucket), the
+    ``_created`` series from the injected wall clock."""
+    import re
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from gateway.metrics import LATENCY_BUCKETS, ROUTING_BUCKETS
+
+    ours = GatewayMetrics(wall=lambda: 1234.5)
+    reg = CollectorRegistry(auto_describe=False)
+    routing = Histogram("gpuhit_gateway_routing_seconds", "Time to route one request (parse, hash, snapshot, decide).",
+                        buckets=ROUTING_BUCKETS, registry=reg)
+    latency = Histogram("gpuhit_gateway_request_seconds",
+                        "Routed requests: arrival to the answer's last byte (errors included).", ("endpoint",),
+                        buckets=LATENCY_BUCKETS, registry=reg)
+    ttft = Histogram("gpuhit_gateway_ttft_seconds", "Routed requests: arrival to the engine's first answer byte.",
+                     ("endpoint",), buckets=LATENCY_BUCKETS, registry=reg)
+    eps = ("/v1/completions", "/v1/chat/completions")
+    for e in eps:
+        latency.labels(e)
+        ttft.labels(e)
+    for k, v in enumerate((0.0, 25e-6, 3e-5, 0.1, 0.2, 1e9, 0.005, 4.2)):
+        ours.routing.observe(v)
+        routing.observe(v)
+        ours.observe_latency(eps[k % 2], v)
+        latency.labels(eps[k % 2]).observe(v)
+        if k % 3:
+            ours.observe_ttft(eps[k % 2], v)
+            ttft.labels(eps[k % 2]).observe(v)
+    created = re.compile(r"(_created(\{[^}]*\})?) \S+$", re.MULTILINE)
+    theirs = created.sub(r"\1 T", generate_latest(reg).decode())
+    mine = ours.render()
+    assert re.findall(r"^gpuhit\S*_created\S* (\S+)$", mine, re.MULTILINE) == ["1234.5"] * 5
+    assert created.sub(r"\1 T", mine).startswith(theirs)  # the counters and gauges follow
