@@ -252,7 +252,6 @@ class BlockHasher:
         return out
 
 
-_NO_TOKENS = np.zeros(0, dtype=np.uint64)
 # Below this many new blocks the per-block path is as fast as laying out the pickles in numpy.
 _VECTOR_MIN_BLOCKS = 8
 
@@ -273,7 +272,7 @@ class PromptHashes(Sequence[int]):
     lists were handed on copies its part before it extends it.
     """
 
-    __slots__ = ("_count", "_digests", "_hasher", "_ints", "_n", "_owner", "tokens")
+    __slots__ = ("_count", "_digests", "_hasher", "_ints", "_n", "_owner", "superseded", "tokens")
 
     def __init__(self, hasher: BlockHasher, tokens: Any, digests: list[bytes] | None = None,
                  ints: list[int] | None = None, owner: SessionHashCache | None = None):
@@ -286,6 +285,7 @@ class PromptHashes(Sequence[int]):
         self._ints = [] if ints is None else ints
         self._count = len(self._ints)
         self._owner = owner
+        self.superseded = False  # a later prompt of the same session came (see :meth:`complete`)
 
     def __len__(self) -> int:
         return self._n
@@ -317,8 +317,11 @@ class PromptHashes(Sequence[int]):
             self._owner.blocks_hashed += k - c
 
     def complete(self) -> None:
-        """Hash every block not hashed yet."""
-        self._ensure(self._n)
+        """Hash every block not hashed yet, for the session's next prompt; nothing once that prompt
+        has come (it took over what was hashed here and hashes what it reads itself: finishing this
+        chain then would hash it twice)."""
+        if not self.superseded:
+            self._ensure(self._n)
 
     def __getitem__(self, i):  # type: ignore[override]
         n = self._n
@@ -388,6 +391,7 @@ class SessionHashCache:
         if last is None:
             out = PromptHashes(hasher, ids, owner=self)
         else:
+            last.superseded = True
             m = min(last.computed, nfull)
             if m:
                 diff = np.flatnonzero(ids[: m * bs] != last.tokens[: m * bs])

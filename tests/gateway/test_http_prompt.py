@@ -284,3 +284,19 @@ def test_ids_without_a_session_are_checked_whole_but_parsed_only_as_far_as_they_
     h = cache.hashes_array(lazy)
     assert h[0] == BlockHasher(16).event_ints(ids[:16])[0] and lazy.parsed < 30_000
     assert list(h) == BlockHasher(16).event_ints(ids)
+
+
+def test_completing_a_superseded_prompt_hashes_nothing():
+    """The gateway completes a named session's hashes after forwarding; when the session's next
+    prompt arrived first, it has taken over, and the earlier chain is not finished for nothing."""
+    cache = SessionHashCache(BlockHasher(16))
+    rng = np.random.default_rng(2)
+    turn1 = rng.integers(0, 150_000, 16 * 100, dtype=np.uint64)
+    turn2 = np.concatenate((turn1, rng.integers(0, 150_000, 16 * 4, dtype=np.uint64)))
+    first = cache.hashes_array(turn1, "s")
+    assert first[0] and cache.blocks_hashed == 1
+    second = cache.hashes_array(turn2, "s")  # before first.complete() ran
+    first.complete()
+    assert cache.blocks_hashed == 1 and first.computed == 1
+    second.complete()
+    assert cache.blocks_hashed == 104 and list(second) == BlockHasher(16).event_ints(turn2.tolist())
