@@ -362,12 +362,21 @@ class SessionHashCache:
     and starts from those digests, so an agentic turn that appends 512 tokens to a 100k-token
     prompt hashes at most 32 blocks, and a prompt no instance has seen hashes as few as routing asks
     for. The session key is ``session``, else the first block's tokens.
+
+    Bounded twice (least recently used first): at most ``max_sessions`` sessions and at most
+    ``max_tokens`` tokens kept in all (a kept 100k-token prompt holds its ids and digests, ~1.4 MB:
+    4,096 of them would be 5.6 GB; the default 16M tokens is ~250 MB). The session in use is never
+    evicted by its own prompt.
     """
 
-    def __init__(self, hasher: BlockHasher, max_sessions: int = 4096):
+    def __init__(self, hasher: BlockHasher, max_sessions: int = 4096, max_tokens: int = 16 << 20):
+        if max_sessions <= 0 or max_tokens <= 0:
+            raise ConfigError("the session hash cache needs max_sessions > 0 and max_tokens > 0")
         self.hasher = hasher
         self.max_sessions = max_sessions
+        self.max_tokens = max_tokens
         self._entries: OrderedDict[Any, PromptHashes] = OrderedDict()
+        self.tokens = 0  # tokens of the kept prompts
         self.blocks_hashed = 0  # work counter (tests, /debug/state, benchmarks)
 
     def hashes(self, token_ids: Sequence[int], session: str | None = None, packed: array | None = None
@@ -402,10 +411,14 @@ class SessionHashCache:
             else:
                 out = PromptHashes(hasher, ids, last._digests[:m], last._ints[:m], owner=self)
         # The session's latest prompt is the best predictor of its next one.
-        self._entries[key] = out
-        self._entries.move_to_end(key)
-        if len(self._entries) > self.max_sessions:
-            self._entries.popitem(last=False)
+        entries = self._entries
+        if last is not None:
+            self.tokens -= len(last.tokens)
+        entries[key] = out
+        entries.move_to_end(key)
+        self.tokens += len(ids)
+        while len(entries) > 1 and (len(entries) > self.max_sessions or self.tokens > self.max_tokens):
+            self.tokens -= len(entries.popitem(last=False)[1].tokens)
         return out
 
 

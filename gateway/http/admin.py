@@ -99,6 +99,7 @@ class Admin:
             "router": router.stats.as_dict(),
             "share": None if self.share is None else self.share.state(),
             "hash_cache_blocks_hashed": self.hash_cache.blocks_hashed,
+            "hash_cache_tokens": self.hash_cache.tokens, "prompt_memo_bytes": self.prompt_memo.bytes,
             "hash": {"algo": self.hasher.hash_name, "none_hash_seed": self.hasher.seed},
             "hash_check": None if self.verifier is None else dict(zip(self.verifier.names, self.verifier.state())),
             "tokenizer": None if self.tokenizer is None else self.tokenizer.source,

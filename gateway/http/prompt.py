@@ -307,11 +307,13 @@ class PromptMemo:
     instead of parsing it again. The body is still validated whole (the caller parses the rest of
     it and checks the prompt's place) so the answer is exactly what a full parse gives. Memory: the
     array text of each remembered session (~6 bytes a token; the ids are shared with the session
-    hash cache's copy), at most ``max_sessions`` of them.
+    hash cache's copy), at most ``max_sessions`` of them and ``max_bytes`` in all.
     """
 
-    def __init__(self, max_sessions: int = 1024):
+    def __init__(self, max_sessions: int = 1024, max_bytes: int = 256 << 20):
         self.max_sessions = max_sessions
+        self.max_bytes = max_bytes  # text + ids kept in all (a 100k-token prompt: ~1.4 MB)
+        self.bytes = 0
         self._last: OrderedDict[str, tuple[bytes, np.ndarray]] = OrderedDict()
         self.reused = 0  # prompts that parsed only their new ids (tests, /debug/state)
 
@@ -338,10 +340,16 @@ class PromptMemo:
         return np.concatenate((ids, more))
 
     def remember(self, session: str, text: bytes, ids: np.ndarray) -> None:
-        self._last[session] = (text, ids)
-        self._last.move_to_end(session)
-        if len(self._last) > self.max_sessions:
-            self._last.popitem(last=False)
+        last = self._last
+        old = last.get(session)
+        if old is not None:
+            self.bytes -= len(old[0]) + old[1].nbytes
+        last[session] = (text, ids)
+        last.move_to_end(session)
+        self.bytes += len(text) + ids.nbytes
+        while len(last) > 1 and (len(last) > self.max_sessions or self.bytes > self.max_bytes):
+            _, (t, i) = last.popitem(last=False)
+            self.bytes -= len(t) + i.nbytes
 
 
 class TokenIds(Sequence[int]):

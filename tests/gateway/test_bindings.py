@@ -47,3 +47,19 @@ def test_bad_table_sizes_are_errors():
         GatewayConfig(engines=one, max_sessions=0).validate()
     with pytest.raises(ConfigError, match="redis://"):
         GatewayConfig(engines=one, share="nats://127.0.0.1:4222").validate()
+
+
+def test_the_hash_cache_is_bounded_by_tokens_as_well_as_sessions():
+    """Large session-less prompts each take an entry: a budget in tokens keeps the cache's memory
+    bounded however few sessions that is (the newest prompt always stays)."""
+    import numpy as np
+
+    hc = SessionHashCache(BlockHasher(16, "sha256", None), max_sessions=1000, max_tokens=100_000)
+    for i in range(50):
+        hc.hashes_array(np.arange(i * 30_000, (i + 1) * 30_000, dtype=np.uint64))
+        assert hc.tokens <= 100_000 and len(hc._entries) == min(i + 1, 3)
+        assert hc.tokens == sum(len(e.tokens) for e in hc._entries.values())
+    big = hc.hashes_array(np.arange(250_000, dtype=np.uint64), "s")  # over the budget alone: kept
+    assert list(hc._entries.values()) == [big] and hc.tokens == 250_000
+    again = hc.hashes_array(np.arange(250_016, dtype=np.uint64), "s")  # its next turn replaces it
+    assert list(hc._entries.values()) == [again] and hc.tokens == 250_016

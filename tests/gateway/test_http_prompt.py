@@ -300,3 +300,12 @@ def test_completing_a_superseded_prompt_hashes_nothing():
     assert cache.blocks_hashed == 1 and first.computed == 1
     second.complete()
     assert cache.blocks_hashed == 104 and list(second) == BlockHasher(16).event_ints(turn2.tolist())
+
+
+def test_the_prompt_memo_is_bounded_in_bytes():
+    memo = PromptMemo(max_sessions=100, max_bytes=1_000_000)
+    for i in range(20):
+        ids = np.arange(i, i + 20_000, dtype=np.uint64)
+        memo.remember(f"s{i}", b"x" * 100_000, ids)
+        assert memo.bytes <= 1_000_000 and memo.bytes == sum(len(t) + a.nbytes for t, a in memo._last.values())
+    assert len(memo._last) == 3

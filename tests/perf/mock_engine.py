@@ -10,8 +10,8 @@ streamed as SSE chunks or whole, and serves what both routers read at start-up: 
 It does publish KV events as vLLM would, so a KV-aware router's precise index holds what the
 engines hold and its lookups, lazy hashing included, do the work they do in production: every
 token-id prompt's full blocks (vLLM's sha256 block hashes, :mod:`engines.hashing`) not stored yet
-are announced in one ``BlockStored`` batch on the ZMQ PUB socket before the answer is written
-(the blocks are never evicted: 100,000 blocks of capacity). Prints ``mock engine on
+are announced in one ``BlockStored`` event on the ZMQ PUB socket before the answer is written, with
+a ``BlockRemoved`` for the least recently used blocks beyond its 100,000 blocks of capacity. Prints ``mock engine on
 http://127.0.0.1:<port>`` once listening.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections import OrderedDict
 
 import httptools
 import numpy as np
@@ -26,11 +27,12 @@ import orjson
 
 from engines.hashing import BlockHasher, SessionHashCache
 from engines.kv_event_codec import encode_batch, encode_seq
-from engines.kv_events import BlockStored, KVEventBatch
+from engines.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from gateway.http.prompt import FAST_PARSE_MIN_BYTES, fast_completion_ids
 
 BLOCK_SIZE = 16
 OUT = 4
+CAPACITY = 100_000  # blocks, as /metrics' num_gpu_blocks says
 
 
 def _completion(chat: bool) -> bytes:
@@ -67,7 +69,7 @@ def _whole(status: bytes, ctype: bytes, body: bytes) -> bytes:
 
 
 def _answers(kv_port: int) -> dict[bytes, bytes]:
-    metrics = (f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",num_gpu_blocks="100000"}} 1.0\n'
+    metrics = (f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",num_gpu_blocks="{CAPACITY}"}} 1.0\n'
                'vllm:num_requests_running{model_name="m"} 0.0\nvllm:num_requests_waiting{model_name="m"} 0.0\n'
                'vllm:kv_cache_usage_perc{model_name="m"} 0.0\n').encode()
     sse_head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -89,16 +91,19 @@ NOT_FOUND = _whole(b"404 Not Found", b"application/json", b'{"error":"not found"
 
 
 class _Store:
-    """What this engine has cached, and the PUB socket it announces new blocks on."""
+    """What this engine has cached (LRU, ``CAPACITY`` blocks), and the PUB socket it announces
+    stored and evicted blocks on."""
 
     def __init__(self, pub) -> None:
         self.pub = pub
         self.seq = 0
-        self.hashes = SessionHashCache(BlockHasher(BLOCK_SIZE))
-        self.cached: set[int] = set()
+        # few sessions kept: a kept 100k-token prompt costs ~1.4 MB, and every prompt is kept once
+        self.hashes = SessionHashCache(BlockHasher(BLOCK_SIZE), max_sessions=128, max_tokens=4 << 20)
+        self.cached: OrderedDict[int, None] = OrderedDict()
 
     def on_prompt(self, body: bytes, session: str | None) -> None:
-        """Announce the prompt's full blocks that are not cached yet (token-id prompts only)."""
+        """Announce the prompt's full blocks that are not cached yet (token-id prompts only), and
+        the least recently used blocks they push out."""
         if len(body) >= FAST_PARSE_MIN_BYTES and (fast := fast_completion_ids(body)) is not None:
             ids = fast[1]
         else:
@@ -110,14 +115,20 @@ class _Store:
                 return
             ids = np.array(prompt, dtype=np.uint64)
         hs = list(self.hashes.hashes_array(ids, session))
-        k = next((j for j, h in enumerate(hs) if h not in self.cached), len(hs))
+        cached = self.cached
+        k = next((j for j, h in enumerate(hs) if h not in cached), len(hs))
+        for h in hs[:k]:  # a hit refreshes its blocks
+            cached.move_to_end(h)
         if k == len(hs):
             return
         new = hs[k:]
-        self.cached.update(new)
-        tokens = ids[k * BLOCK_SIZE : len(hs) * BLOCK_SIZE].tolist()
-        batch = KVEventBatch(0.0, (BlockStored(tuple(new), hs[k - 1] if k else None, tuple(tokens), BLOCK_SIZE),))
-        self.pub.send_multipart([b"kv-events", encode_seq(self.seq), encode_batch(batch)])
+        cached.update(dict.fromkeys(new))
+        evicted = [cached.popitem(last=False)[0] for _ in range(max(0, len(cached) - CAPACITY))]
+        tokens = np.asarray(ids[k * BLOCK_SIZE : len(hs) * BLOCK_SIZE]).tolist()
+        events: list = [BlockStored(tuple(new), hs[k - 1] if k else None, tuple(tokens), BLOCK_SIZE)]
+        if evicted:
+            events.append(BlockRemoved(tuple(evicted)))
+        self.pub.send_multipart([b"kv-events", encode_seq(self.seq), encode_batch(KVEventBatch(0.0, tuple(events)))])
         self.seq += 1
 
 
