@@ -11,7 +11,7 @@ It does publish KV events as vLLM would, so a KV-aware router's precise index ho
 engines hold and its lookups, lazy hashing included, do the work they do in production: every
 token-id prompt's full blocks (vLLM's sha256 block hashes, :mod:`engines.hashing`) not stored yet
 are announced in one ``BlockStored`` event on the ZMQ PUB socket before the answer is written, with
-a ``BlockRemoved`` for the least recently used blocks beyond its 100,000 blocks of capacity. Prints ``mock engine on
+a ``BlockRemoved`` for the least recently used blocks beyond its 1,000,000 blocks of capacity. Prints ``mock engine on
 http://127.0.0.1:<port>`` once listening.
 """
 
@@ -32,7 +32,7 @@ from gateway.http.prompt import FAST_PARSE_MIN_BYTES, fast_completion_ids
 
 BLOCK_SIZE = 16
 OUT = 4
-CAPACITY = 100_000  # blocks, as /metrics' num_gpu_blocks says
+CAPACITY = 1_000_000  # blocks (16M tokens: the agentic workload's 64 sessions of 100k fit), as /metrics' num_gpu_blocks says
 
 
 def _completion(chat: bool) -> bytes:
