@@ -244,8 +244,9 @@ def decode_event(raw: Any) -> KVEvent:
 class RawTokenIds(Sequence[int]):
     """A ``BlockStored``'s token ids, decoded from their msgpack bytes on first use.
 
-    ``len``, iteration, indexing, slicing, comparison (with another sequence of ints, a tuple
-    included) and hashing answer as for the decoded tuple.
+    ``len``, iteration, indexing, slicing, comparison (with a tuple or another ``RawTokenIds``)
+    and hashing answer as for the decoded tuple. Elements decode as the general decoder takes them
+    (whatever msgpack holds), so both paths give the same event for the same payload.
     """
 
     __slots__ = ("_ids", "_raw")
@@ -255,11 +256,8 @@ class RawTokenIds(Sequence[int]):
         self._ids: tuple[int, ...] | None = None
 
     def ids(self) -> tuple[int, ...]:
-        if self._ids is None:
-            try:
-                self._ids = tuple(_TOKEN_IDS.decode(self._raw))
-            except msgspec.DecodeError as exc:
-                raise KVEventDecodeError(f"BlockStored.token_ids: {exc}") from None
+        if self._ids is None:  # (msgspec parsed these bytes already: they decode)
+            self._ids = tuple(_TOKEN_IDS.decode(self._raw))
             self._raw = None
         return self._ids
 
@@ -295,7 +293,7 @@ class RawTokenIds(Sequence[int]):
         return repr(self.ids())
 
 
-_TOKEN_IDS = msgspec.msgpack.Decoder(list[int])
+_TOKEN_IDS = msgspec.msgpack.Decoder()  # untyped, as the general decoder's tuple(token_ids)
 
 
 class _Stored(msgspec.Struct, tag="BlockStored", tag_field="type"):

@@ -155,6 +155,15 @@ def test_the_typed_fast_path_decodes_as_the_general_one_and_leaves_token_ids_raw
             m.setattr(codec, "_decode_current", lambda p: None)  # the general decoder alone
             general = decode_batch(payload)
         assert fast == general == batch
+    # token ids of another type are taken as the general decoder takes them, not refused on first read
+    odd = msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None,
+                                "token_ids": ["a", 2.5] * 8, "block_size": 16, "lora_id": None, "medium": "GPU",
+                                "lora_name": None}]])
+    fast = codec._decode_current(odd)
+    assert fast is not None and fast.events[0].token_ids[:16] == ("a", 2.5) * 8
+    with monkeypatch.context() as m:
+        m.setattr(codec, "_decode_current", lambda p: None)
+        assert fast == decode_batch(odd)
     # len and a chain's first block without decoding the rest
     ev = decode_batch(encode_batch(KVEventBatch(0.0, (BlockStored((1,), None, tuple(range(70_000)), 16),))))
     ids = ev.events[0].token_ids
