@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from engines.kv_events import KVEventBatch
+from gpuhit.frozen import record
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class GenerateRequest:
     """One generation request with an exact output length.
 
@@ -59,7 +60,7 @@ class GenerateResult:
         return self.error is None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class EngineStats:
     """Engine-reported load, as vLLM's /metrics gauges give it (None = not known yet)."""
 

@@ -236,6 +236,7 @@ class PreciseKVIndex(_BaseIndex):
     """
 
     __slots__ = ()
+    learns_from_routing = False  # on_routed is a no-op: the router skips calling it
 
     def __init__(self, num_instances: int):
         super().__init__(num_instances)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engines.base import EngineClient, GenerateRequest, GenerateResult
+from engines.base import EngineClient, EngineStats, GenerateRequest, GenerateResult
 from engines.kv_events import KVEventBatch
 from gateway.bindings import SessionBindings
 from gateway.kv_index import KVIndex
@@ -51,12 +51,14 @@ from gateway.snapshot import (
     Snapshot,
 )
 from gpuhit.errors import ConfigError, NoInstanceError
+from gpuhit.frozen import record
 
 ROLES = ("both", "prefill", "decode")
 DEFAULT_KV_BYTES_PER_TOKEN = 98304
+_NO_STATS = EngineStats()  # what a snapshot shows of engines whose stats are not used
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RouteRequest:
     """What the router needs to know about one request. ``block_hashes``: the prompt's full blocks'
     hashes, a tuple or a lazily hashed :class:`engines.hashing.PromptHashes` (the router reads only
@@ -72,7 +74,7 @@ class RouteRequest:
     turn: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RouteRecord:
     """One routing decision, as logged through ``decision_sink``."""
 
@@ -288,7 +290,8 @@ class Ticket:
             r._pending[t] -= self._pending
         r._in_flight[t] -= 1
         r._active_blocks[t] -= self._blocks
-        r.residency.on_finished(self.request.session_id, t, r.now())
+        if self.request.session_id is not None:
+            r.residency.on_finished(self.request.session_id, t, r.now())
         st = r.stats
         st.finished += 1
         err = error or (result.error if result is not None else None)
@@ -353,6 +356,8 @@ class Router:
         self._reads_residency = bool(getattr(policy, "reads_residency", False))
         self.residency = SessionResidency()
         self.index = index
+        # An index fed by the engines' events learns nothing from a forward (skipped per request).
+        self._index_learns = getattr(index, "learns_from_routing", True)
         self.block_size = block_size
         self.roles = roles
         self.names = tuple(names)
@@ -468,35 +473,21 @@ class Router:
             )
         if not any(self._healthy):
             raise NoInstanceError("no healthy instance: every engine is marked unhealthy")
-        hits = self._match(req.block_hashes) if with_hits else [(0, 0)] * len(self.engines)
-        use_stats = self.use_engine_stats
-        now = self.now()
         n = len(self.engines)
+        hits = self._match(req.block_hashes) if with_hits else [(0, 0)] * n
+        now = self.now()
         resident = self.residency.resident_blocks(n, now, req.session_id) if self._reads_residency else [0] * n
+        use_stats = self.use_engine_stats
+        names, roles, healthy = self.names, self.roles, self._healthy
+        in_flight, pending, decode, active, routed = (self._in_flight, self._pending, self._decode,
+                                                      self._active_blocks, self._routed)
         states = []
         for i, eng in enumerate(self.engines):
-            st = eng.stats() if use_stats else None
+            st = eng.stats() if use_stats else _NO_STATS
             g, c = hits[i]
-            states.append(
-                InstanceState(
-                    i,
-                    self.names[i],
-                    self.roles[i],
-                    self._healthy[i],
-                    self._in_flight[i],
-                    self._pending[i],
-                    self._decode[i],
-                    self._active_blocks[i],
-                    None if st is None else st.running,
-                    None if st is None else st.waiting,
-                    None if st is None else st.kv_usage,
-                    None if st is None else st.kv_capacity_blocks,
-                    g,
-                    c,
-                    self._routed[i],
-                    resident[i],
-                )
-            )
+            states.append(InstanceState(i, names[i], roles[i], healthy[i], in_flight[i], pending[i], decode[i],
+                                        active[i], st.running, st.waiting, st.kv_usage, st.kv_capacity_blocks, g, c,
+                                        routed[i], resident[i]))
         view = RequestView(
             req.request_id,
             req.prompt_len,
@@ -508,9 +499,12 @@ class Router:
             req.turn,
             next(self._seq),
         )
+        session = req.session_id
+        if session is None:  # no binding, migration or start to look up
+            return Snapshot(now, view, tuple(states))
         b = self.bindings
-        return Snapshot(now, view, tuple(states), b.get(req.session_id), b.last_migrated_at(req.session_id),
-                        self.residency.started_at(req.session_id))
+        return Snapshot(now, view, tuple(states), b.get(session), b.last_migrated_at(session),
+                        self.residency.started_at(session))
 
     def decide(self, req: RouteRequest) -> Decision:
         """Snapshot + policy + validation (sync). Logs nothing and changes no counters."""
@@ -600,12 +594,16 @@ class Router:
         st.decisions_by_instance[tgt] += 1
         st.actions[d.action] = st.actions.get(d.action, 0) + 1
         st.predicted_hit_tokens += t.predicted_hit_tokens
-        self.residency.on_arrival(req.session_id, snap.now)
-        if d.action in (FORWARD, MIGRATE):
-            self.residency.on_routed(req.session_id, tgt, t._blocks)
+        session = req.session_id
+        if session is not None:
+            self.residency.on_arrival(session, snap.now)
+            if d.action in (FORWARD, MIGRATE):
+                self.residency.on_routed(session, tgt, t._blocks)
         if d.action == FORWARD:
-            self.bindings.bind(req.session_id, tgt)
-            self.index.on_routed(tgt, req.block_hashes)
+            if session is not None:
+                self.bindings.bind(session, tgt)
+            if self._index_learns:
+                self.index.on_routed(tgt, req.block_hashes)
         elif d.action == MIGRATE:
             st.migrations += 1
             self.bindings.migrated(req.session_id, tgt, snap.now)

@@ -7,7 +7,9 @@ mutable gateway state: everything they may use is copied in here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+
+from gpuhit.frozen import record
 
 FORWARD = "forward"  # run the request on ``target``
 MIGRATE = "migrate"  # move the session's KV from ``source`` to ``target``, rebind, then run on target
@@ -16,7 +18,7 @@ PD = "pd"  # prefill on ``source`` (producer), decode on ``target`` (consumer), 
 ACTIONS = (FORWARD, MIGRATE, FETCH, PD)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class InstanceState:
     """One instance as the policy sees it at decision time."""
 
@@ -47,7 +49,7 @@ class InstanceState:
     resident_blocks: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestView:
     request_id: str
     input_tokens: int
@@ -60,7 +62,7 @@ class RequestView:
     seq: int = 0  # gateway-wide request counter (round robin uses it)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Snapshot:
     now: float
     request: RequestView
@@ -76,7 +78,7 @@ class Snapshot:
         return min(inst.gpu_hit_blocks * self.request.block_size, max(self.request.input_tokens - 1, 0))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Decision:
     action: str
     target: int

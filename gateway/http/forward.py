@@ -34,7 +34,7 @@ from gateway import breaker
 from gateway.http.forward_deadlines import EJECTED, TTFB, Watchdog
 from gateway.http.prompt import client_body
 from gateway.http.transport import COMPLETIONS, Downstream, UpstreamClosedError, UpstreamConnectError
-from gateway.http.usage import usage_from_tail
+from gateway.http.usage import usage_from_tail, usage_of_json
 from gateway.router import Ticket
 from gateway.snapshot import FORWARD
 from gpuhit.errors import EngineError, GpuhitError
@@ -230,8 +230,7 @@ class Forwarding:
                     return await down.respond(up.status, headers, data, up.content_type)
                 ticket.first_token()
                 res.first_token_time = self._loop.time()
-                # The usage object is at the end of vLLM's JSON: find it without parsing the rest.
-                self._finish_ok(ticket, res, usage_from_tail(data[-_TAIL:], sse=False), name, own_hit)
+                self._finish_ok(ticket, res, usage_of_json(data), name, own_hit)
                 m.requests.inc((endpoint, "200"))
                 return await down.respond(200, headers, data, "application/json")
             return await self._stream(down, endpoint, up, ticket, res, headers, name, own_hit, wd)

@@ -7,6 +7,21 @@ from typing import Any
 
 import orjson
 
+WHOLE_MAX = 4096  # a JSON answer up to this size is parsed whole: one C call, the least code per answer
+
+
+def usage_of_json(data: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a whole (non-streamed) JSON answer: a short one parsed whole, a long
+    one (many choices, logprobs) from its tail (:func:`usage_from_tail`)."""
+    if len(data) > WHOLE_MAX:
+        return usage_from_tail(data[-WHOLE_MAX:], sse=False)
+    try:
+        doc = orjson.loads(data)
+    except ValueError:
+        return None
+    u = doc.get("usage") if type(doc) is dict else None
+    return u if type(u) is dict else None
+
 
 def usage_from_tail(tail: bytes, sse: bool = True) -> dict[str, Any] | None:
     """The ``usage`` object of the last SSE event that has one, found in the stream's tail

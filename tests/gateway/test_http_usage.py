@@ -9,7 +9,7 @@ import random
 
 import orjson
 
-from gateway.http.usage import usage_from_tail
+from gateway.http.usage import WHOLE_MAX, usage_from_tail, usage_of_json
 
 
 def reference(tail: bytes):
@@ -66,3 +66,14 @@ def test_sse_usage_is_the_last_event_that_has_one():
     tail = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
     assert usage_from_tail(tail) == {"prompt_tokens": 1, "completion_tokens": 2}
     assert usage_from_tail(b"data: [DONE]\n\n") is None
+
+
+def test_whole_json_answers_short_and_long_give_the_same_usage():
+    usage = {"prompt_tokens": 40, "total_tokens": 42, "completion_tokens": 2,
+             "prompt_tokens_details": {"cached_tokens": 32}}
+    for text in ("} {\"usage\": {", "x" * (2 * WHOLE_MAX)):  # parsed whole; found in the tail
+        body = orjson.dumps({"id": "cmpl-1", "choices": [{"text": text}], "usage": usage, "kv_transfer_params": None})
+        assert usage_of_json(body) == usage
+    assert usage_of_json(b'{"usage": null}') is None
+    assert usage_of_json(b'[{"usage": {"a": 1}}]') is None  # not an object
+    assert usage_of_json(b'{"usage": {"a": 1}') is None  # cut off: no usage rather than a guess
