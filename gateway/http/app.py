@@ -84,13 +84,14 @@ from gateway.http.transport import (
     COMPLETIONS,
     AioUpstream,
     Downstream,
+    HeaderLines,
     Upstream,
     needs_auth,
 )
 from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router, RouteRequest
-from gateway.snapshot import FORWARD
+from gateway.snapshot import FORWARD, Decision
 from gateway.tokenizer import NotExact, PromptTokenizer, discover
 from gpuhit import tracing
 from gpuhit.errors import (
@@ -139,6 +140,7 @@ class Gateway(Forwarding, Breakers, Admin):
         self.max_model_len: int | None = None
         self._ids = itertools.count()
         self._engine_ids: dict[str, str] = {}  # bootstrap address -> engine id (its GET /query)
+        self._header_prefixes: dict[tuple[int, str], bytes] = {}  # (instance, action) -> encoded headers
         self._app: web.Application | None = None
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         self._server: Any = None  # the running transport (AppRunner or FastServer)
@@ -479,6 +481,21 @@ class Gateway(Forwarding, Breakers, Admin):
         max_tokens, stream = self._common(body, chat=False)
         return body, self._token_ids(arr, max_tokens, stream, session, TokenIds(arr))
 
+    def _decision_headers(self, target: int, d: Decision, predicted_hit: int) -> HeaderLines:
+        """``x-gpuhit-instance`` / ``-decision`` / ``-reason`` / ``-predicted-hit`` of an answer,
+        encoded once (the first two per instance and action, kept)."""
+        key = (target, d.action)
+        prefix = self._header_prefixes.get(key)
+        if prefix is None:
+            prefix = self._header_prefixes[key] = (
+                f"x-gpuhit-instance: {header_value(self.engines[target].name)}\r\n"
+                f"x-gpuhit-decision: {d.action}\r\n").encode("latin-1")
+        reason = d.reason
+        if len(reason) > 200 or not (reason.isascii() and reason.isprintable()):
+            reason = header_value(reason)  # already safe otherwise: header_value would return it as is
+        return HeaderLines(b"%bx-gpuhit-reason: %b\r\nx-gpuhit-predicted-hit: %d\r\n"
+                           % (prefix, reason.encode("ascii"), predicted_hit))
+
     # ------------------------------------------------------------------------------ the request
 
     async def handle(self, endpoint: str, headers: Mapping[str, str], raw: bytes, down: Downstream) -> None:
@@ -529,12 +546,7 @@ class Gateway(Forwarding, Breakers, Admin):
             m.decisions.inc((self.policy_name, name, d.action))
             m.prompt_tokens.inc((name,), n)
             m.predicted_hit.inc((name,), ticket.predicted_hit_tokens)
-            resp_headers = {
-                "x-gpuhit-instance": name,
-                "x-gpuhit-decision": d.action,
-                "x-gpuhit-reason": header_value(d.reason),
-                "x-gpuhit-predicted-hit": str(ticket.predicted_hit_tokens),
-            }
+            resp_headers = self._decision_headers(ticket.target, d, ticket.predicted_hit_tokens)
             up_headers = {"x-request-id": rid}
             if session is not None:
                 up_headers["x-session-id"] = session

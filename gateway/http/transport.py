@@ -18,7 +18,7 @@ not be reached (connect) or the connection broke after the request was sent (clo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import aiohttp
@@ -87,6 +87,37 @@ class UpstreamConnectError(EngineError):
 
 class UpstreamClosedError(EngineError):
     """The engine's connection broke after the request was sent (crash, reset, truncated body)."""
+
+
+class HeaderLines(Mapping[str, str]):
+    """Response headers already encoded as ``name: value\r\n`` lines (latin-1). The fast
+    transport writes :attr:`lines` as they are; anything else reads them as a mapping (parsed on
+    first use). Why: the gateway's per-request ``x-gpuhit-*`` headers are built once as bytes
+    instead of as a dict that each answer's head re-encodes."""
+
+    __slots__ = ("_map", "lines")
+
+    def __init__(self, lines: bytes):
+        self.lines = lines
+        self._map: dict[str, str] | None = None
+
+    def _mapping(self) -> dict[str, str]:
+        if self._map is None:
+            pairs = (line.split(": ", 1) for line in self.lines.decode("latin-1").split("\r\n") if line)
+            self._map = {k: v for k, v in pairs}
+        return self._map
+
+    def __getitem__(self, key: str) -> str:
+        return self._mapping()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._mapping())
+
+    def __len__(self) -> int:
+        return len(self._mapping())
+
+    def __bool__(self) -> bool:  # without parsing (a Mapping's truth would call __len__)
+        return bool(self.lines)
 
 
 class Downstream(Protocol):

@@ -239,3 +239,34 @@ def test_a_keep_alive_connection_outlives_its_first_head_deadline():
             writer.close()
 
     asyncio.run(main())
+
+
+def test_upstream_answer_head_read_in_any_split():
+    """The engine's content-type is found in the answer's head bytes (no per-header callback):
+    whatever the split of the head over reads, any case, the last of repeated fields; status,
+    keep-alive and body as httptools parses them; a second answer on the same connection starts
+    afresh."""
+    from types import SimpleNamespace
+
+    from gateway.http.fast import _UpConn
+
+    answer = (b"HTTP/1.1 400 Bad Request\r\nDate: x\r\nContent-Type: text/html\r\nCONTENT-TYPE:  text/plain; "
+              b"charset=utf-8 \r\nContent-Length: 5\r\n\r\nhello")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for cut in range(1, len(answer)):
+            for second in (False, True):
+                conn = _UpConn(SimpleNamespace(), loop)
+                conn.transport = _RecordingTransport()
+                if second:  # an earlier answer (no content-type) read to its end on this connection
+                    first = conn.send(b"req")
+                    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                    assert first.complete and first.content_type == "application/json"
+                r = conn.send(b"req")
+                conn.data_received(answer[:cut])
+                conn.data_received(answer[cut:])
+                assert (r.status, r.content_type, r.keep_alive) == (400, "text/plain; charset=utf-8", True), cut
+                assert await r.read() == b"hello"
+
+    asyncio.run(main())

@@ -139,3 +139,38 @@ def test_engine_down_is_502_then_ejected_and_others_serve():
                         assert r.status == 200
 
     run(main())
+
+
+def test_header_lines_read_as_a_mapping():
+    from gateway.http.transport import HeaderLines
+
+    h = HeaderLines(b"x-a: 1\r\nx-b: two words: yes\r\n")
+    assert h and h._map is None  # truth without parsing: the fast transport only writes the bytes
+    assert dict(h) == {"x-a": "1", "x-b": "two words: yes"} and len(h) == 2 and h["x-a"] == "1"
+    assert not HeaderLines(b"")
+
+
+def test_decision_headers_are_the_same_on_both_transports_and_safe():
+    """The x-gpuhit-* headers, built as bytes for the fast transport, read the same through
+    aiohttp's; a reason with a line break or non-ASCII text is made safe as before."""
+    from gateway.http.prompt import header_value
+    from gateway.snapshot import FORWARD, Decision
+
+    async def main():
+        seen = []
+        for transport in ("fast", "aiohttp"):
+            engines = [FakeEngine("a"), FakeEngine("b")]  # fresh: nothing cached from the other run
+            async with servers(engines) as srvs, gateway([s_url(s) for s in srvs], policy="lpwl",
+                                                        transport=transport) as (gw, url):
+                async with aiohttp.ClientSession() as http, http.post(
+                        url + "/v1/completions", json=body(list(range(40)), stream=False)) as r:
+                    assert r.status == 200
+                    seen.append({k: v for k, v in r.headers.items() if k.startswith("x-gpuhit-")})
+                odd = Decision(FORWARD, 1, "héllo\r\nworld " + "x" * 300)
+                lines = dict(gw._decision_headers(1, odd, 48))
+                assert lines == {"x-gpuhit-instance": "e1", "x-gpuhit-decision": "forward",
+                                 "x-gpuhit-reason": header_value(odd.reason), "x-gpuhit-predicted-hit": "48"}
+        assert seen[0] == seen[1] and seen[0]["x-gpuhit-reason"].startswith("lpwl: pending 0 + new 40")
+        assert set(seen[0]) == {"x-gpuhit-instance", "x-gpuhit-decision", "x-gpuhit-reason", "x-gpuhit-predicted-hit"}
+
+    run(main())
