@@ -38,7 +38,9 @@ from gpuhit.errors import ConfigError
 
 
 class KVIndex(Protocol):
-    """Per-instance prefix-hit oracle the router consults for every request."""
+    """Per-instance prefix-hit oracle the router consults for every request. An index may set
+    ``learns_from_routing = False`` when :meth:`on_routed` does nothing (the router then skips the
+    call for forwards); without the attribute it is called."""
 
     num_instances: int
 
