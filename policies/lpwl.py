@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
-from gpuhit.errors import NoInstanceError
-from policies.common import Param, new_prefill_tokens, parse_params, tie_key
+from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
 
 # vLLM priority of a migration's KV export under --scheduling-policy priority: smaller runs first, and
@@ -28,18 +27,12 @@ SEED_EXPORT_TOKENS_PER_TOKEN = 98304 / 9.7e9 / 50e-6
 
 def lpwl_choice(snapshot: Snapshot) -> tuple[int, tuple[tuple[int, float], ...]]:
     """LPWL's target and every healthy candidate's prefill work (pending + input - hit)."""
-    req = snapshot.request
-    n = req.input_tokens
-    bs = req.block_size
-    cap = max(n - 1, 0)
-    # One pass, run for every request: new_prefill_tokens (input - hit, the hit capped at input - 1
-    # as Snapshot.hit_tokens caps it) and tie_key's (in_flight, routed, index) written out in place.
-    keyed = [(s.pending_prefill_tokens + n - min(s.gpu_hit_blocks * bs, cap), s.in_flight, s.routed, s.index)
-             for s in snapshot.instances if s.healthy]
-    if not keyed:
-        raise NoInstanceError("no healthy instance can take the request")
-    target = min(keyed)[3]
-    return target, tuple([(k[3], float(k[0])) for k in keyed])
+    cands = healthy(snapshot)
+    keyed = [
+        (s.pending_prefill_tokens + new_prefill_tokens(snapshot, s), tie_key(s), s.index) for s in cands
+    ]
+    target = min(keyed)[2]
+    return target, tuple((i, float(w)) for w, _, i in keyed)
 
 
 @dataclass(frozen=True, slots=True)
