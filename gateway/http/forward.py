@@ -63,7 +63,7 @@ class Forwarding:
     """The upstream half of :class:`~gateway.http.app.Gateway`'s request logic."""
 
     async def _act(self, down: Downstream, endpoint: str, body: Mapping[str, Any], raw: bytes, stream: bool,
-                   ticket: Ticket, res: GenerateResult, resp_headers: dict[str, str], up_headers: dict[str, str],
+                   ticket: Ticket, res: GenerateResult, resp_headers: Mapping[str, str], up_headers: dict[str, str],
                    own_hit: int) -> None:
         params = await self._producer_step(ticket, up_headers) if ticket.needs_producer else None
         raw = forwarded_body(body, raw, params, ticket.decision.priority, ticket.request.prompt_token_ids)
@@ -174,7 +174,7 @@ class Forwarding:
         return eid
 
     async def _forward(self, down: Downstream, endpoint: str, raw: bytes, stream: bool, ticket: Ticket,
-                       res: GenerateResult, headers: dict[str, str], up_headers: dict[str, str], own_hit: int) -> None:
+                       res: GenerateResult, headers: Mapping[str, str], up_headers: dict[str, str], own_hit: int) -> None:
         """Post to the target and relay its answer under a :class:`Watchdog` (TTFB, then idle
         timeouts; ended at once if the target's breaker opens meanwhile)."""
         i = ticket.target
@@ -196,7 +196,7 @@ class Forwarding:
             wd.leave(cancelled=False)
 
     async def _exchange(self, down: Downstream, endpoint: str, raw: bytes, stream: bool, ticket: Ticket,
-                        res: GenerateResult, headers: dict[str, str], up_headers: dict[str, str], own_hit: int,
+                        res: GenerateResult, headers: Mapping[str, str], up_headers: dict[str, str], own_hit: int,
                         wd: Watchdog) -> None:
         i = ticket.target
         name = self.engines[i].name
@@ -289,7 +289,7 @@ class Forwarding:
         ticket.finish(res)
 
     async def _stream(self, down: Downstream, endpoint: str, up: Any, ticket: Ticket, res: GenerateResult,
-                      headers: dict[str, str], name: str, own_hit: int, wd: Watchdog) -> None:
+                      headers: Mapping[str, str], name: str, own_hit: int, wd: Watchdog) -> None:
         loop = self._loop
         m = self.metrics
         await down.start_stream(headers)
