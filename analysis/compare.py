@@ -77,21 +77,21 @@ LEGEND: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("ttft_p50", "ttft_p90"), "TTFT p50/p90", "time to first token of ok requests, seconds"),
     (("tpot_p50",), "TPOT p50", "time per output token after the first, milliseconds"),
     (("tps",), "TPS out", "output tokens per second of replay time (ok requests / makespan)"),
-    (("tps_per_busy_gpu",), "TPS/busyGPU", "output tokens per busy GPU-second (TPS out / sum of the workers' "
-                                           "busy fractions): throughput per unit of GPU time, the efficiency column"),
-    (("gpu_util_median",), "util med %", "median over workers of the busy share of the makespan, percent "
-                                         "(descriptive: recomputing cache misses raises it)"),
-    (("apc_realized",), "APC %", "automatic prefix caching realized: prefix-hit tokens / input tokens of ok "
-                                 "requests, percent"),
-    (("apc_implied",), "impl APC %", "implied APC: the reuse the trace itself offers (a trace property, the same "
-                                     "for every policy up to completed requests; never ranked), percent"),
+    (("tps_per_busy_gpu",), "TPS/busyGPU", ("output tokens per busy GPU-second (TPS out / sum of the workers' "
+                                           "busy fractions): throughput per unit of GPU time, the efficiency column")),
+    (("gpu_util_median",), "util med %", ("median over workers of the busy share of the makespan, percent "
+                                         "(descriptive: recomputing cache misses raises it)")),
+    (("apc_realized",), "APC %", ("automatic prefix caching realized: prefix-hit tokens / input tokens of ok "
+                                 "requests, percent")),
+    (("apc_implied",), "impl APC %", ("implied APC: the reuse the trace itself offers (a trace property, the same "
+                                     "for every policy up to completed requests; never ranked), percent")),
     (("worker_ttft_p90_median", "worker_ttft_p90_max"), "wTTFT90 med/max",
      "TTFT p90 of each worker's requests, median / max over workers, seconds (a high max is hot-pinning)"),
     (("completion_pct",), "done %", "ok requests / requests sent, percent"),
     (("n_rejected",), "rejected", "requests refused before running (e.g. longer than max_model_len), count per run"),
     (("n_failed",), "failed", "requests sent that ended in an error, count per run"),
-    (("amplification",), "amplif", "wall-clock amplification: makespan / the span the trace itself took under "
-                                   "the same session starts (x; 1 = as fast as recorded)"),
+    (("amplification",), "amplif", ("wall-clock amplification: makespan / the span the trace itself took under "
+                                   "the same session starts (x; 1 = as fast as recorded)")),
 )
 
 
@@ -302,7 +302,7 @@ def format_table(doc: Mapping[str, Any], columns: Sequence[tuple[str, str, str, 
        significantly better/worse than the reference (the interval excludes zero).
     """
     cols = [c for c in columns if c[0] in doc["metrics"]]
-    pct = int(round(doc.get("level", 0.95) * 100))
+    pct = round(doc.get("level", 0.95) * 100)
     n = {len(v) for v in doc.get("seeds", {}).values()}
     seeds_note = f"n = {min(n)} seeds per policy" if len(n) == 1 else f"n = {sorted(n)} seeds per policy"
     header = ["policy"] + [c[1] for c in cols]

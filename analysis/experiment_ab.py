@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import datetime as _dt
 import html
+import itertools
 import json
 import math
 import pathlib
@@ -64,7 +65,7 @@ def find_knee(points: Sequence[Mapping[str, float]], *, p90_factor: float = P90_
     rule = (f"lowest swept rate whose latency p90 is >= {p90_factor:g} x the lowest p90 at a lower rate, or whose "
             f"realized APC is >= {apc_drop * 100:g} percentage points below the highest APC at a lower rate")
     best_p90, best_apc = math.inf, -math.inf
-    for prev, p in zip(pts, pts[1:]):
+    for prev, p in itertools.pairwise(pts):
         if not math.isnan(prev["latency_p90"]):
             best_p90 = min(best_p90, prev["latency_p90"])
         if not math.isnan(prev["apc_realized"]):

@@ -71,7 +71,7 @@ def comparison_html(doc: Mapping[str, Any]) -> str:
     out.append("</table>")
     ref = doc.get("reference")
     if ref is not None and doc.get("diff"):
-        pct = int(round(doc.get("level", 0.95) * 100))
+        pct = round(doc.get("level", 0.95) * 100)
         out.append(f"<h3>Paired difference to {html.escape(str(ref))} (policy - {html.escape(str(ref))}, same "
                    f"seeds, [{pct}% paired t interval])</h3><table>" + head)
         for p in doc["policies"]:
@@ -150,7 +150,7 @@ def write_report(path: str | os.PathLike[str], *, title: str, comparison: Mappin
     if meta:
         parts.append("<dl>" + "".join(f"<dt><b>{html.escape(str(k))}</b></dt><dd>{html.escape(_value(v))}</dd>"
                                       for k, v in meta.items()) + "</dl>")
-    pct = int(round(comparison.get("level", 0.95) * 100))
+    pct = round(comparison.get("level", 0.95) * 100)
     parts.append(f"<h2>Comparison (mean over seeds, [{pct}% t interval])</h2>")
     parts.append(comparison_html(comparison))
     parts.append(legend_html(comparison))

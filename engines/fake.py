@@ -110,7 +110,8 @@ class FakeEngine:
                     external = k - hit
                     if external:
                         await asyncio.sleep(external * self.transfer_s_per_block)
-            cap = max(request.prompt_len - 1, 0)
+            # vLLM's max_cache_hit_length: the last prompt token is always computed, hits are whole blocks
+            cap = max(request.prompt_len - 1, 0) // self.block_size * self.block_size
             cached_tokens = min(hit * self.block_size, cap)
             ext_tokens = min((hit + external) * self.block_size, cap) - cached_tokens
             new_tokens = request.prompt_len - cached_tokens - ext_tokens

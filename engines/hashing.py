@@ -402,7 +402,7 @@ class SessionHashCache:
         else:
             last.superseded = True
             m = min(last.computed, nfull)
-            if m:
+            if m and ids is not last.tokens:  # the same ids object (a repeated prompt) needs no compare
                 diff = np.flatnonzero(ids[: m * bs] != last.tokens[: m * bs])
                 if len(diff):
                     m = int(diff[0]) // bs

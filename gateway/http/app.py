@@ -69,6 +69,7 @@ from gateway.http.forward_breakers import Breakers
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
     FAST_PARSE_MIN_BYTES,
+    MEMO_MIN_BYTES,
     LazyIds,
     PromptMemo,
     TokenIds,
@@ -126,7 +127,7 @@ class Gateway(Forwarding, Breakers, Admin):
         # once the engines' block size is known.
         self.hasher = BlockHasher(cfg.block_size or 16, cfg.hash, cfg.hash_seed)
         self.hash_cache = SessionHashCache(self.hasher)
-        self.prompt_memo = PromptMemo()  # per session: the last token-id prompt's text and ids
+        self.prompt_memo = PromptMemo()  # per session or prompt start: the last token-id prompt's text and ids
         self.verifier: HashVerifier | None = None
         self.tokenizer: PromptTokenizer | None = PromptTokenizer(cfg.tokenizer) if cfg.tokenizer else None
         self.not_exact: dict[str, int] = {}  # text/chat requests routed by an approximate hash, by reason
@@ -420,9 +421,10 @@ class Gateway(Forwarding, Breakers, Admin):
             raise _bad("prompt is empty", "prompt")
         return len(ids), self.hash_cache.hashes(ids, session), ids
 
-    def _parse(self, endpoint: str, headers: Mapping[str, str], body: Mapping[str, Any], session: str | None
-               ) -> tuple[int, int, bool, Sequence[int], list[int] | None]:
-        """(prompt tokens, max_tokens, stream, block hashes, token ids or None) of a valid request."""
+    def _parse(self, endpoint: str, headers: Mapping[str, str], body: Mapping[str, Any], session: str | None,
+               raw: bytes = b"") -> tuple[int, int, bool, Sequence[int], list[int] | None]:
+        """(prompt tokens, max_tokens, stream, block hashes, token ids or None) of a valid request
+        (``raw``: its bytes, whose token-id prompt the prompt memo learns)."""
         if endpoint == CHAT:
             max_tokens, stream = self._common(body, chat=True)
             messages = body.get("messages")
@@ -454,7 +456,10 @@ class Gateway(Forwarding, Breakers, Admin):
             max_tokens = self._check_len(n, max_tokens)
             return n, max_tokens, stream, hashes, ids
         if isinstance(prompt, list) and prompt and (packed := pack_token_ids(prompt)) is not None:
-            return self._token_ids(np.frombuffer(packed, dtype=np.uint64), max_tokens, stream, session, prompt)
+            arr = np.frombuffer(packed, dtype=np.uint64)
+            if len(raw) >= MEMO_MIN_BYTES and prompt is body.get("prompt"):
+                self.prompt_memo.learn(raw, session, arr)  # the next repeat or extension skips the parse
+            return self._token_ids(arr, max_tokens, stream, session, prompt)
         raise _bad("prompt must be a string or a non-empty list of non-negative token ids (one prompt)", "prompt")
 
     def _token_ids(self, arr: np.ndarray | LazyIds, max_tokens: int, stream: bool, session: str | None, ids: Any
@@ -471,10 +476,15 @@ class Gateway(Forwarding, Breakers, Admin):
 
     def _parse_fast(self, raw: bytes, session: str | None
                     ) -> tuple[dict[str, Any], tuple[int, int, bool, Sequence[int], Any]] | None:
-        """(body, :meth:`_parse`'s answer) of a large completions body whose prompt is a flat array of
-        plain token ids, parsed without building the ids as Python ints
-        (:func:`gateway.http.prompt.fast_completion_ids`); None for any other body."""
-        if len(raw) < FAST_PARSE_MIN_BYTES or (fast := fast_completion_ids(raw, self.prompt_memo, session)) is None:
+        """(body, :meth:`_parse`'s answer) of a completions body whose prompt is a flat array of plain
+        token ids, without building the ids as Python ints
+        (:func:`gateway.http.prompt.fast_completion_ids`): from the prompt memo when the prompt
+        repeats or extends one it holds, else (a large body) parsed into a numpy buffer. None for
+        any other body, and for a smaller one the memo does not answer (orjson parses those faster)."""
+        if len(raw) < MEMO_MIN_BYTES:
+            return None
+        fast = fast_completion_ids(raw, self.prompt_memo, session, parse=len(raw) >= FAST_PARSE_MIN_BYTES)
+        if fast is None:
             return None
         body, arr = fast
         protocol.check_model(body, self.model, f" Served: `{self.model}`.")
@@ -512,7 +522,7 @@ class Gateway(Forwarding, Breakers, Admin):
             fast = self._parse_fast(raw, session) if endpoint == COMPLETIONS else None
             if fast is None:
                 body = self._parse_body(headers, raw)
-                n, max_tokens, stream, hashes, ids = self._parse(endpoint, headers, body, session)
+                n, max_tokens, stream, hashes, ids = self._parse(endpoint, headers, body, session, raw)
             else:
                 body, (n, max_tokens, stream, hashes, ids) = fast
         except GpuhitError as exc:

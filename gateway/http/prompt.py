@@ -111,6 +111,8 @@ _SENTINEL_JSON = orjson.dumps(_SENTINEL)
 _WS = b" \t\n\r"
 # Smaller bodies parse faster whole (measured: orjson + array("Q") win below ~5k ids, ~35 KB).
 FAST_PARSE_MIN_BYTES = 65536
+# Bodies below this are not looked up in the prompt memo: orjson parses their few ids in microseconds.
+MEMO_MIN_BYTES = 4096
 _DIGIT_MAX = 18  # digits of the largest id parsed here (< 2**63; longer ones go the orjson way)
 
 
@@ -199,6 +201,11 @@ class LazyIds:
         return self._n
 
     @property
+    def nbytes(self) -> int:
+        """The ids' size once parsed (what a memo holding them accounts)."""
+        return 8 * self._n
+
+    @property
     def parsed(self) -> int:
         """How many leading ids have been parsed."""
         return len(self._parsed)
@@ -243,36 +250,53 @@ class LazyIds:
 _NO_IDS = np.zeros(0, dtype=np.uint64)
 
 
-def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str | None = None
-                        ) -> tuple[dict[str, Any], np.ndarray | LazyIds] | None:
-    """(body without its prompt, token ids) of a completions body whose top-level ``prompt`` is a
-    flat array of plain non-negative integers; None for any other body (parse it whole). With a
-    ``memo`` and a ``session``, a prompt that extends the session's previous one parses only the
-    new ids (see :class:`PromptMemo`); without them the ids come as :class:`LazyIds`."""
-    lb = -1
+def _prompt_span(raw: bytes) -> tuple[int, int] | None:
+    """``(at "[", at "]")`` of the first ``"prompt": [ ... ]`` in ``raw`` (the bytes may also occur as a
+    string value, hence the loop); None when there is none. Whether it is the top-level prompt is for
+    the caller to check."""
     at = raw.find(b'"prompt"')
-    while at >= 0 and lb < 0:  # the first `"prompt": [` (the bytes may also occur as a string value)
+    while at >= 0:
         i = _skip_ws(raw, at + 8)
         if i < len(raw) and raw[i] == 58:  # ':'
             j = _skip_ws(raw, i + 1)
             if j < len(raw) and raw[j] == 91:  # '['
-                lb = j
-                break
+                rb = raw.find(b"]", j)
+                return None if rb < 0 else (j, rb)
         at = raw.find(b'"prompt"', at + 8)
-    if lb < 0:
+    return None
+
+
+def memo_key(session: str | None, raw: bytes, start: int, stop: int) -> str | bytes:
+    """A prompt's :class:`PromptMemo` key: its session, else the first ``_KEY_BYTES`` bytes of its array
+    text (as :class:`engines.hashing.SessionHashCache` keys a session-less prompt by its first block:
+    prompts that start alike share the entry; a str never equals bytes)."""
+    return session if session is not None else raw[start : min(stop, start + _KEY_BYTES)]
+
+
+_KEY_BYTES = 256  # ~40 token ids
+
+
+def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str | None = None,
+                        parse: bool = True) -> tuple[dict[str, Any], np.ndarray | LazyIds] | None:
+    """(body without its prompt, token ids) of a completions body whose top-level ``prompt`` is a
+    flat array of plain non-negative integers; None for any other body (parse it whole). With a
+    ``memo``, a prompt that repeats or extends the previous one of its key (:func:`memo_key`) parses
+    only its new ids (see :class:`PromptMemo`); otherwise a named session's ids are parsed now (the
+    memo keeps them for the next turn, whose hashes reach through all of them) and any other's come
+    as :class:`LazyIds`. ``parse=False``: the memo's answer or None, nothing parsed otherwise (for
+    bodies that orjson parses faster whole)."""
+    span = _prompt_span(raw)
+    if span is None:
         return None
-    rb = raw.find(b"]", lb)
-    if rb < 0:
-        return None
-    ids: np.ndarray | LazyIds | None = None
-    if memo is not None and session is not None:
-        ids = memo.extend(session, raw, lb + 1, rb)
+    lb, rb = span
+    key = memo_key(session, raw, lb + 1, rb) if memo is not None else None
+    ids = memo.extend(key, raw, lb + 1, rb) if memo is not None else None
     if ids is None:
+        if not parse:
+            return None
         v = _validated(np.frombuffer(raw, dtype=np.uint8, count=rb - lb - 1, offset=lb + 1))
         if v is None:
             return None
-        # A named session's prompt is parsed now (the memo keeps its ids for the next turn, whose
-        # hashes reach through all of them); any other is parsed as far as routing reads it.
         ids = _parse_text(v[0]) if memo is not None and session is not None else LazyIds(*v)
     try:
         body = orjson.loads(raw[:lb] + _SENTINEL_JSON + raw[rb + 1 :])
@@ -282,8 +306,8 @@ def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str
     # the sentinel is where the prompt is. The rest of the body parsed the same as it would whole.
     if not isinstance(body, dict) or body.get("prompt") != _SENTINEL:
         return None
-    if memo is not None and session is not None:
-        memo.remember(session, raw[lb + 1 : rb], ids)
+    if memo is not None:
+        memo.remember(key, raw[lb + 1 : rb], ids)
     return body, ids
 
 
@@ -299,35 +323,44 @@ def client_body(body: Mapping[str, Any], prompt_ids: Sequence[int] | None) -> di
 
 
 class PromptMemo:
-    """Each session's last token-id prompt, as its JSON text and its parsed ids (LRU).
+    """The last token-id prompt of each key (a session, else how its array text starts:
+    :func:`memo_key`), as its JSON text and its ids (LRU).
 
-    An agentic turn resends the previous prompt plus new tokens; when the new array text starts
-    with the previous one followed by JSON whitespace and a comma, only the text after it is
-    parsed (:func:`parse_ids`) and appended to the previous ids: one ``memcmp`` over the old text
-    instead of parsing it again. The body is still validated whole (the caller parses the rest of
-    it and checks the prompt's place) so the answer is exactly what a full parse gives. Memory: the
-    array text of each remembered session (~6 bytes a token; the ids are shared with the session
-    hash cache's copy), at most ``max_sessions`` of them and ``max_bytes`` in all.
+    An agentic turn resends the previous prompt plus new tokens, and a retry or a repeated
+    evaluation prompt resends it unchanged. When the new array text starts with the remembered one
+    followed by JSON whitespace and a comma, only the text after it is parsed (:func:`parse_ids`)
+    and appended to the remembered ids; when it is the same text, the ids are reused as they are:
+    one ``memcmp`` over the old text instead of parsing it again. The body is still validated
+    whole (the caller parses the rest of it and checks the prompt's place) so the answer is exactly
+    what a full parse gives. An entry learnt from a body parsed whole (:meth:`learn`) is checked
+    once, at its first use, to be the canonical text of its ids. Memory: the array text of each
+    entry (~6 bytes a token) and its ids, at most ``max_sessions`` entries and ``max_bytes`` in all.
     """
 
     def __init__(self, max_sessions: int = 1024, max_bytes: int = 256 << 20):
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes  # text + ids kept in all (a 100k-token prompt: ~1.4 MB)
         self.bytes = 0
-        self._last: OrderedDict[str, tuple[bytes, np.ndarray]] = OrderedDict()
-        self.reused = 0  # prompts that parsed only their new ids (tests, /debug/state)
+        # key -> (array text, ids, whether the text is known to be the ids' own)
+        self._last: OrderedDict[str | bytes, tuple[bytes, np.ndarray | LazyIds, bool]] = OrderedDict()
+        self.reused = 0  # prompts that parsed only their new ids, or none (tests, /debug/state)
 
-    def extend(self, session: str, raw: bytes, start: int, stop: int) -> np.ndarray | None:
-        """The ids of ``raw[start:stop]`` (an array's text without its brackets) if it extends the
-        session's previous prompt, else None."""
-        last = self._last.get(session)
+    def extend(self, key: str | bytes, raw: bytes, start: int, stop: int) -> np.ndarray | LazyIds | None:
+        """The ids of ``raw[start:stop]`` (an array's text without its brackets) if it repeats or
+        extends the previous prompt of ``key``, else None."""
+        last = self._last.get(key)
         if last is None:
             return None
-        text, ids = last
+        text, ids, checked = last
         cut = start + len(text)
         if cut > stop or not raw.startswith(text, start):
             return None
-        if cut == stop:  # the same prompt again (a retry)
+        if not checked:
+            if orjson.dumps(np.asarray(ids), option=orjson.OPT_SERIALIZE_NUMPY)[1:-1] != text:
+                self._forget(key)  # not orjson's own text of those ids (spacing, or another array)
+                return None
+            self._last[key] = (text, ids, True)
+        if cut == stop:  # the same prompt again (a retry, a repeated prompt)
             self.reused += 1
             return ids
         i = _skip_ws(raw, cut)
@@ -337,19 +370,30 @@ class PromptMemo:
         if more is None:
             return None
         self.reused += 1
-        return np.concatenate((ids, more))
+        return np.concatenate((np.asarray(ids), more))
 
-    def remember(self, session: str, text: bytes, ids: np.ndarray) -> None:
+    def remember(self, key: str | bytes, text: bytes, ids: np.ndarray | LazyIds, checked: bool = True) -> None:
+        """Keep ``text`` (an array's text) and its ``ids`` as ``key``'s last prompt; ``checked=False``
+        when the text is not known to be the ids' (verified at first use)."""
         last = self._last
-        old = last.get(session)
-        if old is not None:
-            self.bytes -= len(old[0]) + old[1].nbytes
-        last[session] = (text, ids)
-        last.move_to_end(session)
+        if key in last:
+            self._forget(key)
+        last[key] = (text, ids, checked)
         self.bytes += len(text) + ids.nbytes
         while len(last) > 1 and (len(last) > self.max_sessions or self.bytes > self.max_bytes):
-            _, (t, i) = last.popitem(last=False)
-            self.bytes -= len(t) + i.nbytes
+            self._forget(next(iter(last)))
+
+    def learn(self, raw: bytes, session: str | None, ids: np.ndarray) -> None:
+        """Remember the token-id prompt of a body that was parsed whole (``ids``: its top-level
+        prompt) under the text of its first ``"prompt"`` array, checked at first use."""
+        span = _prompt_span(raw)
+        if span is not None:
+            lb, rb = span
+            self.remember(memo_key(session, raw, lb + 1, rb), raw[lb + 1 : rb], ids, checked=False)
+
+    def _forget(self, key: str | bytes) -> None:
+        text, ids, _ = self._last.pop(key)
+        self.bytes -= len(text) + ids.nbytes
 
 
 class TokenIds(Sequence[int]):

@@ -82,7 +82,7 @@ def test_experiment_ab_end_to_end_and_resume(tmp_path, capsys):
     # an interrupted point (no summary.json, one run unsaved): resumed, only that run is redone
     point = out / "points" / f"knee-rate-{knee:.6g}"
     (point / "summary.json").unlink()
-    lost = sorted((point / "runs").iterdir())[0]
+    lost = min((point / "runs").iterdir())
     lost.unlink()
     assert main(argv) == 0
     resumed = json.loads(capsys.readouterr().out)

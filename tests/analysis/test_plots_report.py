@@ -45,5 +45,5 @@ def test_utilization_mean_is_aligned_and_counts_idle_workers_as_zero():
     t, m = aligned_mean(curves, 4)
     assert list(t) == [0.0, 1.0, 2.0, 3.0]  # not cut to the shortest series
     assert list(m) == [0.25, 0.25, 0.375, 0.375]  # (1 + 0.5) / 4 where both ran, idle workers count 0
-    t2, m2 = aligned_mean(curves)
+    _t2, m2 = aligned_mean(curves)
     assert list(m2) == [0.5, 0.5, 0.75, 0.75]

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 
 from engines.fake import FakeEngine
-from gateway.http.prompt import FAST_PARSE_MIN_BYTES
+from gateway.http.prompt import FAST_PARSE_MIN_BYTES, MEMO_MIN_BYTES
 from tests.e2e.helpers import gateway, servers, wait_until
 
 
@@ -111,6 +111,43 @@ def test_a_fresh_prompt_is_hashed_only_as_far_as_routing_reads_and_a_sessions_re
                 inst, hit, usage = await send(s2, "s")
                 assert inst == first and hit == 800 * 16 == usage["prompt_tokens_details"]["cached_tokens"]
                 await wait_until(lambda: cache.blocks_hashed - before == 832, what="the new blocks hashed")
+                st = gw.router.stats
+                assert st.predicted_hit_tokens == st.realized_hit_tokens
+
+    asyncio.run(main())
+
+
+def test_session_less_repeated_and_extended_prompts_reuse_the_memo_with_exact_hits():
+    """2k-token prompts without a session (bodies under the numpy-parse size): the first is parsed
+    whole and learnt, a repeat and an extension take their ids from the memo; the predicted hits
+    stay exactly what the engine reports."""
+    async def main():
+        engines = [FakeEngine(n, prefill_s_per_token=1e-7, decode_s_per_token=1e-4, capacity_blocks=8192) for n in "ab"]
+        async with servers(engines) as srvs, gateway([f"http://127.0.0.1:{s.port}" for s in srvs], policy="lpwl") as (gw, url):  # noqa: SIM117
+            async with aiohttp.ClientSession() as http:
+                rng = random.Random(5)
+                prompt = [rng.randrange(150_000) for _ in range(2048)]
+
+                async def send(p: list[int]) -> tuple[str, int, dict]:
+                    data = _body(p)
+                    assert MEMO_MIN_BYTES <= len(data) < FAST_PARSE_MIN_BYTES
+                    async with http.post(url + "/v1/completions", data=data,
+                                         headers={"content-type": "application/json"}) as r:
+                        assert r.status == 200, await r.text()
+                        doc = await r.json()
+                        return r.headers["x-gpuhit-instance"], int(r.headers["x-gpuhit-predicted-hit"]), doc["usage"]
+
+                first, hit, _ = await send(prompt)
+                assert hit == 0 and gw.prompt_memo.reused == 0
+                i = ["e0", "e1"].index(first)
+                await wait_until(lambda: gw.router.index.cached(i) == set(engines[i].cache), what="KV events")
+                for p in (prompt, prompt + [rng.randrange(150_000) for _ in range(100)]):
+                    before = gw.prompt_memo.reused
+                    inst, hit, usage = await send(p)
+                    assert gw.prompt_memo.reused == before + 1
+                    assert inst == first and hit == min(2048, (len(p) - 1) // 16 * 16) == usage["prompt_tokens_details"]["cached_tokens"]
+                    assert usage["prompt_tokens"] == len(p)
+                    await wait_until(lambda: gw.router.index.cached(i) == set(engines[i].cache), what="KV events")
                 st = gw.router.stats
                 assert st.predicted_hit_tokens == st.realized_hit_tokens
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -307,5 +308,36 @@ def test_the_prompt_memo_is_bounded_in_bytes():
     for i in range(20):
         ids = np.arange(i, i + 20_000, dtype=np.uint64)
         memo.remember(f"s{i}", b"x" * 100_000, ids)
-        assert memo.bytes <= 1_000_000 and memo.bytes == sum(len(t) + a.nbytes for t, a in memo._last.values())
+        assert memo.bytes <= 1_000_000 and memo.bytes == sum(len(t) + a.nbytes for t, a, _ in memo._last.values())
     assert len(memo._last) == 3
+
+
+def test_the_prompt_memo_serves_session_less_repeats_and_checks_what_it_learnt():
+    """Without a session the memo is keyed by how the array text starts: a repeated prompt reuses the
+    ids, an extension parses only its new ids. An entry learnt from a body parsed whole is used only
+    once its text is checked to be its ids' own: text with spaces, or a nested "prompt" array met
+    before the top-level one, is forgotten at first use (the caller then parses whole, still right)."""
+    from gateway.http.prompt import MEMO_MIN_BYTES
+
+    memo = PromptMemo()
+    ids = list(range(100_000, 100_000 + 1000))
+    raw = orjson.dumps({"model": "m", "prompt": ids, "max_tokens": 4})
+    assert len(raw) >= MEMO_MIN_BYTES
+    assert fast_completion_ids(raw, memo, None, parse=False) is None  # nothing learnt yet: not parsed
+    memo.learn(raw, None, np.array(ids, dtype=np.uint64))
+    body, got = fast_completion_ids(raw, memo, None, parse=False)
+    assert got.tolist() == ids and body["max_tokens"] == 4 and memo.reused == 1
+    longer = orjson.dumps({"model": "m", "prompt": ids + [5, 6, 7], "max_tokens": 4})
+    body, got = fast_completion_ids(longer, memo, None, parse=False)
+    assert got.tolist() == ids + [5, 6, 7] and memo.reused == 2
+    # spaced text (json.dumps' default): learnt, refused at first use, forgotten
+    spaced = json.dumps({"model": "m", "prompt": ids[::-1]}).encode()
+    memo.learn(spaced, None, np.array(ids[::-1], dtype=np.uint64))
+    assert fast_completion_ids(spaced, memo, None, parse=False) is None and memo.reused == 2
+    assert all(t[2] for t in memo._last.values())
+    # a nested "prompt" array before the top-level one: its text is not the learnt ids'
+    nested = orjson.dumps({"x": {"prompt": ids[:500] * 2}, "prompt": ids[::-1]})
+    memo.learn(nested, None, np.array(ids[::-1], dtype=np.uint64))
+    assert fast_completion_ids(nested, memo, None, parse=False) is None
+    again = orjson.dumps({"model": "m", "prompt": ids[:500] * 2})
+    assert fast_completion_ids(again, memo, None, parse=False) is None and memo.reused == 2
