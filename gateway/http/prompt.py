@@ -2,8 +2,9 @@
 
 * **Token-id prompts** (the replayer, any client sending ids): exact vLLM block hashes through
   :class:`engines.hashing.BlockHasher`, memoized per session. A large completions body's id array is
-  parsed straight into a numpy buffer (:func:`fast_completion_ids`; an agentic turn that extends the
-  session's previous prompt parses only its new ids, :class:`PromptMemo`) and the blocks' pickles are
+  parsed straight into a numpy buffer (:func:`fast_completion_ids`); a prompt that repeats or extends
+  the previous one of its session (without a session: the last one whose text starts alike) parses
+  only its new ids (:class:`PromptMemo`) and the blocks' pickles are
   laid out with numpy (:meth:`engines.hashing.BlockHasher.hash_array`); the client's bytes are
   forwarded unchanged. Agentic turn k+1 extends turn k, so
   :class:`engines.hashing.SessionHashCache` keeps each session's last prompt and digests and hashes only the new

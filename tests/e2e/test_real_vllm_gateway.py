@@ -211,3 +211,30 @@ def test_metrics_scrape_reads_vllm_gauges(real_vllm_pair):
             assert gw.max_model_len == real_vllm_pair.max_model_len
 
     asyncio.run(main())
+
+
+def test_a_vllm_error_answer_is_relayed_as_vllm_sent_it(real_vllm_pair):
+    """A request the gateway routes but vLLM refuses (``kv_transfer_params`` not an object: vLLM's
+    pydantic 400): status, content-type and body reach the client exactly as vLLM sent them, streamed
+    or not, with the gateway's decision headers; the router's counters are released and the error
+    counted against the engine."""
+    async def main() -> None:
+        async with aiohttp.ClientSession() as http, real_gateway(real_vllm_pair, policy="lpwl") as (gw, url):
+            for stream in (False, True):
+                body = {"model": MODEL, "prompt": list(range(100, 180)), "max_tokens": 2, "stream": stream,
+                        "kv_transfer_params": 5}
+                async with http.post(url + "/v1/completions", json=body) as r:
+                    got = (r.status, r.headers["content-type"], await r.read())
+                    inst = r.headers["x-gpuhit-instance"]
+                    assert r.headers["x-gpuhit-decision"] == "forward"
+                direct_url = real_vllm_pair.urls[[e.name for e in gw.engines].index(inst)]
+                async with http.post(direct_url + "/v1/completions", json=body) as r:
+                    want = (r.status, r.headers["content-type"], await r.read())
+                assert want[0] == 400 and want[1] == "application/json", want
+                assert got == want, (stream, got, want)
+                assert json.loads(got[2])["error"]["code"] == 400
+            assert sum(gw.metrics.upstream_errors.values.get((e.name, "status"), 0) for e in gw.engines) == 2
+            assert gw.metrics.requests.get(("/v1/completions", "400")) == 2
+            assert all(c["in_flight"] == c["pending_prefill_tokens"] == 0 for c in gw.router.counters())
+
+    asyncio.run(main())

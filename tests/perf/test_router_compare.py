@@ -11,8 +11,9 @@ they cache, so gpuhit's precise index is populated and its event decoding counte
 * ``gpuhit-before`` (only with ``GPUHIT_BENCH_BEFORE=<checkout>``): the same gpuhit command run from
   another checkout (its PYTHONPATH), for before/after numbers from one run.
 
-Workloads: ``chat`` (a short chat request), ``2k`` (2,048 token ids), ``100k`` (100,000 token ids,
-a new prompt each request: every block hashed cold) and ``100k+512`` (agentic: each session's
+Workloads: ``chat`` (a short chat request), ``2k`` (2,048 token ids, 16 prompts each sent again and
+again: repeats, as retries and evaluation runs send), ``2k-new`` (2,048 token ids, a new prompt each
+request), ``100k`` (100,000 token ids, a new prompt each request: every block hashed cold) and ``100k+512`` (agentic: each session's
 prompt is its previous one plus 512 tokens, ``x-session-id`` sent; the warm-up pass is every
 session's first turn, the measured pass its following turns), at concurrency 1/16/64,
 streaming and not. Targets run interleaved per configuration, on distinct prompts (no state from
@@ -45,12 +46,13 @@ HERE = pathlib.Path(__file__).resolve().parent
 CONCURRENCY = (1, 16, 64)
 SCALE = float(os.environ.get("GPUHIT_BENCH_SCALE", "1"))
 ROUNDS = int(os.environ.get("GPUHIT_BENCH_ROUNDS", "1"))
-WORKLOADS = ("chat", "2k", "100k", "100k+512")
+WORKLOADS = ("chat", "2k", "2k-new", "100k", "100k+512")
 ONLY = tuple(w for w in os.environ.get("GPUHIT_BENCH_ONLY", ",".join(WORKLOADS)).split(",") if w)
 # requests per measured pass, by workload and concurrency
 REQUESTS = {
     "chat": {1: 300, 16: 800, 64: 1280},
     "2k": {1: 200, 16: 480, 64: 640},
+    "2k-new": {1: 200, 16: 480, 64: 640},
     "100k": {1: 16, 16: 48, 64: 128},
     "100k+512": {1: 16, 16: 48, 64: 128},
 }
@@ -99,11 +101,11 @@ def bodies(workload: str, conf: int, concurrency: int, total: int, stream: bool)
                     {"role": "user", "content": f"Request {conf}-{k}: what does this function return?"}]
             out.append((orjson.dumps({"model": "m", "messages": msgs, **extra}), {}))
         return out
-    if workload in ("2k", "100k"):
-        n = 2048 if workload == "2k" else 100_000
+    if workload in ("2k", "2k-new", "100k"):
+        n = 100_000 if workload == "100k" else 2048
         cache: dict[int, list[int]] = {}
         for k in range(total):
-            # 2k: 16 distinct prompts per configuration, reused (a hash-cache mix); 100k: all distinct
+            # 2k: 16 distinct prompts per configuration, reused (repeats); 2k-new and 100k: all distinct
             key = k % 16 if workload == "2k" else k
             ids = cache.setdefault(key, _ids(conf * 100_003 + key, n))
             out.append((orjson.dumps({"model": "m", "prompt": ids, **extra}), {}))
