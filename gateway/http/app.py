@@ -13,9 +13,9 @@ that does not ask for ``include_usage`` in a stream gives no realized hit). Deci
 
 The request logic lives once, in :class:`Gateway`, written against the small interfaces of
 :mod:`gateway.http.transport`; the HTTP implementation is chosen by ``cfg.transport``: ``fast``
-(default: :mod:`gateway.http.fast`, an httptools protocol server and a pooled upstream client) or
-``aiohttp`` (``Gateway.app``, an aiohttp application, with an aiohttp client session upstream).
-The upstream half (producer step, forwarding, streaming) is :mod:`gateway.http.forward`; the
+(default: :mod:`gateway.http.fast`, an httptools protocol server, and
+:mod:`gateway.http.fast_upstream`, a pooled upstream client) or ``aiohttp`` (``Gateway.app``, an
+aiohttp application, with an aiohttp client session upstream). The upstream half (producer step, forwarding, streaming) is :mod:`gateway.http.forward`; the
 admin and GET endpoints are :mod:`gateway.http.admin`.
 
 KV-moving decisions (MIGRATE / FETCH / PD) run vLLM's connector two-step: the producer request
@@ -208,7 +208,7 @@ class Gateway(Forwarding, Breakers, Admin):
         if cfg.transport == "aiohttp":
             self.upstream = AioUpstream(self.session, urls)
         else:
-            from gateway.http.fast import FastUpstream
+            from gateway.http.fast_upstream import FastUpstream
 
             self.upstream = FastUpstream(urls, max_idle=cfg.upstream_max_idle, idle_timeout=cfg.upstream_idle_timeout)
         for e in cfg.engines:

@@ -1,4 +1,5 @@
-"""The ``fast`` transport (default): HTTP/1.1 straight on asyncio protocols, parsed by httptools.
+"""The ``fast`` transport (default), its server side: HTTP/1.1 straight on asyncio protocols, parsed
+by httptools.
 
 Why: with aiohttp on both sides the gateway spent ~0.6-1.2 CPU-ms per request, most of it in
 aiohttp's request / response objects, multidicts, stream readers and client machinery, not in
@@ -16,12 +17,8 @@ routing. Here each side is one ``asyncio.Protocol`` fed by httptools' C parser (
   disconnects cancels its request's task, which closes the upstream connection (the engine aborts).
   One loop timer per connection watches its current deadline (head, body, keep-alive idle), moved
   lazily: a request moves the deadline, not the timer.
-* :class:`FastUpstream`: a pool of keep-alive connections per engine (TCP_NODELAY), the body
-  bytes written untouched in one ``write`` with the head, the answer relayed as it arrives
-  (every chunk already received is handed over in one piece), the engine's socket paused while
-  the client lags. A connection read to the end of its response goes back to the pool; any
-  other is closed. A request on a reused connection that the engine had closed meanwhile (no
-  byte of answer) is retried once on a fresh one, as HTTP clients do for keep-alive races.
+* The engines' side, :class:`~gateway.http.fast_upstream.FastUpstream`, is in
+  :mod:`gateway.http.fast_upstream`.
 
 The request logic is not here: both call :meth:`gateway.http.app.Gateway.handle`.
 """
@@ -31,11 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 import httptools
 
@@ -45,16 +40,15 @@ from gateway.http.transport import (
     GET_PATHS,
     RESET_PREFIX_CACHE,
     ExpectationFailedError,
-    HeaderLines,
     HeadersTooLargeError,
     MethodNotAllowedError,
     OverloadedError,
     RequestTimeoutError,
-    UpstreamClosedError,
-    UpstreamConnectError,
     UriTooLongError,
+    header_block,
+    nodelay,
 )
-from gpuhit.errors import BadRequestError, ConfigError, GpuhitError, NotFoundError
+from gpuhit.errors import BadRequestError, GpuhitError, NotFoundError
 
 _log = logging.getLogger(__name__)
 
@@ -67,7 +61,6 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Fo
             431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 502: b"Bad Gateway",
             503: b"Service Unavailable", 504: b"Gateway Timeout"}
 _POST_PATHS = (COMPLETIONS, CHAT)
-_HIGH_WATER = 1 << 20  # bytes of upstream answer buffered before the engine's socket is paused
 _PIPELINE_MAX = 8  # queued pipelined requests before the client's socket is paused
 # h11's / aiohttp's limits: the request line, the header block, the number of header fields.
 MAX_LINE = 8 * 1024
@@ -82,25 +75,12 @@ _TIMER_SLACK = 1e-3  # a timer this close to its deadline counts as on time (loo
 _OUT_MAX = 1 << 16  # stream bytes held for the end of the loop iteration before they are written at once
 
 
-def _nodelay(transport: asyncio.BaseTransport) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
 def _status_line(status: int) -> bytes:
     line = _STATUS_LINES.get(status)
     return line if line is not None else b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Status"))
 
 
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in _REASONS.items()}
-
-
-def _header_lines(headers: Mapping[str, str]) -> bytes:
-    """``name: value\r\n`` per header, latin-1 (anything else replaced), in one encode."""
-    if type(headers) is HeaderLines:
-        return headers.lines
-    return "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode("latin-1", "replace")
 
 
 # ------------------------------------------------------------------------------------ server
@@ -131,7 +111,7 @@ class _Downstream:
         self.started = False
 
     def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
-        return b"%b%b%b%b\r\n" % (_status_line(status), extra, _header_lines(headers) if headers else b"",
+        return b"%b%b%b%b\r\n" % (_status_line(status), extra, header_block(headers) if headers else b"",
                                    b"" if self.keep_alive else b"connection: close\r\n")
 
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes, content_type: str) -> None:
@@ -218,7 +198,7 @@ class _ServerConn(asyncio.Protocol):
                             % (_status_line(status), len(data), data))
             transport.close()
             return
-        _nodelay(transport)
+        nodelay(transport)
         server.conns.add(self)
         self._arm("head", server.header_timeout)
 
@@ -591,309 +571,3 @@ class FastServer:
             c.close()
         await self._server.wait_closed()
         self._server = None
-
-
-# ------------------------------------------------------------------------------------ upstream
-
-
-class FastUpstreamResponse:
-    """One answer on an ``_UpConn`` (the :class:`~gateway.http.transport.UpstreamResponse`)."""
-
-    __slots__ = ("_chunks", "_conn", "_error", "_released", "_size", "_waiter", "complete", "content_type",
-                 "head_done", "keep_alive", "received", "status", "streaming")
-
-    def __init__(self, conn: _UpConn):
-        self._conn = conn
-        self.status = 0
-        self.content_type = "application/json"
-        self.keep_alive = True
-        self.head_done = False
-        self.complete = False
-        self.received = False  # any byte of the answer arrived (no retry after that)
-        self.streaming = False  # read by chunks(): the engine's socket may be paused while the client lags
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._error: UpstreamClosedError | None = None
-        self._waiter: asyncio.Future | None = None
-        self._released = False
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def _wait(self) -> asyncio.Future:
-        """A future that the next event on this answer resolves (awaited directly: no coroutine
-        per wait). Once done it stays in place until the next wait; ``_wake`` skips a done one."""
-        w = self._waiter = self._conn.loop.create_future()
-        return w
-
-    async def head(self) -> None:
-        while not self.head_done:
-            if self._error is not None:
-                raise self._error
-            await self._wait()
-
-    async def read(self) -> bytes:
-        while not self.complete:
-            if self._error is not None:
-                raise self._error
-            await self._wait()
-        chunks = self._chunks
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def chunks(self) -> AsyncIterator[bytes]:
-        """The answer as it arrives: every chunk received so far in one piece (an iterator object,
-        not an async generator: no loop hooks to register and finalize per stream)."""
-        self.streaming = True
-        return self
-
-    def __aiter__(self) -> FastUpstreamResponse:
-        return self
-
-    async def __anext__(self) -> bytes:
-        while True:
-            chunks = self._chunks
-            if chunks:
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                self._chunks = []
-                self._size = 0
-                self._conn.resume()
-                return data
-            if self.complete:
-                raise StopAsyncIteration
-            if self._error is not None:
-                raise self._error
-            await self._wait()
-
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        conn = self._conn
-        conn.resp = None
-        if self.complete and self.keep_alive and not conn.closed:
-            conn.resume()
-            conn.pool.put(conn)
-        else:
-            conn.close()
-
-
-class _UpConn(asyncio.Protocol):
-    """One keep-alive connection to an engine."""
-
-    def __init__(self, pool: _Pool, loop: asyncio.AbstractEventLoop):
-        self.pool = pool
-        self.loop = loop
-        self.parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.resp: FastUpstreamResponse | None = None
-        self.closed = False
-        self.idle_since = 0.0
-        self._paused = False
-        self._head = b""  # bytes of the current answer's head, until it is parsed
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
-        _nodelay(transport)
-        self.pool.all.add(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.pool.all.discard(self)
-        r = self.resp
-        if r is not None and not r.complete:
-            r._error = UpstreamClosedError(
-                f"connection lost {'mid-answer' if r.received else 'before any answer'}"
-                f"{f': {exc}' if exc else ''}")
-            r._wake()
-
-    def data_received(self, data: bytes) -> None:
-        r = self.resp
-        if r is None:
-            self.close()  # bytes nobody asked for: this connection's framing is lost
-            return
-        r.received = True
-        if not r.head_done:
-            self._head += data  # the answer's head so far (b"" + data is data itself: no copy)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            r._error = UpstreamClosedError(f"malformed HTTP answer: {exc}")
-            r._wake()
-            self.close()
-
-    # No on_header callback: the one header read (content-type) is found in the head's bytes at
-    # its end, one search instead of a Python call per header field.
-
-    def on_headers_complete(self) -> None:
-        r = self.resp
-        assert r is not None
-        head, self._head = self._head, b""
-        end = head.find(b"\r\n\r\n")
-        low = head[:end].lower()
-        at = low.rfind(b"\r\ncontent-type:")  # the last one, if repeated
-        if at >= 0:
-            stop = low.find(b"\r\n", at + 2)
-            r.content_type = head[at + 15 : stop if stop >= 0 else end].strip(b" \t").decode("latin-1")
-        r.status = self.parser.get_status_code()
-        r.keep_alive = self.parser.should_keep_alive()
-        r.head_done = True
-        r._wake()
-
-    def on_body(self, body: bytes) -> None:
-        r = self.resp
-        assert r is not None
-        r._chunks.append(body)
-        r._size += len(body)
-        if r.streaming and r._size > _HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-        r._wake()
-
-    def on_message_complete(self) -> None:
-        r = self.resp
-        assert r is not None
-        r.complete = True
-        r._wake()
-
-    def resume(self) -> None:
-        if self._paused and self.transport is not None and not self.closed:
-            self._paused = False
-            self.transport.resume_reading()
-
-    def send(self, data: bytes) -> FastUpstreamResponse:
-        assert self.transport is not None
-        self._head = b""
-        self.resp = FastUpstreamResponse(self)
-        self.transport.write(data)
-        return self.resp
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
-
-
-class _Pool:
-    """Keep-alive connections to one engine: at most ``max_idle`` idle ones (the oldest closed
-    first), and none idle longer than ``idle_timeout`` (a trim timer runs while any is idle), so a
-    load peak leaves no thousand idle sockets behind."""
-
-    __slots__ = ("_heads", "_trim", "all", "host", "host_header", "idle", "idle_timeout", "max_idle", "port",
-                 "prefix")
-
-    def __init__(self, url: str, max_idle: int, idle_timeout: float):
-        u = urlsplit(url)
-        if u.scheme != "http" or not u.hostname:
-            raise ConfigError(f"the fast transport speaks plain http://host:port to engines, got {url!r}; "
-                              "use transport = \"aiohttp\" for https")
-        self.host = u.hostname
-        self.port = u.port or 80
-        self.prefix = u.path.rstrip("/").encode()
-        self.host_header = (u.netloc).encode("latin-1")
-        self.max_idle = max_idle
-        self.idle_timeout = idle_timeout
-        self.idle: deque[_UpConn] = deque()  # oldest left, most recently used right
-        self.all: set[_UpConn] = set()
-        self._trim: asyncio.TimerHandle | None = None
-        self._heads: dict[str, bytes] = {}
-
-    def head(self, path: str) -> bytes:
-        """A POST's request line and fixed headers to ``path``, up to the content-length's value."""
-        h = self._heads.get(path)
-        if h is None:
-            h = self._heads[path] = (b"POST %b%b HTTP/1.1\r\nhost: %b\r\ncontent-type: application/json\r\n"
-                                     b"content-length: " % (self.prefix, path.encode("latin-1"), self.host_header))
-        return h
-
-    def put(self, conn: _UpConn) -> None:
-        if self.max_idle <= 0:
-            conn.close()
-            return
-        conn.idle_since = conn.loop.time()
-        idle = self.idle
-        idle.append(conn)
-        while len(idle) > self.max_idle:
-            idle.popleft().close()
-        if self._trim is None:
-            self._trim = conn.loop.call_later(self.idle_timeout, self.trim, conn.loop)
-
-    def trim(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Close the connections idle for ``idle_timeout``; again later while any stays idle."""
-        self._trim = None
-        idle = self.idle
-        horizon = loop.time() - self.idle_timeout
-        while idle and (idle[0].closed or idle[0].idle_since <= horizon):
-            idle.popleft().close()
-        if idle:
-            wait = max(idle[0].idle_since + self.idle_timeout - loop.time(), 0.05 * self.idle_timeout)
-            self._trim = loop.call_later(wait, self.trim, loop)
-
-    def take(self) -> _UpConn | None:
-        idle = self.idle
-        while idle:
-            c = idle.pop()  # most recently used first: warmest, least likely closed by the engine
-            if not c.closed and c.transport is not None and not c.transport.is_closing():
-                return c
-        return None
-
-    def close(self) -> None:
-        if self._trim is not None:
-            self._trim.cancel()
-            self._trim = None
-        for c in list(self.all):
-            c.close()
-        self.idle.clear()
-
-
-class FastUpstream:
-    """Pooled keep-alive HTTP/1.1 client to the engines (see the module docstring)."""
-
-    def __init__(self, base_urls: Sequence[str], connect_timeout: float = 5.0, max_idle: int = 64,
-                 idle_timeout: float = 30.0):
-        self.pools = [_Pool(u, max_idle, idle_timeout) for u in base_urls]
-        self.connect_timeout = connect_timeout
-
-    def idle_connections(self) -> list[int]:
-        """Idle pooled connections per engine (tests, /debug/state)."""
-        return [sum(1 for c in p.idle if not c.closed) for p in self.pools]
-
-    async def _connect(self, pool: _Pool) -> _UpConn:
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _UpConn(pool, loop), pool.host, pool.port)
-        except TimeoutError:
-            raise UpstreamConnectError(f"connect to {pool.host}:{pool.port} timed out") from None
-        except OSError as exc:
-            raise UpstreamConnectError(f"cannot connect to {pool.host}:{pool.port}: {exc}") from None
-        return conn
-
-    async def post(self, i: int, path: str, body: bytes, headers: Mapping[str, str]) -> FastUpstreamResponse:
-        pool = self.pools[i]
-        data = b"%b%d\r\n%b\r\n%b" % (pool.head(path), len(body), _header_lines(headers) if headers else b"", body)
-        conn = pool.take()
-        for attempt in (0, 1):
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(pool)
-            resp = conn.send(data)
-            try:
-                await resp.head()
-            except UpstreamClosedError:
-                conn.close()
-                if reused and not resp.received and attempt == 0:
-                    conn = None  # the engine closed this idle connection meanwhile: once more, fresh
-                    continue
-                raise
-            except BaseException:
-                conn.close()  # cancelled (client gone, timeout): the engine sees the abort
-                raise
-            return resp
-        raise AssertionError("unreachable")
-
-    async def close(self) -> None:
-        for pool in self.pools:
-            pool.close()
-

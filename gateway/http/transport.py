@@ -18,6 +18,8 @@ not be reached (connect) or the connection broke after the request was sent (clo
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Protocol
 
@@ -118,6 +120,21 @@ class HeaderLines(Mapping[str, str]):
 
     def __bool__(self) -> bool:  # without parsing (a Mapping's truth would call __len__)
         return bool(self.lines)
+
+
+def header_block(headers: Mapping[str, str]) -> bytes:
+    """``name: value\r\n`` per header, latin-1 (anything else replaced), in one encode; the bytes
+    of :class:`HeaderLines` as they are."""
+    if type(headers) is HeaderLines:
+        return headers.lines
+    return "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode("latin-1", "replace")
+
+
+def nodelay(transport: asyncio.BaseTransport) -> None:
+    """TCP_NODELAY on a TCP transport's socket (answers leave at once, not after Nagle's wait)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class Downstream(Protocol):

@@ -248,7 +248,7 @@ def test_upstream_answer_head_read_in_any_split():
     afresh."""
     from types import SimpleNamespace
 
-    from gateway.http.fast import _UpConn
+    from gateway.http.fast_upstream import _UpConn
 
     answer = (b"HTTP/1.1 400 Bad Request\r\nDate: x\r\nContent-Type: text/html\r\nCONTENT-TYPE:  text/plain; "
               b"charset=utf-8 \r\nContent-Length: 5\r\n\r\nhello")
