@@ -203,8 +203,8 @@ class LazyIds:
 
     @property
     def nbytes(self) -> int:
-        """The ids' size once parsed (what a memo holding them accounts)."""
-        return 8 * self._n
+        """What it holds once parsed: its text, the comma positions and the ids (a memo's account)."""
+        return len(self._text) + self._commas.nbytes + 8 * self._n
 
     @property
     def parsed(self) -> int:
