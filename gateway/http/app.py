@@ -15,8 +15,9 @@ The request logic lives once, in :class:`Gateway`, written against the small int
 :mod:`gateway.http.transport`; the HTTP implementation is chosen by ``cfg.transport``: ``fast``
 (default: :mod:`gateway.http.fast`, an httptools protocol server, and
 :mod:`gateway.http.fast_upstream`, a pooled upstream client) or ``aiohttp`` (``Gateway.app``, an
-aiohttp application, with an aiohttp client session upstream). The upstream half (producer step, forwarding, streaming) is :mod:`gateway.http.forward`; the
-admin and GET endpoints are :mod:`gateway.http.admin`.
+aiohttp application, with an aiohttp client session upstream). The upstream half (producer step,
+forwarding, streaming) is :mod:`gateway.http.forward`; the admin and GET endpoints are
+:mod:`gateway.http.admin`.
 
 KV-moving decisions (MIGRATE / FETCH / PD) run vLLM's connector two-step: the producer request
 (non-streaming, ``max_tokens`` = ``min_tokens`` = 1, ``kv_transfer_params`` with

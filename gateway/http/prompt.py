@@ -4,9 +4,9 @@
   :class:`engines.hashing.BlockHasher`, memoized per session. A large completions body's id array is
   parsed straight into a numpy buffer (:func:`fast_completion_ids`); a prompt that repeats or extends
   the previous one of its session (without a session: the last one whose text starts alike) parses
-  only its new ids (:class:`PromptMemo`) and the blocks' pickles are
-  laid out with numpy (:meth:`engines.hashing.BlockHasher.hash_array`); the client's bytes are
-  forwarded unchanged. Agentic turn k+1 extends turn k, so
+  only its new ids (:class:`PromptMemo`); the blocks' pickles are laid out with numpy
+  (:meth:`engines.hashing.BlockHasher.hash_array`); the client's bytes are forwarded unchanged.
+  Agentic turn k+1 extends turn k, so
   :class:`engines.hashing.SessionHashCache` keeps each session's last prompt and digests and hashes only the new
   blocks (a 100k-token prompt is never re-hashed). The session key is the ``x-session-id`` header
   when sent, else the first block's tokens (so two sessions with a shared system prompt share an
@@ -267,14 +267,14 @@ def _prompt_span(raw: bytes) -> tuple[int, int] | None:
     return None
 
 
+_KEY_BYTES = 256  # ~40 token ids
+
+
 def memo_key(session: str | None, raw: bytes, start: int, stop: int) -> str | bytes:
     """A prompt's :class:`PromptMemo` key: its session, else the first ``_KEY_BYTES`` bytes of its array
     text (as :class:`engines.hashing.SessionHashCache` keys a session-less prompt by its first block:
     prompts that start alike share the entry; a str never equals bytes)."""
     return session if session is not None else raw[start : min(stop, start + _KEY_BYTES)]
-
-
-_KEY_BYTES = 256  # ~40 token ids
 
 
 def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str | None = None,
