@@ -15,6 +15,12 @@ from engines.kv_events import KVEventBatch
 from gpuhit.frozen import record
 
 
+def max_cached_tokens(prompt_len: int, block_size: int) -> int:
+    """The most prompt tokens vLLM serves from its prefix cache: whole blocks, never the last
+    prompt token (its ``max_cache_hit_length`` is ``prompt_len - 1``, matched in full blocks)."""
+    return max(prompt_len - 1, 0) // block_size * block_size
+
+
 @record
 class GenerateRequest:
     """One generation request with an exact output length.

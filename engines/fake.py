@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from engines.base import EngineStats, GenerateRequest, GenerateResult
+from engines.base import EngineStats, GenerateRequest, GenerateResult, max_cached_tokens
 from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from gpuhit.errors import ConfigError
 
@@ -110,8 +110,7 @@ class FakeEngine:
                     external = k - hit
                     if external:
                         await asyncio.sleep(external * self.transfer_s_per_block)
-            # vLLM's max_cache_hit_length: the last prompt token is always computed, hits are whole blocks
-            cap = max(request.prompt_len - 1, 0) // self.block_size * self.block_size
+            cap = max_cached_tokens(request.prompt_len, self.block_size)
             cached_tokens = min(hit * self.block_size, cap)
             ext_tokens = min((hit + external) * self.block_size, cap) - cached_tokens
             new_tokens = request.prompt_len - cached_tokens - ext_tokens

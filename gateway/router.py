@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engines.base import EngineClient, EngineStats, GenerateRequest, GenerateResult
+from engines.base import EngineClient, EngineStats, GenerateRequest, GenerateResult, max_cached_tokens
 from engines.kv_events import KVEventBatch
 from gateway.bindings import SessionBindings
 from gateway.kv_index import KVIndex
@@ -426,7 +426,7 @@ class Router:
 
     def _hit_tokens_of(self, i: int, req: RouteRequest) -> int:
         g, _ = self._match_one(i, req.block_hashes) if req.block_hashes else (0, 0)
-        return min(g, max(req.prompt_len - 1, 0) // self.block_size) * self.block_size
+        return min(g * self.block_size, max_cached_tokens(req.prompt_len, self.block_size))
 
     def _note_error(self, i: int, reason: str) -> None:
         self.stats.errors += 1
@@ -549,9 +549,7 @@ class Router:
     def _begin(self, req: RouteRequest, snap: Snapshot, d: Decision) -> Ticket:
         t = Ticket(self, req, d)
         bs = self.block_size
-        # vLLM recomputes at least the last prompt token and hits whole blocks only, so a hit covers
-        # at most (prompt_len - 1) // block_size blocks (its max_cache_hit_length).
-        cap = max(req.prompt_len - 1, 0) // bs * bs
+        cap = max_cached_tokens(req.prompt_len, bs)
         tgt, src = d.target, d.source
         inst = snap.instances
         nblocks = len(req.block_hashes)
