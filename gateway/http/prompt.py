@@ -290,8 +290,10 @@ def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str
     if span is None:
         return None
     lb, rb = span
-    key = memo_key(session, raw, lb + 1, rb) if memo is not None else None
-    ids = memo.extend(key, raw, lb + 1, rb) if memo is not None else None
+    key = ids = None
+    if memo is not None:
+        key = memo_key(session, raw, lb + 1, rb)
+        ids = memo.extend(key, raw, lb + 1, rb)
     if ids is None:
         if not parse:
             return None
