@@ -554,9 +554,7 @@ class Gateway(Forwarding, Breakers, Admin):
             d = ticket.decision
             name = self.engines[ticket.target].name
             m = self.metrics
-            m.decisions.inc((self.policy_name, name, d.action))
-            m.prompt_tokens.inc((name,), n)
-            m.predicted_hit.inc((name,), ticket.predicted_hit_tokens)
+            m.routed(self.policy_name, name, d.action, n, ticket.predicted_hit_tokens)
             resp_headers = self._decision_headers(ticket.target, d, ticket.predicted_hit_tokens)
             up_headers = {"x-request-id": rid}
             if session is not None:
@@ -582,9 +580,9 @@ class Gateway(Forwarding, Breakers, Admin):
                 ticket.finish(None, "client disconnected")
                 m.requests.inc((endpoint, "499"))
                 raise
-            m.observe_latency(endpoint, loop.time() - t0)  # the loop's clock, as TTFT (routing: perf_counter_ns)
-            if res.first_token_time is not None:
-                m.observe_ttft(endpoint, res.first_token_time - t0)
+            ftt = res.first_token_time
+            # The loop's clock, as TTFT's (routing: perf_counter_ns).
+            m.answered(endpoint, loop.time() - t0, None if ftt is None else ftt - t0)
         finally:
             if span is not None:
                 span.end()

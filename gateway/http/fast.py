@@ -87,27 +87,22 @@ _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason i
 
 
 class _Request:
-    __slots__ = ("body", "headers", "keep_alive", "method", "path", "reject")
+    """One request on a ``_ServerConn`` and its answer: the
+    :class:`~gateway.http.transport.Downstream` the gateway's request logic writes to (one object
+    per request, not a request and a downstream)."""
 
-    def __init__(self, method: bytes, path: str, headers: dict[str, str], body: bytes, keep_alive: bool,
-                 reject: GpuhitError | None = None):
+    __slots__ = ("body", "conn", "head_only", "headers", "keep_alive", "method", "path", "reject", "started")
+
+    def __init__(self, conn: _ServerConn, method: bytes, path: str, headers: dict[str, str], body: bytes,
+                 keep_alive: bool, reject: GpuhitError | None = None):
+        self.conn = conn
         self.method = method
         self.path = path
         self.headers = headers
         self.body = body
         self.keep_alive = keep_alive
         self.reject = reject  # answer with this error, then close the connection
-
-
-class _Downstream:
-    """:class:`~gateway.http.transport.Downstream` of one request on a ``_ServerConn``."""
-
-    __slots__ = ("conn", "head_only", "keep_alive", "started")
-
-    def __init__(self, conn: _ServerConn, keep_alive: bool, head_only: bool = False):
-        self.conn = conn
-        self.keep_alive = keep_alive
-        self.head_only = head_only  # a HEAD request: the GET answer's head, no body
+        self.head_only = method == b"HEAD"  # a HEAD request: the GET answer's head, no body
         self.started = False
 
     def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
@@ -387,7 +382,7 @@ class _ServerConn(asyncio.Protocol):
         self._head_room = _HEAD_MAX
         self._disarm()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._enqueue(_Request(self.parser.get_method(), self._path, self._headers, body,
+        self._enqueue(_Request(self, self.parser.get_method(), self._path, self._headers, body,
                                self.parser.should_keep_alive()))
 
     # -- request processing
@@ -398,7 +393,7 @@ class _ServerConn(asyncio.Protocol):
         self._stop_parsing = True
         self._disarm()
         path = self._path if not self._in_head else b"".join(self._url).split(b"?", 1)[0].decode("latin-1")
-        self._enqueue(_Request(b"", path or "-", self._headers, b"", False, reject=err))
+        self._enqueue(_Request(self, b"", path or "-", self._headers, b"", False, reject=err))
 
     def _enqueue(self, req: _Request) -> None:
         self._queue.append(req)
@@ -415,11 +410,13 @@ class _ServerConn(asyncio.Protocol):
                 if self._reading_paused and len(self._queue) <= 1 and self.transport is not None:
                     self._reading_paused = False
                     self.transport.resume_reading()
-                down = _Downstream(self, req.keep_alive, req.method == b"HEAD")
                 try:
-                    await self._dispatch(req, down)
+                    if req.method == b"POST" and req.path in _POST_PATHS and req.reject is None:
+                        await self.gw.handle(req.path, req.headers, req.body, req)  # the common case, direct
+                    else:
+                        await self._dispatch(req)
                 except Exception as exc:  # noqa: BLE001 - a bug must not leave the client waiting forever
-                    await self._internal_error(req, down, exc)
+                    await self._internal_error(req, exc)
                     return
                 if req.reject is not None:
                     self._linger_close()
@@ -434,42 +431,41 @@ class _ServerConn(asyncio.Protocol):
         if not self._partial and not self.closed and not self._stop_parsing:
             self._arm("idle", self.server.keepalive_timeout)
 
-    async def _internal_error(self, req: _Request, down: _Downstream, exc: Exception) -> None:
+    async def _internal_error(self, req: _Request, exc: Exception) -> None:
         """An unexpected exception while answering: logged with its traceback; the client gets a 500
         in vLLM's error shape when nothing was sent yet, and the connection is closed either way (a
         half-sent answer cannot be completed)."""
         _log.error("unhandled error answering %s %s", req.method.decode(errors="replace"),
                    req.path[:200], exc_info=exc)
-        if not down.started and not self.closed:
+        if not req.started and not self.closed:
             status, data = self.gw.error_payload(GpuhitError(f"internal error: {type(exc).__name__}"), "other")
-            down.keep_alive = False
+            req.keep_alive = False
             # The socket may be gone too; closing below is all that is left then.
             with contextlib.suppress(ConnectionError, OSError, RuntimeError):
-                await down.respond(status, {}, data, "application/json")
+                await req.respond(status, {}, data, "application/json")
         self.close()
 
-    async def _dispatch(self, req: _Request, down: _Downstream) -> None:
+    async def _dispatch(self, req: _Request) -> None:
+        """Everything but a routed POST (which :meth:`_run` hands to the gateway directly)."""
         gw = self.gw
         method = req.method
         path = req.path
         if req.reject is not None:
             status, data = gw.error_payload(req.reject, path if path in _POST_PATHS else "other")
-            return await down.respond(status, {}, data, "application/json")
-        if method == b"POST" and path in _POST_PATHS:
-            return await gw.handle(path, req.headers, req.body, down)
+            return await req.respond(status, {}, data, "application/json")
         if method == b"POST" and path == RESET_PREFIX_CACHE:
             status, ctype, data = await gw.reset_prefix_cache()
-            return await down.respond(status, {}, data, ctype)
+            return await req.respond(status, {}, data, ctype)
         if method in (b"GET", b"HEAD") and (out := gw.get(path)) is not None:
             status, ctype, data = out
-            await down.respond(status, {}, data, ctype)
+            await req.respond(status, {}, data, ctype)
             return
         if path in _POST_PATHS or path in GET_PATHS or path == RESET_PREFIX_CACHE:
             err: GpuhitError = MethodNotAllowedError(f"method {method.decode('latin-1')} is not allowed on {path}")
         else:
             err = NotFoundError(f"no such endpoint: {path}")
         status, data = gw.error_payload(err, path if path in _POST_PATHS else "other")
-        await down.respond(status, {}, data, "application/json")
+        await req.respond(status, {}, data, "application/json")
 
     # -- writing
 

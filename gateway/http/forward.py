@@ -2,9 +2,8 @@
 :class:`gateway.http.app.Gateway`).
 
 After routing, :meth:`Forwarding._act` runs the connector two-step's producer step when the decision
-moves KV (:meth:`_producer_step`, :meth:`_consumer_params`), then :meth:`_forward` posts the
-client's body to the chosen engine and relays the answer: whole (non-streamed) or chunk by chunk
-(:meth:`_stream`, SSE). The first upstream chunk calls ``ticket.first_token()``; the end calls
+moves KV (:meth:`_producer_step`, :meth:`_consumer_params`), then posts the client's body to the
+chosen engine and relays the answer: whole (non-streamed) or chunk by chunk (:meth:`_stream`, SSE). The first upstream chunk calls ``ticket.first_token()``; the end calls
 ``ticket.finish`` with the usage the engine reported (:meth:`_finish_ok`). Failures become vLLM's
 JSON error answer, or an SSE error event and ``[DONE]`` once the stream has started (:meth:`_fail`).
 
@@ -63,11 +62,31 @@ class Forwarding:
     """The upstream half of :class:`~gateway.http.app.Gateway`'s request logic."""
 
     async def _act(self, down: Downstream, endpoint: str, body: Mapping[str, Any], raw: bytes, stream: bool,
-                   ticket: Ticket, res: GenerateResult, resp_headers: Mapping[str, str], up_headers: dict[str, str],
+                   ticket: Ticket, res: GenerateResult, headers: Mapping[str, str], up_headers: dict[str, str],
                    own_hit: int) -> None:
+        """The producer step when the decision moves KV, then the post to the target and the relay
+        of its answer under a :class:`Watchdog` (TTFB, then idle timeouts; ended at once if the
+        target's breaker opens meanwhile)."""
         params = await self._producer_step(ticket, up_headers) if ticket.needs_producer else None
-        raw = forwarded_body(body, raw, params, ticket.decision.priority, ticket.request.prompt_token_ids)
-        await self._forward(down, endpoint, raw, stream, ticket, res, resp_headers, up_headers, own_hit)
+        if params is not None or ticket.decision.priority is not None:
+            raw = forwarded_body(body, raw, params, ticket.decision.priority, ticket.request.prompt_token_ids)
+        i = ticket.target
+        cfg = self.cfg
+        first = cfg.ttfb_timeout
+        if not stream:
+            # A non-streamed answer arrives whole at the end: the budget a stream of the same length
+            # gets (none when there is no idle timeout to scale).
+            first = first + cfg.idle_timeout * ticket.request.max_tokens if first and cfg.idle_timeout else 0.0
+        wd = self.deadlines.enter(i, first, cfg.idle_timeout)
+        try:
+            await self._exchange(down, endpoint, raw, stream, ticket, res, headers, up_headers, own_hit, wd)
+        except BaseException as exc:
+            own = wd.leave(cancelled=isinstance(exc, asyncio.CancelledError))
+            if not own and (wd.fired is None or not isinstance(exc, TimeoutError)):
+                raise  # the client left, the whole-request --timeout (handled by the caller), a bug
+            await self._watchdog_fired(down, endpoint, ticket, headers, wd)
+        else:
+            wd.leave(cancelled=False)
 
     async def _fail(self, down: Downstream, exc: GpuhitError, endpoint: str, headers: Mapping[str, str]) -> None:
         """An error after routing: a JSON error answer, or an SSE error event once streaming."""
@@ -172,28 +191,6 @@ class Forwarding:
             raise EngineError(f"bootstrap {addr}/query gave no engine id: {exc!r}") from None
         self._engine_ids[addr] = eid
         return eid
-
-    async def _forward(self, down: Downstream, endpoint: str, raw: bytes, stream: bool, ticket: Ticket,
-                       res: GenerateResult, headers: Mapping[str, str], up_headers: dict[str, str], own_hit: int) -> None:
-        """Post to the target and relay its answer under a :class:`Watchdog` (TTFB, then idle
-        timeouts; ended at once if the target's breaker opens meanwhile)."""
-        i = ticket.target
-        cfg = self.cfg
-        first = cfg.ttfb_timeout
-        if not stream:
-            # A non-streamed answer arrives whole at the end: the budget a stream of the same length
-            # gets (none when there is no idle timeout to scale).
-            first = first + cfg.idle_timeout * ticket.request.max_tokens if first and cfg.idle_timeout else 0.0
-        wd = self.deadlines.enter(i, first, cfg.idle_timeout)
-        try:
-            await self._exchange(down, endpoint, raw, stream, ticket, res, headers, up_headers, own_hit, wd)
-        except BaseException as exc:
-            own = wd.leave(cancelled=isinstance(exc, asyncio.CancelledError))
-            if not own and (wd.fired is None or not isinstance(exc, TimeoutError)):
-                raise  # the client left, the whole-request --timeout (handled by the caller), a bug
-            await self._watchdog_fired(down, endpoint, ticket, headers, wd)
-        else:
-            wd.leave(cancelled=False)
 
     async def _exchange(self, down: Downstream, endpoint: str, raw: bytes, stream: bool, ticket: Ticket,
                         res: GenerateResult, headers: Mapping[str, str], up_headers: dict[str, str], own_hit: int,

@@ -182,14 +182,14 @@ def test_a_streamed_answer_leaves_in_one_write_per_loop_iteration():
     sends what is held before the close."""
     from types import SimpleNamespace
 
-    from gateway.http.fast import _Downstream, _ServerConn
+    from gateway.http.fast import _Request, _ServerConn
 
     async def main():
         loop = asyncio.get_running_loop()
         server = SimpleNamespace(gw=None, max_body_bytes=1 << 20, loop=loop, conns=set())
         conn = _ServerConn(server)
         t = conn.transport = _RecordingTransport()
-        down = _Downstream(conn, keep_alive=True)
+        down = _Request(conn, b"POST", "/v1/completions", {}, b"", keep_alive=True)
         await down.start_stream({"x-gpuhit-instance": "e0"})
         await down.write(b"data: 1\n\n")
         await down.write(b"data: [DONE]\n\n")
@@ -202,7 +202,7 @@ def test_a_streamed_answer_leaves_in_one_write_per_loop_iteration():
         assert data.endswith(b"\r\n9\r\ndata: 1\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
         # A whole answer after a stream's held end (pipelining): the end first, one write.
         await down.end()
-        await _Downstream(conn, keep_alive=True).respond(200, {}, b"{}", "application/json")
+        await _Request(conn, b"POST", "/v1/completions", {}, b"", keep_alive=True).respond(200, {}, b"{}", "application/json")
         assert t.writes[1] == b"0\r\n\r\nHTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
         await asyncio.sleep(0)
         assert len(t.writes) == 2  # nothing left held

@@ -111,10 +111,9 @@ def test_histograms_render_as_prometheus_clients_own():
     for k, v in enumerate((0.0, 25e-6, 3e-5, 0.1, 0.2, 1e9, 0.005, 4.2)):
         ours.routing.observe(v)
         routing.observe(v)
-        ours.observe_latency(eps[k % 2], v)
+        ours.answered(eps[k % 2], v, v if k % 3 else None)
         latency.labels(eps[k % 2]).observe(v)
         if k % 3:
-            ours.observe_ttft(eps[k % 2], v)
             ttft.labels(eps[k % 2]).observe(v)
     created = re.compile(r"(_created(\{[^}]*\})?) \S+$", re.MULTILINE)
     theirs = created.sub(r"\1 T", generate_latest(reg).decode())
