@@ -16,7 +16,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIP   := $(VLLM_VENV)/bin/pip --disable-pip-version-check
 
-.PHONY: venv vllm-venv demo test test-core bench lint clean
+.PHONY: venv vllm-venv demo test test-core bench compile uncompile lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -61,6 +61,19 @@ $(BENCH_STAMP): pyproject.toml | $(STAMP)
 
 bench: $(STAMP) $(BENCH_STAMP)
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/perf
+
+# The fast transport compiled with mypyc (gpuhit/native.py): optional, in place, checked against its
+# sources at import. `make uncompile` goes back to pure Python (the default; `make test` runs either).
+NATIVE_STAMP := $(VENV)/.native
+$(NATIVE_STAMP): pyproject.toml | $(STAMP)
+	$(PIP) install -q -e ".[native]"
+	touch $(NATIVE_STAMP)
+
+compile: $(NATIVE_STAMP)
+	$(BIN)/python -m gpuhit.native build
+
+uncompile:
+	$(BIN)/python -m gpuhit.native clean
 
 lint: $(STAMP)
 	$(BIN)/ruff check gpuhit gateway replayer policies engines analysis tests

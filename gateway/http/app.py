@@ -95,7 +95,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.router import Router, RouteRequest
 from gateway.snapshot import FORWARD, Decision
 from gateway.tokenizer import NotExact, PromptTokenizer, discover
-from gpuhit import tracing
+from gpuhit import native, tracing
 from gpuhit.errors import (
     CapacityError,
     ConfigError,
@@ -595,7 +595,8 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     try:
         port = await gw.listen()
         print(f"gpuhit serve: listening on http://{cfg.host}:{port} ({len(cfg.engines)} engines, policy "
-              f"{gw.policy_name}, {cfg.index} index, {cfg.transport} transport)", flush=True)
+              f"{gw.policy_name}, {cfg.index} index, {cfg.transport} transport"
+              f"{', compiled' if cfg.transport == 'fast' and native.compiled() else ''})", flush=True)
         if ready is not None:
             ready.set()
         await _until_signalled()

@@ -30,7 +30,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httptools
 
@@ -557,7 +557,10 @@ class FastServer:
         loop = self.loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _ServerConn(self), host, port, backlog=1024,
                                                 reuse_address=True)
-        return int(self._server.sockets[0].getsockname()[1])
+        # `sockets` is typed a tuple and is a list under uvloop: read untyped, as a compiled build
+        # checks a declared type.
+        server: Any = self._server
+        return int(server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
         if self._server is None:

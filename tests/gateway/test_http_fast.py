@@ -180,13 +180,12 @@ def test_a_streamed_answer_leaves_in_one_write_per_loop_iteration():
     """Head, chunks and end written in one loop iteration go out in one write at its end, in order;
     a whole answer (respond) sends what is held first; past 64 KB held, bytes go at once; closing
     sends what is held before the close."""
-    from types import SimpleNamespace
-
-    from gateway.http.fast import _Request, _ServerConn
+    from gateway.config import GatewayConfig
+    from gateway.http.fast import FastServer, _Request, _ServerConn
 
     async def main():
-        loop = asyncio.get_running_loop()
-        server = SimpleNamespace(gw=None, max_body_bytes=1 << 20, loop=loop, conns=set())
+        server = FastServer(None, GatewayConfig())  # type: ignore[arg-type]  # no request reaches gw
+        server.loop = asyncio.get_running_loop()
         conn = _ServerConn(server)
         t = conn.transport = _RecordingTransport()
         down = _Request(conn, b"POST", "/v1/completions", {}, b"", keep_alive=True)
@@ -246,9 +245,7 @@ def test_upstream_answer_head_read_in_any_split():
     whatever the split of the head over reads, any case, the last of repeated fields; status,
     keep-alive and body as httptools parses them; a second answer on the same connection starts
     afresh."""
-    from types import SimpleNamespace
-
-    from gateway.http.fast_upstream import _UpConn
+    from gateway.http.fast_upstream import _Pool, _UpConn
 
     answer = (b"HTTP/1.1 400 Bad Request\r\nDate: x\r\nContent-Type: text/html\r\nCONTENT-TYPE:  text/plain; "
               b"charset=utf-8 \r\nContent-Length: 5\r\n\r\nhello")
@@ -257,7 +254,7 @@ def test_upstream_answer_head_read_in_any_split():
         loop = asyncio.get_running_loop()
         for cut in range(1, len(answer)):
             for second in (False, True):
-                conn = _UpConn(SimpleNamespace(), loop)
+                conn = _UpConn(_Pool("http://127.0.0.1:1", 1, 60.0), loop)
                 conn.transport = _RecordingTransport()
                 if second:  # an earlier answer (no content-type) read to its end on this connection
                     first = conn.send(b"req")

@@ -9,7 +9,8 @@ they cache, so gpuhit's precise index is populated and its event decoding counte
 * ``vllm-router``: ``vllm-router --policy round_robin``;
 * ``gpuhit-rr`` (only with ``GPUHIT_BENCH_RR=1``): ``gpuhit serve --policy round_robin``;
 * ``gpuhit-before`` (only with ``GPUHIT_BENCH_BEFORE=<checkout>``): the same gpuhit command run from
-  another checkout (its PYTHONPATH), for before/after numbers from one run.
+  another checkout (its PYTHONPATH), for before/after numbers from one run (named
+  ``$GPUHIT_BENCH_BEFORE_LABEL`` when set, e.g. ``gpuhit-pure`` for a checkout without ``make compile``).
 
 Workloads: ``chat`` (a short chat request), ``2k`` (2,048 token ids, 16 prompts each sent again and
 again: repeats, as retries and evaluation runs send), ``2k-new`` (2,048 token ids, a new prompt each
@@ -233,7 +234,8 @@ def test_router_compare():
                 old = await spawn(["-c", boot, "serve", "--port", "0", *eng_args, "--policy", "lpwl", "--index",
                                    "precise", "--model", "m", "--max-prompt-tokens", "0"])
                 procs.append(old)
-                targets["gpuhit-before"] = (old.proc.pid, [old.first_line.split(" on ", 1)[1].split(" ", 1)[0]])
+                label = os.environ.get("GPUHIT_BENCH_BEFORE_LABEL", "gpuhit-before")
+                targets[label] = (old.proc.pid, [old.first_line.split(" on ", 1)[1].split(" ", 1)[0]])
             if os.environ.get("GPUHIT_BENCH_RR") == "1":
                 rr, url = await _spawn_url(["-m", "gpuhit.cli", "serve", "--port", "0", *eng_args, "--policy",
                                             "round_robin", "--index", "precise", "--model", "m",

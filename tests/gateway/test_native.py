@@ -1,0 +1,89 @@
+"""The compiled fast transport (gpuhit/native.py): the stale-build guard, and a real mypyc build
+serving requests in a gateway process."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.machinery
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from engines.fake import FakeEngine
+from gpuhit import native
+from gpuhit.errors import ConfigError
+from tests.e2e.helpers import servers, spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-311-x86_64-linux-gnu.so
+
+
+def _fake_build(d: Path) -> None:
+    """Sources, one (empty) extension file per module plus the runtime, and a matching stamp."""
+    for m in native.MODULES:
+        (d / f"{m}.py").write_text(f"# {m}\n")
+        (d / f"{m}{SUFFIX}").write_bytes(b"")
+    (d / f"{native.GROUP}__mypyc{SUFFIX}").write_bytes(b"")
+    (d / native.STAMP).write_text(json.dumps({f"{m}.py": native._sha256(d / f"{m}.py") for m in native.MODULES}))
+
+
+def test_a_stale_or_partial_build_is_refused_by_name(tmp_path):
+    assert native.check(tmp_path) is False  # no build: pure Python
+    _fake_build(tmp_path)
+    assert native.check(tmp_path) is True
+    (tmp_path / "fast_upstream.py").write_text("# edited after the build\n")
+    with pytest.raises(ConfigError, match=r"fast_upstream\.py changed since the transport was compiled: run `make compile`"):
+        native.check(tmp_path)
+    _fake_build(tmp_path)
+    (tmp_path / f"fast{SUFFIX}").unlink()
+    with pytest.raises(ConfigError, match=r"partial compiled transport in .* \(no fast\)"):
+        native.check(tmp_path)
+    _fake_build(tmp_path)
+    (tmp_path / native.STAMP).unlink()
+    with pytest.raises(ConfigError, match="without a readable native.sha256.json"):
+        native.check(tmp_path)
+    native.clean(tmp_path)
+    assert native.check(tmp_path) is False and not list(tmp_path.glob("*.so"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mypyc") is None or shutil.which("cc") is None,
+                    reason="needs mypy's mypyc and a C compiler (pip install 'gpuhit[native]')")
+def test_a_compiled_gateway_serves_requests(tmp_path):
+    """mypyc compiles the transport in a copy of the packages; a gateway run from that copy says so
+    in its banner, imports the extensions, and relays a non-streamed and a streamed completion
+    from a real engine server with its decision headers."""
+    copy = tmp_path / "src"
+    for pkg in ("gpuhit", "gateway", "engines", "policies", "replayer", "analysis"):
+        shutil.copytree(ROOT / pkg, copy / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.sha256.json"))
+    out = subprocess.run([sys.executable, "-m", "gpuhit.native", "build"], cwd=copy, capture_output=True, text=True, check=False,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert len(list((copy / "gateway" / "http").glob("*.so"))) == len(native.MODULES) + 1
+    boot = (f"import runpy, sys; sys.path.insert(0, {str(copy)!r}); "
+            "runpy.run_module('gpuhit.cli', run_name='__main__', alter_sys=True)")
+
+    async def main():
+        async with servers([FakeEngine("a")]) as (srv,):
+            gw = await spawn(["-c", boot, "serve", "--port", "0", "--engine", f"http://127.0.0.1:{srv.port}",
+                              "--model", "m"])
+            try:
+                assert "fast transport, compiled)" in gw.first_line, gw.first_line
+                url = gw.first_line.split(" on ", 1)[1].split(" ", 1)[0]
+                async with aiohttp.ClientSession() as http:
+                    body = {"model": "m", "prompt": list(range(1, 40)), "max_tokens": 3}
+                    async with http.post(url + "/v1/completions", json=body) as r:
+                        assert r.status == 200 and r.headers["x-gpuhit-instance"] == "e0"
+                        assert (await r.json())["usage"]["completion_tokens"] == 3
+                    async with http.post(url + "/v1/completions", json={**body, "stream": True}) as r:
+                        assert r.status == 200 and r.headers["content-type"] == "text/event-stream"
+                        assert (await r.read()).rstrip().endswith(b"data: [DONE]")
+            finally:
+                await gw.stop()
+
+    asyncio.run(main())
