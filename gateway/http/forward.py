@@ -3,9 +3,10 @@
 
 After routing, :meth:`Forwarding._act` runs the connector two-step's producer step when the decision
 moves KV (:meth:`_producer_step`, :meth:`_consumer_params`), then posts the client's body to the
-chosen engine and relays the answer: whole (non-streamed) or chunk by chunk (:meth:`_stream`, SSE). The first upstream chunk calls ``ticket.first_token()``; the end calls
-``ticket.finish`` with the usage the engine reported (:meth:`_finish_ok`). Failures become vLLM's
-JSON error answer, or an SSE error event and ``[DONE]`` once the stream has started (:meth:`_fail`).
+chosen engine and relays the answer: whole (non-streamed) or chunk by chunk (:meth:`_stream`, SSE).
+The first upstream chunk calls ``ticket.first_token()``; the end calls ``ticket.finish`` with the
+usage the engine reported (:meth:`_finish_ok`). Failures become vLLM's JSON error answer, or an SSE
+error event and ``[DONE]`` once the stream has started (:meth:`_fail`).
 
 Every exchange with an engine runs under a :class:`Watchdog` (:class:`Deadlines` holds them all):
 ``ttfb_timeout`` to the first answer byte, then ``idle_timeout`` between chunks, instead of one
