@@ -248,18 +248,6 @@ class GatewayMetrics:
         self._ttft = {e: self.ttft.labels(e) for e in ("/v1/completions", "/v1/chat/completions")}
         self.registry.register(_Collector(self))
 
-    def routed(self, policy: str, instance: str, action: str, prompt_tokens: int, predicted_hit: int) -> None:
-        """One routing decision: ``decisions``, ``prompt_tokens`` and ``predicted_hit`` counted in one
-        call (the request path's; three :meth:`Counter.inc` calls otherwise)."""
-        v = self.decisions.values
-        k: tuple = (policy, instance, action)
-        v[k] = v.get(k, 0) + 1
-        k = (instance,)
-        v = self.prompt_tokens.values
-        v[k] = v.get(k, 0) + prompt_tokens
-        v = self.predicted_hit.values
-        v[k] = v.get(k, 0) + predicted_hit
-
     def answered(self, endpoint: str, latency: float, ttft: float | None) -> None:
         """A routed request's latency (arrival to last byte) and, when an engine answered, its TTFT."""
         self._latency[endpoint].observe(latency)

@@ -554,7 +554,9 @@ class Gateway(Forwarding, Breakers, Admin):
             d = ticket.decision
             name = self.engines[ticket.target].name
             m = self.metrics
-            m.routed(self.policy_name, name, d.action, n, ticket.predicted_hit_tokens)
+            m.decisions.inc((self.policy_name, name, d.action))
+            m.prompt_tokens.inc((name,), n)
+            m.predicted_hit.inc((name,), ticket.predicted_hit_tokens)
             resp_headers = self._decision_headers(ticket.target, d, ticket.predicted_hit_tokens)
             up_headers = {"x-request-id": rid}
             if session is not None:

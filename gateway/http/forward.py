@@ -69,8 +69,7 @@ class Forwarding:
         of its answer under a :class:`Watchdog` (TTFB, then idle timeouts; ended at once if the
         target's breaker opens meanwhile)."""
         params = await self._producer_step(ticket, up_headers) if ticket.needs_producer else None
-        if params is not None or ticket.decision.priority is not None:
-            raw = forwarded_body(body, raw, params, ticket.decision.priority, ticket.request.prompt_token_ids)
+        raw = forwarded_body(body, raw, params, ticket.decision.priority, ticket.request.prompt_token_ids)
         i = ticket.target
         cfg = self.cfg
         first = cfg.ttfb_timeout

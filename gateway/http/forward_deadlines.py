@@ -23,8 +23,8 @@ class Watchdog:
     (``ttfb``, ``idle``, ``ejected``). Plain calls, not an ``async with``: entering and leaving
     cost a set insertion and removal, no coroutine; per chunk: one ``loop.time()``."""
 
-    __slots__ = ("_cancelling", "_deadlines", "_instance", "_listed", "_task", "after", "fired", "first", "idle",
-                 "last", "limit", "why")
+    __slots__ = ("_cancelling", "_deadlines", "_instance", "_task", "after", "fired", "first", "idle", "last",
+                 "limit", "why")
 
     def __init__(self, deadlines: Deadlines, instance: int, first: float, idle: float, task: asyncio.Task):
         self._deadlines = deadlines
@@ -38,7 +38,6 @@ class Watchdog:
         self.fired: str | None = None
         self.after = 0.0  # the limit (seconds) that fired
         self.why = ""
-        self._listed = False  # in its Deadlines' in-flight set (checked by the sweep)
 
     def leave(self, cancelled: bool) -> bool:
         """The exchange is over (``cancelled``: it ended in ``CancelledError``). True when that
@@ -47,8 +46,7 @@ class Watchdog:
         instead of propagating it. As ``asyncio.timeout`` does, the watchdog's cancel request is
         withdrawn (``uncancel``) once it fired, whether or not it reached the task."""
         self.limit = None
-        if self._listed:
-            self._deadlines.discard(self._instance, self)
+        self._deadlines.discard(self._instance, self)
         task, self._task = self._task, None
         assert task is not None, "leave() called twice"
         return self.fired is not None and task.uncancel() <= self._cancelling and cancelled
@@ -61,8 +59,7 @@ class Watchdog:
     def done(self) -> None:
         """Nothing more to wait for from the engine: no deadline, no abort."""
         self.limit = None
-        if self._listed:
-            self._deadlines.discard(self._instance, self)
+        self._deadlines.discard(self._instance, self)
 
     def check(self, now: float) -> None:
         """Fire if the current deadline has passed (called by :class:`Deadlines`)."""
@@ -108,17 +105,16 @@ class Deadlines:
         task = asyncio.current_task(self.loop)
         assert task is not None, "Deadlines.enter() outside a task"
         wd = Watchdog(self, i, first, idle, task)
-        self.in_flight[i].add(wd)
-        wd._listed = True
+        self.in_flight[i].add(wd)  # a new watchdog: not in the set yet
         self._active += 1
         if self._timer is None and self.tick is not None:
             self._timer = self.loop.call_later(self.tick, self._sweep)
         return wd
 
     def discard(self, i: int, wd: Watchdog) -> None:
-        if wd._listed:
-            wd._listed = False
-            self.in_flight[i].remove(wd)
+        s = self.in_flight[i]
+        if wd in s:
+            s.remove(wd)
             self._active -= 1
 
     def abort(self, i: int, why: str) -> None:
