@@ -477,8 +477,8 @@ def pickled_blocks(tokens: np.ndarray, block_size: int, parent_len: int) -> tupl
 
 def event_ints_of(digests: Sequence[bytes]) -> list[int]:
     """``[to_event_int(d) for d in digests]`` in a few C passes (digests of one length)."""
-    if not digests:
-        return []
     n = len(digests)
+    if n < 8:  # numpy's fixed cost exceeds a few int conversions (routing a new prompt hashes one block)
+        return [int.from_bytes(d[-8:], "big") for d in digests]
     raw = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(n, -1)[:, -8:]
     return np.ascontiguousarray(raw).view(">u8").ravel().tolist()

@@ -131,39 +131,40 @@ def _validated(seg: np.ndarray) -> tuple[bytes, np.ndarray] | None:
     n = len(seg)
     if n == 0:
         return None
-    digit = (seg - 48) < 10  # uint8 arithmetic wraps: True exactly for b"0".."9"
     comma = seg == 44
-    ndig = int(np.count_nonzero(digit))
-    ncomma = int(np.count_nonzero(comma))
-    if ndig + ncomma != n:  # whitespace (or anything else): keep only JSON whitespace, then recheck
-        other = ~(digit | comma)
+    ends = np.flatnonzero(comma)  # each number ends just before its comma
+    digit = (seg - 48) < 10  # uint8 arithmetic wraps: True exactly for b"0".."9"
+    if int(np.count_nonzero(digit)) + len(ends) != n:
+        # whitespace (or anything else): keep only JSON whitespace, then recheck
         ws = (seg == 32) | (seg == 9) | (seg == 10) | (seg == 13)
-        if np.count_nonzero(other & ~ws):
+        if np.count_nonzero(~(digit | comma | ws)):
             return None
         # whitespace may not split a number: digit runs of the original = numbers (commas + 1)
         runs = int(np.count_nonzero(digit[1:] & ~digit[:-1])) + bool(digit[0])
-        if runs != ncomma + 1:
+        if runs != len(ends) + 1:
             return None
-        keep = ~ws
-        seg = seg[keep]
-        digit = digit[keep]
+        seg = seg[~ws]
         n = len(seg)
-        comma = seg == 44
-    ends = np.flatnonzero(comma)  # each number ends just before its comma
+        ends = np.flatnonzero(seg == 44)
     if len(ends):
+        first, last = int(ends[0]), n - 1 - int(ends[-1])
         inner = np.diff(ends)  # an interior number's length + 1
-        shortest = min(int(ends[0]), n - 1 - int(ends[-1]), int(inner.min()) - 1 if len(inner) else n)
-        widest = max(int(ends[0]), n - 1 - int(ends[-1]), int(inner.max()) - 1 if len(inner) else 0)
+        shortest = min(first, last, int(inner.min()) - 1 if len(inner) else n)
+        widest = max(first, last, int(inner.max()) - 1 if len(inner) else 0)
     else:
         shortest = widest = n
     if shortest < 1 or widest > _DIGIT_MAX:  # an empty element (",," or an edge comma), or too long
         return None
-    if widest > 1:  # a leading zero (a "0" that starts a number and is followed by a digit): not JSON
-        start = np.empty(n - 1, dtype=bool)
-        start[0] = True
-        start[1:] = comma[: n - 2]
-        if np.count_nonzero(start & (seg[:-1] == 48) & digit[1:]):
-            return None
+    # a leading zero: a number that starts with "0" and goes on (its next byte is no comma)
+    if seg[0] == 48 and n > 1 and seg[1] != 44:
+        return None
+    if widest > 1 and len(ends):
+        zero = np.flatnonzero(seg[ends + 1] == 48)  # numbers after a comma that start with "0"
+        if len(zero):
+            after = ends[zero] + 2
+            after = after[after < n]
+            if np.count_nonzero(seg[after] != 44):
+                return None
     return seg.tobytes(), ends
 
 
@@ -217,7 +218,7 @@ class LazyIds:
         if k <= p:
             return done
         n = self._n
-        k = min(n, max(k, 2 * p, 1024))
+        k = min(n, max(k, 2 * p, 64))
         start = 0 if p == 0 else int(self._commas[p - 1]) + 1
         stop = int(self._commas[k - 1]) if k < n else len(self._text)
         more = _parse_text(self._text[start:stop])

@@ -47,3 +47,21 @@ def test_block_size_and_extra_keys():
     v.observe(0, salted)  # hashed with extra keys: not reproducible from tokens, skipped
     st = v.state()[0]
     assert (st["block_size_mismatches"], st["checked"], st["ok"]) == (1, 0, False)
+
+
+def test_after_the_first_chains_one_in_check_every_is_rehashed_and_a_change_is_still_caught():
+    from gateway.hash_check import CHECK_EVERY, CHECK_FIRST
+
+    gw = BlockHasher(16)
+    v = HashVerifier(gw, ["a"])
+    starts = CHECK_FIRST + 3 * CHECK_EVERY
+    for k in range(starts):
+        v.observe(0, _batch(gw, [k] * 16))
+    st = v.state()[0]
+    assert (st["chain_starts"], st["checked"], st["mismatches"]) == (starts, CHECK_FIRST + 3, 0)
+    # the engine restarts with another seed: every chain now mismatches, and the sample meets one
+    seeded = BlockHasher(16, seed="0")
+    for k in range(CHECK_EVERY):
+        v.observe(0, _batch(seeded, [k] * 16))
+    st = v.state()[0]
+    assert st["mismatches"] == 1 and st["ok"] is False and st["checked"] == CHECK_FIRST + 4
