@@ -26,7 +26,7 @@ to the same int (last 8 bytes, big-endian) so that one index serves both.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
 import msgspec
@@ -295,12 +295,16 @@ class RawTokenIds(Sequence[int]):
 
 _TOKEN_IDS = msgspec.msgpack.Decoder()  # untyped, as the general decoder's tuple(token_ids)
 
+# A plain hash: a non-negative int, checked by msgspec as it decodes (a negative one, or digest
+# bytes, fails the typed decode and the general decoder normalises it).
+_Hash = Annotated[int, msgspec.Meta(ge=0)]
+
 
 class _Stored(msgspec.Struct, tag="BlockStored", tag_field="type"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[_Hash]
+    parent_block_hash: _Hash | None
     token_ids: msgspec.Raw
-    block_size: int
+    block_size: Annotated[int, msgspec.Meta(gt=0)]
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
@@ -309,7 +313,7 @@ class _Stored(msgspec.Struct, tag="BlockStored", tag_field="type"):
 
 
 class _Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
-    block_hashes: list[int]
+    block_hashes: list[_Hash]
     medium: str | None = None
     group_idx: int | None = None
 
@@ -331,10 +335,6 @@ class _ArrayBatch(_Batch, array_like=True):
 _BATCHES = (msgspec.msgpack.Decoder(_ArrayBatch), msgspec.msgpack.Decoder(_Batch))
 
 
-def _plain_hashes(hashes: list[int]) -> bool:
-    return not hashes or min(hashes) >= 0
-
-
 def _decode_current(payload: bytes) -> KVEventBatch | None:
     """Map events in an array batch (what vLLM 0.32 sends) or a map batch, through msgspec's typed
     decoder; None when the payload is not exactly that with plain int hashes (the general decoder
@@ -350,9 +350,7 @@ def _decode_current(payload: bytes) -> KVEventBatch | None:
     out: list[KVEvent] = []
     for e in b.events:
         if type(e) is _Stored:
-            if (e.block_size <= 0 or not _plain_hashes(e.block_hashes)
-                    or (e.parent_block_hash is not None and e.parent_block_hash < 0)
-                    or memoryview(e.token_ids)[:1].tobytes() not in _ARRAY_HEADS):
+            if memoryview(e.token_ids)[:1].tobytes() not in _ARRAY_HEADS:
                 return None
             out.append(BlockStored(
                 block_hashes=tuple(e.block_hashes), parent_block_hash=e.parent_block_hash,
@@ -361,8 +359,6 @@ def _decode_current(payload: bytes) -> KVEventBatch | None:
                 extra_keys=_extra_keys(e.extra_keys),
             ))
         elif type(e) is _Removed:
-            if not _plain_hashes(e.block_hashes):
-                return None
             out.append(BlockRemoved(block_hashes=tuple(e.block_hashes), medium=e.medium, group_idx=e.group_idx))
         else:
             out.append(AllBlocksCleared(medium=e.medium))
