@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
+from engines.base import max_cached_tokens
 from gpuhit.frozen import record
 
 FORWARD = "forward"  # run the request on ``target``
@@ -72,10 +73,12 @@ class Snapshot:
     session_started_at: float | None = None  # when the gateway first saw this session (None: first turn)
 
     def hit_tokens(self, i: int) -> int:
-        """GPU prefix-hit tokens of this request on instance ``i`` (capped at input - 1, as vLLM
-        always recomputes at least the last token)."""
-        inst = self.instances[i]
-        return min(inst.gpu_hit_blocks * self.request.block_size, max(self.request.input_tokens - 1, 0))
+        """GPU prefix-hit tokens of this request on instance ``i``, as vLLM serves them: whole
+        blocks, never the last prompt token (:func:`engines.base.max_cached_tokens`; a fully cached
+        prompt of exactly k blocks gets k - 1 of them)."""
+        req = self.request
+        bs = req.block_size
+        return min(self.instances[i].gpu_hit_blocks * bs, max_cached_tokens(req.input_tokens, bs))
 
 
 @record

@@ -126,9 +126,12 @@ def test_lpwl_and_route_query_rotate_cold_requests_over_all_instances():
 def test_lpwl_ties_fewer_in_flight_then_index():
     s = snap([inst(0, in_flight=2), inst(1, in_flight=1), inst(2, in_flight=1)])
     assert build("lpwl").decide(s).target == 1
-    # hit capped at input - 1: a full hit still prefills one token
+    # hit capped as vLLM caps it (whole blocks below the last token): a full hit of a prompt of
+    # exactly 100 blocks still prefills its last block; of 1605 tokens, the 5 past the blocks
     s = snap([inst(0, gpu_hit_blocks=100), inst(1)], input_tokens=1600)
-    assert build("lpwl").decide(s).scores == ((0, 1.0), (1, 1600.0))
+    assert build("lpwl").decide(s).scores == ((0, 16.0), (1, 1600.0))
+    s = snap([inst(0, gpu_hit_blocks=100), inst(1)], input_tokens=1605)
+    assert build("lpwl").decide(s).scores == ((0, 5.0), (1, 1605.0))
 
 
 def test_linear_ratio_and_dynamo():
