@@ -242,7 +242,7 @@ class Ticket:
         r = self.router
         self.fallback = True
         r.stats.fallbacks += 1
-        own = r._hit_tokens_of(self.target, self.request)
+        own = r.hit_tokens_of(self.target, self.request)
         new_pending = self.request.prompt_len - own
         if not self._first:
             r._pending[self.target] += new_pending - self._pending
@@ -424,7 +424,8 @@ class Router:
         for flush in self._flushers:
             flush()
 
-    def _hit_tokens_of(self, i: int, req: RouteRequest) -> int:
+    def hit_tokens_of(self, i: int, req: RouteRequest) -> int:
+        """Instance ``i``'s own GPU prefix hit for ``req`` now, in tokens, as vLLM serves it."""
         g, _ = self._match_one(i, req.block_hashes) if req.block_hashes else (0, 0)
         return min(g * self.block_size, max_cached_tokens(req.prompt_len, self.block_size))
 

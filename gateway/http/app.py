@@ -56,7 +56,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from engines.base import GenerateResult, max_cached_tokens
+from engines.base import GenerateResult
 from engines.hashing import BlockHasher, PromptHashes, SessionHashCache
 from engines.vllm import protocol
 from engines.vllm.client import VLLMEngine
@@ -549,8 +549,7 @@ class Gateway(Forwarding, Breakers, Admin):
             if ticket.action != FORWARD:
                 # The target's own prefix hit, before this request adds to it: the rest of its
                 # realized hit is what the transfer brought.
-                g = router.index.match(hashes)[ticket.target][0] if hashes else 0
-                own_hit = min(g * self.block_size, max_cached_tokens(n, self.block_size))
+                own_hit = router.hit_tokens_of(ticket.target, ticket.request)
             d = ticket.decision
             name = self.engines[ticket.target].name
             m = self.metrics
