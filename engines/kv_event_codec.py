@@ -14,7 +14,9 @@ Its shape changed over releases (``vllm/distributed/kv_events.py``, msgspec stru
 
 The decoder accepts both (and the mixed array-batch / map-event shape), so the gateway works in
 front of any vLLM since KV events exist. The current shape is decoded by msgspec into typed structs
-first (:func:`_decode_current`; vLLM 0.32 sends map events in an array batch): the token ids, which routing never reads, are kept as their raw
+first (:func:`_decode_current`; vLLM 0.32 sends map events in an array batch), or, when the C
+speedups are built (:mod:`gpuhit.speedups`), by their ``kv_batch`` for the strict common subset of
+that shape (anything else goes on to msgspec): the token ids, which routing never reads, are kept as their raw
 msgpack bytes and decoded only if something asks for them (:class:`RawTokenIds`); a 100k-token
 prompt's ``BlockStored`` then decodes in a tenth of the time. Any payload those structs do not fit
 (the array shape, digest-bytes hashes, a corrupt one) goes through the general decoder, which
@@ -32,11 +34,17 @@ import msgpack
 import msgspec
 
 from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from gpuhit import speedups
 from gpuhit.errors import EngineError
+
+# The C decoder of the common shape (``make compile``; None: pure Python). Module-level so that tests
+# can run the same payloads through both.
+_ACCEL = speedups.ACCEL
 
 CURRENT = "current"
 ARRAY = "array"
-SHAPES = (CURRENT, ARRAY)
+VLLM = "vllm"  # what vLLM 0.32 itself sends (see encode_batch)
+SHAPES = (VLLM, CURRENT, ARRAY)
 
 
 class KVEventDecodeError(EngineError):
@@ -107,10 +115,27 @@ def _event_array(ev: KVEvent) -> list[Any]:
     raise TypeError(f"not a KV event: {ev!r}")
 
 
+def _event_vllm(ev: KVEvent) -> dict[str, Any]:
+    """A map event as vLLM 0.32 fills it: a BlockStored also carries one nil ``extra_keys`` entry per
+    block when it has none, and its cache group's ``kv_cache_spec_kind`` (fields the decoders read
+    as absent and ignore)."""
+    out = _event_current(ev)
+    if type(ev) is BlockStored:
+        if ev.extra_keys is None:
+            out["extra_keys"] = [None] * len(ev.block_hashes)
+        out["kv_cache_spec_kind"] = "full_attention"
+    return out
+
+
 def encode_batch(batch: KVEventBatch, shape: str = CURRENT) -> bytes:
-    """The msgpack payload vLLM would publish for ``batch`` (``shape``: ``current`` or ``array``)."""
-    if shape == CURRENT:
-        doc: Any = {"ts": batch.ts, "events": [_event_current(e) for e in batch.events]}
+    """The msgpack payload vLLM would publish for ``batch`` (``shape``: ``vllm`` (0.32's own: an
+    array batch of map events), ``current`` (the map batch) or ``array``)."""
+    if shape == VLLM:
+        doc: Any = [batch.ts, [_event_vllm(e) for e in batch.events]]
+        if batch.data_parallel_rank is not None:
+            doc.append(batch.data_parallel_rank)
+    elif shape == CURRENT:
+        doc = {"ts": batch.ts, "events": [_event_current(e) for e in batch.events]}
         if batch.data_parallel_rank is not None:
             doc["data_parallel_rank"] = batch.data_parallel_rank
     elif shape == ARRAY:
@@ -246,18 +271,24 @@ class RawTokenIds(Sequence[int]):
 
     ``len``, iteration, indexing, slicing, comparison (with a tuple or another ``RawTokenIds``)
     and hashing answer as for the decoded tuple. Elements decode as the general decoder takes them
-    (whatever msgpack holds), so both paths give the same event for the same payload.
+    (whatever msgpack holds), so both paths give the same event for the same payload. msgspec skips
+    these bytes without checking their strings, so a corrupt payload can hold ids that do not
+    decode: reading them then raises :class:`KVEventDecodeError` (the C decoder, which checks every
+    id is an int, hands such a payload to msgspec).
     """
 
     __slots__ = ("_ids", "_raw")
 
-    def __init__(self, raw: msgspec.Raw):
-        self._raw: msgspec.Raw | None = raw
+    def __init__(self, raw: msgspec.Raw | memoryview):
+        self._raw: msgspec.Raw | memoryview | None = raw
         self._ids: tuple[int, ...] | None = None
 
     def ids(self) -> tuple[int, ...]:
-        if self._ids is None:  # (msgspec parsed these bytes already: they decode)
-            self._ids = tuple(_TOKEN_IDS.decode(self._raw))
+        if self._ids is None:
+            try:
+                self._ids = tuple(_TOKEN_IDS.decode(self._raw))
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+                raise KVEventDecodeError(f"BlockStored.token_ids do not decode: {exc}") from None
             self._raw = None
         return self._ids
 
@@ -278,7 +309,10 @@ class RawTokenIds(Sequence[int]):
             u = msgpack.Unpacker()
             u.feed(self._raw)
             k = min(u.read_array_header(), i.stop)
-            return tuple(u.unpack() for _ in range(k))
+            try:
+                return tuple(u.unpack() for _ in range(k))
+            except UnicodeDecodeError as exc:
+                raise KVEventDecodeError(f"BlockStored.token_ids do not decode: {exc}") from None
         return self.ids()[i]
 
     def __eq__(self, other: object) -> bool:
@@ -343,7 +377,7 @@ def _decode_current(payload: bytes) -> KVEventBatch | None:
         try:
             b = dec.decode(payload)
             break
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):  # msgspec raises the latter for a bad tag string
             continue
     else:
         return None
@@ -369,8 +403,31 @@ def _decode_current(payload: bytes) -> KVEventBatch | None:
 _ARRAY_HEADS = frozenset([bytes([0x90 + k]) for k in range(16)] + [b"\xdc", b"\xdd"])
 
 
+def _from_fields(payload: bytes, fields: tuple) -> KVEventBatch:
+    """The batch of the C decoder's answer (``gpuhit/_speedups.c`` ``kv_batch``: events as tuples,
+    token ids as offsets into ``payload``), built as :func:`_decode_current` builds it."""
+    ts, events, rank = fields
+    view = memoryview(payload)
+    out: list[KVEvent] = []
+    for e in events:
+        kind = e[0]
+        if kind == 1:
+            _, hashes, parent, (a, b), block_size, lora_id, medium, lora_name, group_idx = e
+            out.append(BlockStored(
+                block_hashes=hashes, parent_block_hash=parent, token_ids=RawTokenIds(view[a:b]),
+                block_size=block_size, lora_id=lora_id, medium=medium, lora_name=lora_name, group_idx=group_idx,
+            ))
+        elif kind == 2:
+            out.append(BlockRemoved(block_hashes=e[1], medium=e[2], group_idx=e[3]))
+        else:
+            out.append(AllBlocksCleared(medium=e[1]))
+    return KVEventBatch(ts=ts, events=tuple(out), data_parallel_rank=rank)
+
+
 def decode_batch(payload: bytes) -> KVEventBatch:
     """Decode one published payload; raises :class:`KVEventDecodeError` on anything else."""
+    if _ACCEL is not None and (fields := _ACCEL.kv_batch(payload)) is not None:
+        return _from_fields(payload, fields)
     fast = _decode_current(payload)
     if fast is not None:
         return fast

@@ -1,4 +1,4 @@
-"""The fast transport compiled to C with mypyc (optional), and the guard against a stale build.
+"""The fast transport compiled to C with mypyc, and the C speedups (optional), and the guard against a stale build.
 
 Why: per request, the gateway's cost on short requests is CPython's: ~150 Python calls, each a
 frame, argument boxing and attribute look-ups by name. mypyc compiles type-annotated modules to C
@@ -7,7 +7,9 @@ local arithmetic are C. Compiling the three transport modules (:data:`MODULES`) 
 instructions per non-streamed chat request from 408 k to 352 k (callgrind, 500 requests at c=1;
 ``analysis/results/router-speed-native-2026-11-24.md``). The rest of the gateway stays Python.
 
-``make compile`` (``python -m gpuhit.native build``) compiles them in place: one ``.so``
+``make compile`` (``python -m gpuhit.native build``) also builds the C speedups
+(``gpuhit/_speedups.c``, :mod:`gpuhit.speedups`: the token-id and KV-event parsers, which carry
+their own source digest). It compiles the transport in place: one ``.so``
 beside each source, plus mypyc's shared runtime ``gateway/http/compiled__mypyc*.so`` and a stamp
 (:data:`STAMP`) with each source's SHA-256. Python imports an extension module before the source
 of the same name, so a compiled module edited afterwards would silently run its old code: the
@@ -32,6 +34,7 @@ HERE = Path(__file__).resolve().parents[1] / "gateway" / "http"  # the compiled 
 MODULES = ("fast", "fast_upstream", "forward_deadlines")  # gateway/http/<name>.py
 GROUP = "compiled"  # mypyc's shared runtime: gateway/http/compiled__mypyc*.so
 STAMP = "native.sha256.json"
+SPEEDUPS = "_speedups"  # gpuhit/_speedups.c -> gpuhit/_speedups.*.so
 
 
 def _sha256(path: Path) -> str:
@@ -73,6 +76,40 @@ def compiled() -> bool:
     return not fast.__file__.endswith(".py")
 
 
+def describe(transport: str) -> str:
+    """What of the build runs, for ``gpuhit serve``'s banner: ``, compiled`` (the fast transport) and
+    ``, C speedups`` (:mod:`gpuhit.speedups`), each only when in use."""
+    from gpuhit import speedups
+
+    return (", compiled" if transport == "fast" and compiled() else "") + (", C speedups" if speedups.ACCEL else "")
+
+
+def _speedups_extension(root: Path, absolute: bool = False):  # -> setuptools.Extension
+    """The C speedups' extension, carrying its source's digest (:func:`gpuhit.speedups.load` compares
+    it at import). ``root``: the checkout, the current directory while setuptools builds it unless
+    ``absolute``."""
+    from setuptools import Extension
+
+    c_source = root / "gpuhit" / f"{SPEEDUPS}.c"
+    return Extension(f"gpuhit.{SPEEDUPS}", [str(c_source if absolute else c_source.relative_to(root))],
+                     extra_compile_args=["-O3"], define_macros=[("SOURCE_SHA256", f'"{_sha256(c_source)}"')])
+
+
+def build_speedups(out: Path) -> Path:
+    """Compile only the C speedups into ``out`` (not in place: tests load it from there) and return
+    the extension file. Needs setuptools and a C compiler."""
+    from setuptools import setup
+
+    cwd = Path.cwd()
+    try:
+        os.chdir(out)  # not the checkout: setuptools would read its pyproject.toml
+        setup(name="gpuhit-speedups", ext_modules=[_speedups_extension(HERE.parents[1], absolute=True)],
+              script_args=["-q", "build_ext", "--build-temp", str(out / "tmp"), "--build-lib", str(out)])
+    finally:
+        os.chdir(cwd)
+    return next((out / "gpuhit").glob(f"{SPEEDUPS}.*.so"))
+
+
 def build(directory: Path = HERE) -> None:
     """Compile :data:`MODULES` in place with mypyc (needs ``mypy`` and a C compiler) and write the stamp."""
     try:
@@ -90,20 +127,20 @@ def build(directory: Path = HERE) -> None:
     cwd = Path.cwd()
     try:
         os.chdir(root)
-        setup(name="gpuhit-native", ext_modules=mypycify([*opts, *sources], group_name=f"gateway.http.{GROUP}",
-                                                          opt_level="3"),
+        setup(name="gpuhit-native", ext_modules=[*mypycify([*opts, *sources], group_name=f"gateway.http.{GROUP}",
+                                                            opt_level="3"), _speedups_extension(root)],
               script_args=["build_ext", "--inplace", "--build-temp", "build/native", "--build-lib", "build/native"])
     finally:
         os.chdir(cwd)
     (directory / STAMP).write_text(json.dumps({f"{m}.py": _sha256(directory / f"{m}.py") for m in MODULES},
                                               indent=1) + "\n")
     check(directory)
-    print(f"compiled {', '.join(sources)} ({len(_built(directory))} extension files)")
+    print(f"compiled {', '.join(sources)} ({len(_built(directory))} extension files) and gpuhit/{SPEEDUPS}.c")
 
 
 def clean(directory: Path = HERE) -> None:
-    """Remove the compiled modules, the runtime and the stamp (back to pure Python)."""
-    for p in _built(directory):
+    """Remove the compiled modules, the runtime, the stamp and the C speedups (back to pure Python)."""
+    for p in [*_built(directory), *(directory.parents[1] / "gpuhit").glob(f"{SPEEDUPS}.*.so")]:
         p.unlink()
     (directory / STAMP).unlink(missing_ok=True)
     shutil.rmtree(directory.parents[1] / "build" / "native", ignore_errors=True)
@@ -115,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         build()
     elif args == ["clean"]:
         clean()
-        print("compiled transport removed: pure Python")
+        print("compiled transport and C speedups removed: pure Python")
     else:
         print("usage: python -m gpuhit.native build|clean", file=sys.stderr)
         return 2

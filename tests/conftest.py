@@ -50,3 +50,17 @@ def real_vllm_pair():
         return LAUNCHER.get()
     except LookupError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def c_speedups(tmp_path_factory):
+    """The C speedups (gpuhit/_speedups.c) compiled into a temporary folder and loaded from there, so
+    that tests run the C path whether or not this checkout is built (`make compile`); CI has a C
+    compiler, and a machine without one skips with one line."""
+    import shutil
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) to build gpuhit/_speedups.c")
+    from gpuhit import native, speedups
+
+    return speedups.load_file(native.build_speedups(tmp_path_factory.mktemp("speedups")))

@@ -50,7 +50,7 @@ from aiohttp import web
 
 from engines.base import GenerateRequest, GenerateResult
 from engines.hashing import BlockHasher
-from engines.kv_event_codec import CURRENT
+from engines.kv_event_codec import VLLM
 from engines.kv_events import KVEventBatch
 from engines.vllm import protocol
 from engines.vllm.kv_events_zmq import KVEventPublisher
@@ -167,7 +167,7 @@ class EmulatedServer:
         topic: str = "",
         advertise_host: str = "127.0.0.1",
         max_model_len: int | None = None,
-        kv_event_shape: str = CURRENT,
+        kv_event_shape: str = VLLM,
         tracer: Any = None,
         hash_name: str = "sha256",
         kv_transfer: bool | None = None,

@@ -22,8 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-events-port", type=int, default=0,
                    help="ZMQ PUB port for KV events (replay socket on port+1); 0 = any free ports")
     p.add_argument("--no-kv-events", action="store_true", help="publish no KV events")
-    p.add_argument("--kv-event-shape", choices=("current", "array"), default="current",
-                   help="KV event msgpack shape: current vLLM (maps) or older vLLM (arrays)")
+    p.add_argument("--kv-event-shape", choices=("vllm", "current", "array"), default="vllm",
+                   help="KV event msgpack shape: vLLM 0.32's own (an array batch of map events, the default), "
+                        "a map batch of map events, or older vLLM's (arrays)")
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--kv-capacity-gb", type=float, default=None, help="GPU KV capacity (GB, 1e9 bytes)")
     p.add_argument("--block-size", type=int, default=None)

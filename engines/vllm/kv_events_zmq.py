@@ -44,8 +44,8 @@ import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
 from engines.kv_event_codec import (
-    CURRENT,
     END_SEQ,
+    VLLM,
     KVEventDecodeError,
     decode_batch,
     encode_batch,
@@ -75,7 +75,7 @@ class KVEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
-        shape: str = CURRENT,
+        shape: str = VLLM,
         data_parallel_rank: int = 0,
     ):
         self._ctx = zmq.asyncio.Context()

@@ -69,7 +69,6 @@ from gateway.http.forward import Forwarding
 from gateway.http.forward_breakers import Breakers
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
-    FAST_PARSE_MIN_BYTES,
     MEMO_MIN_BYTES,
     LazyIds,
     PromptMemo,
@@ -78,6 +77,7 @@ from gateway.http.prompt import (
     fast_completion_ids,
     header_value,
     pack_token_ids,
+    parses_fast,
     text_chunk_hashes,
     vocab_size_of,
 )
@@ -484,7 +484,7 @@ class Gateway(Forwarding, Breakers, Admin):
         any other body, and for a smaller one the memo does not answer (orjson parses those faster)."""
         if len(raw) < MEMO_MIN_BYTES:
             return None
-        fast = fast_completion_ids(raw, self.prompt_memo, session, parse=len(raw) >= FAST_PARSE_MIN_BYTES)
+        fast = fast_completion_ids(raw, self.prompt_memo, session, parse=parses_fast(len(raw)))
         if fast is None:
             return None
         body, arr = fast
@@ -597,7 +597,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         port = await gw.listen()
         print(f"gpuhit serve: listening on http://{cfg.host}:{port} ({len(cfg.engines)} engines, policy "
               f"{gw.policy_name}, {cfg.index} index, {cfg.transport} transport"
-              f"{', compiled' if cfg.transport == 'fast' and native.compiled() else ''})", flush=True)
+              f"{native.describe(cfg.transport)})", flush=True)
         if ready is not None:
             ready.set()
         await _until_signalled()

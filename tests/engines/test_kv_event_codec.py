@@ -8,9 +8,9 @@ import msgpack
 import pytest
 
 from engines.kv_event_codec import (
-    ARRAY,
     CURRENT,
     END_SEQ,
+    SHAPES,
     KVEventDecodeError,
     decode_batch,
     decode_seq,
@@ -38,7 +38,7 @@ BATCH = KVEventBatch(
 )
 
 
-@pytest.mark.parametrize("shape", [CURRENT, ARRAY])
+@pytest.mark.parametrize("shape", SHAPES)
 def test_round_trip(shape):
     assert decode_batch(encode_batch(BATCH, shape)) == BATCH
 

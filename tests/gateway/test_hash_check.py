@@ -65,3 +65,20 @@ def test_after_the_first_chains_one_in_check_every_is_rehashed_and_a_change_is_s
         v.observe(0, _batch(seeded, [k] * 16))
     st = v.state()[0]
     assert st["mismatches"] == 1 and st["ok"] is False and st["checked"] == CHECK_FIRST + 4
+
+
+def test_token_ids_that_do_not_decode_are_reported_not_raised():
+    """A corrupt payload can reach the checker with token ids msgspec skipped unchecked (a string of
+    bad UTF-8 among them): the check says so and goes on; nothing is counted as checked."""
+    import msgpack
+
+    from engines.kv_event_codec import decode_batch
+
+    gw = BlockHasher(16, "sha256")
+    v = HashVerifier(gw, ["a"])
+    bad = msgpack.packb([0.0, [{"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None,
+                                "token_ids": [1] * 15 + ["x"], "block_size": 16, "lora_id": None,
+                                "medium": "GPU", "lora_name": None}]]).replace(b"\xa1x", b"\xa1\xff")
+    v.observe(0, decode_batch(bad))
+    (a,) = v.state()
+    assert a["checked"] == 0 and "token ids do not decode" in a["last_mismatch"]

@@ -14,6 +14,16 @@ from gateway.http.prompt import PromptMemo, chat_text, fast_completion_ids, pars
 from gpuhit.errors import GpuhitError
 
 
+@pytest.fixture(params=["numpy", "C"])
+def parser(request, monkeypatch):
+    """Each fast-path test runs with the pure-Python parser and with the C speedups
+    (gpuhit/_speedups.c, built for the test run): their answers must be the same."""
+    from gateway.http import prompt
+
+    monkeypatch.setattr(prompt, "_ACCEL", request.getfixturevalue("c_speedups") if request.param == "C" else None)
+    return request.param
+
+
 def test_reference_vector_and_incremental_reuse():
     hasher = BlockHasher(16)
     cache = SessionHashCache(hasher)
@@ -62,7 +72,7 @@ def _random_body(rng: random.Random) -> bytes:
     return (rng.choice(_PRE) + arr + rng.choice(_POST)).encode()
 
 
-def test_fast_ids_equal_orjson_or_step_aside():
+def test_fast_ids_equal_orjson_or_step_aside(parser):
     """The fast path returns exactly what orjson parses (prompt as ids, the rest of the body equal),
     or None, for random odd bodies: whitespace, signs, floats, nested arrays, leading zeros,
     64-bit overflow, escaped / nested / duplicate "prompt" keys, invalid JSON."""
@@ -84,18 +94,19 @@ def test_fast_ids_equal_orjson_or_step_aside():
     assert taken > 150  # the generator does reach the fast path
 
 
-def test_parse_ids_large_and_rejects():
+def test_parse_ids_large_and_rejects(parser):
     rng = np.random.default_rng(18)
     ids = rng.integers(0, 10**18, 5000).tolist() + [0, 9, 10]
     for sep in (b",", b", ", b" ,\n"):
         text = sep.join(str(i).encode() for i in ids)
-        got = parse_ids(np.frombuffer(b" " + text + b"\t", dtype=np.uint8))
+        raw = b"[ " + text + b"\t]"
+        got = parse_ids(raw, 1, len(raw) - 1)
         assert got is not None and got.tolist() == ids
     for bad in (b"", b" ", b"1,", b",1", b"1,,2", b"1 2", b"01", b"-1", b"1.0", b"1e2", b"[1]", b"1234567890123456789"):
-        assert parse_ids(np.frombuffer(bad, dtype=np.uint8)) is None, bad
+        assert parse_ids(bad, 0, len(bad)) is None, bad
 
 
-def test_prompt_memo_parses_only_the_extension():
+def test_prompt_memo_parses_only_the_extension(parser):
     memo = PromptMemo()
     base = list(range(1000, 1300))
     for turn, (sep, more) in enumerate([(",", [5, 6]), (" , ", [7]), (",\n", list(range(40)))]):
@@ -167,7 +178,7 @@ def _outcome(fn):
     return n, mt, stream, hashes, list(ids)
 
 
-def test_gateway_fast_and_full_parse_agree_on_large_bodies():
+def test_gateway_fast_and_full_parse_agree_on_large_bodies(parser):
     """Bodies past FAST_PARSE_MIN_BYTES: the fast path's answer or error is exactly the full
     parse's, and where it steps aside (None) the gateway parses whole as before."""
     from gateway.http.prompt import FAST_PARSE_MIN_BYTES
@@ -263,8 +274,11 @@ def test_the_index_search_over_lazy_hashes_answers_as_over_the_list_and_hashes_a
         assert lazy.computed <= min(300, 2 * max(hit, held) + 2)  # (a hole: searched to the held run's end)
 
 
-def test_ids_without_a_session_are_checked_whole_but_parsed_only_as_far_as_they_are_read():
+def test_ids_without_a_session_are_checked_whole_but_parsed_only_as_far_as_they_are_read(monkeypatch):
+    from gateway.http import prompt
     from gateway.http.prompt import LazyIds
+
+    monkeypatch.setattr(prompt, "_ACCEL", None)  # LazyIds is the numpy path's (C parses whole, faster)
 
     rng = random.Random(4)
     ids = [rng.randrange(0, 200_000) for _ in range(30_000)]
@@ -303,7 +317,7 @@ def test_completing_a_superseded_prompt_hashes_nothing():
     assert cache.blocks_hashed == 104 and list(second) == BlockHasher(16).event_ints(turn2.tolist())
 
 
-def test_the_prompt_memo_is_bounded_in_bytes():
+def test_the_prompt_memo_is_bounded_in_bytes(parser):
     memo = PromptMemo(max_sessions=100, max_bytes=1_000_000)
     for i in range(20):
         ids = np.arange(i, i + 20_000, dtype=np.uint64)
@@ -312,7 +326,7 @@ def test_the_prompt_memo_is_bounded_in_bytes():
     assert len(memo._last) == 3
 
 
-def test_the_prompt_memo_serves_session_less_repeats_and_checks_what_it_learnt():
+def test_the_prompt_memo_serves_session_less_repeats_and_checks_what_it_learnt(parser):
     """Without a session the memo is keyed by how the array text starts: a repeated prompt reuses the
     ids, an extension parses only its new ids. An entry learnt from a body parsed whole is used only
     once its text is checked to be its ids' own: text with spaces, or a nested "prompt" array met

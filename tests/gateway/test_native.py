@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import orjson
 import pytest
 
 from engines.fake import FakeEngine
@@ -65,6 +66,7 @@ def test_a_compiled_gateway_serves_requests(tmp_path):
                          timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert len(list((copy / "gateway" / "http").glob("*.so"))) == len(native.MODULES) + 1
+    assert len(list((copy / "gpuhit").glob("_speedups.*.so"))) == 1
     boot = (f"import runpy, sys; sys.path.insert(0, {str(copy)!r}); "
             "runpy.run_module('gpuhit.cli', run_name='__main__', alter_sys=True)")
 
@@ -73,7 +75,7 @@ def test_a_compiled_gateway_serves_requests(tmp_path):
             gw = await spawn(["-c", boot, "serve", "--port", "0", "--engine", f"http://127.0.0.1:{srv.port}",
                               "--model", "m"])
             try:
-                assert "fast transport, compiled)" in gw.first_line, gw.first_line
+                assert "fast transport, compiled, C speedups)" in gw.first_line, gw.first_line
                 url = gw.first_line.split(" on ", 1)[1].split(" ", 1)[0]
                 async with aiohttp.ClientSession() as http:
                     body = {"model": "m", "prompt": list(range(1, 40)), "max_tokens": 3}
@@ -83,6 +85,15 @@ def test_a_compiled_gateway_serves_requests(tmp_path):
                     async with http.post(url + "/v1/completions", json={**body, "stream": True}) as r:
                         assert r.status == 200 and r.headers["content-type"] == "text/event-stream"
                         assert (await r.read()).rstrip().endswith(b"data: [DONE]")
+                    # a 20 KB token-id prompt: parsed by the C speedups (bodies from 4 KB), and a
+                    # corrupt one refused as the pure-Python gateway refuses it
+                    big = {**body, "prompt": list(range(1000, 5000))}
+                    async with http.post(url + "/v1/completions", json=big) as r:
+                        assert r.status == 200 and (await r.json())["usage"]["prompt_tokens"] == 4000
+                    bad = orjson.dumps(big).replace(b",4999]", b",-4999]")
+                    async with http.post(url + "/v1/completions", data=bad,
+                                         headers={"content-type": "application/json"}) as r:
+                        assert r.status == 400 and "prompt" in (await r.json())["error"]["message"]
             finally:
                 await gw.stop()
 

@@ -45,7 +45,7 @@ def test_priority_policy_sets_vllm_priority_on_the_engine_request():
 def test_a_fast_parsed_prompt_is_restored_when_the_body_is_reserialized():
     """Bodies over FAST_PARSE_MIN_BYTES are parsed without their prompt (a sentinel stands in); when a
     policy's priority makes the gateway re-serialize the body, the engine still gets the client's ids."""
-    from gateway.http.app import FAST_PARSE_MIN_BYTES
+    from gateway.http.prompt import FAST_PARSE_MIN_BYTES
 
     async def main():
         engines = [FakeEngine("a", decode_s_per_token=1e-3), FakeEngine("b", decode_s_per_token=1e-3)]

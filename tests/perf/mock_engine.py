@@ -7,7 +7,7 @@ streamed as SSE chunks or whole, and serves what both routers read at start-up: 
 ``/v1/models``, ``/metrics`` (``vllm:cache_config_info`` with the block size) and
 ``/kv_event_sources``.
 
-It does publish KV events as vLLM would, so a KV-aware router's precise index holds what the
+It does publish KV events as vLLM 0.32 does (its wire shape, :data:`engines.kv_event_codec.VLLM`), so a KV-aware router's precise index holds what the
 engines hold and its lookups, lazy hashing included, do the work they do in production: every
 token-id prompt's full blocks (vLLM's sha256 block hashes, :mod:`engines.hashing`) not stored yet
 are announced in one ``BlockStored`` event on the ZMQ PUB socket before the answer is written, with
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from collections import OrderedDict
 
 import httptools
@@ -26,7 +27,7 @@ import numpy as np
 import orjson
 
 from engines.hashing import BlockHasher, SessionHashCache
-from engines.kv_event_codec import encode_batch, encode_seq
+from engines.kv_event_codec import VLLM, encode_batch, encode_seq
 from engines.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from gateway.http.prompt import FAST_PARSE_MIN_BYTES, fast_completion_ids
 
@@ -125,10 +126,13 @@ class _Store:
         cached.update(dict.fromkeys(new))
         evicted = [cached.popitem(last=False)[0] for _ in range(max(0, len(cached) - CAPACITY))]
         tokens = np.asarray(ids[k * BLOCK_SIZE : len(hs) * BLOCK_SIZE]).tolist()
-        events: list = [BlockStored(tuple(new), hs[k - 1] if k else None, tuple(tokens), BLOCK_SIZE)]
+        # as vLLM 0.32 fills them (medium, group 0, data-parallel rank 0) and encodes them (VLLM)
+        events: list = [BlockStored(tuple(new), hs[k - 1] if k else None, tuple(tokens), BLOCK_SIZE, medium="GPU",
+                                    group_idx=0)]
         if evicted:
-            events.append(BlockRemoved(tuple(evicted)))
-        self.pub.send_multipart([b"kv-events", encode_seq(self.seq), encode_batch(KVEventBatch(0.0, tuple(events)))])
+            events.append(BlockRemoved(tuple(evicted), medium="GPU", group_idx=0))
+        batch = KVEventBatch(time.time(), tuple(events), 0)
+        self.pub.send_multipart([b"kv-events", encode_seq(self.seq), encode_batch(batch, VLLM)])
         self.seq += 1
 
 

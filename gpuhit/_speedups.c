@@ -1,0 +1,572 @@
+/* gpuhit._speedups: the gateway's two hot parsers in C (optional; `make compile`, gpuhit/speedups.py).
+ *
+ * Why C: with a new prompt per request, a profile of the gateway spends most of its prompt-specific
+ * time in two loops over numbers it mostly does not keep (analysis/results/router-speed-*.md):
+ *
+ *   parse_uint_array  a completions body's token-id array, JSON text -> uint64 buffer, validated
+ *                     in the same pass (numpy needs ~6 whole-array passes to validate, orjson makes
+ *                     a Python int of every id);
+ *   kv_batch          a vLLM KV-event batch (msgpack) -> its events' fields, skipping BlockStored's
+ *                     token ids (msgspec walks them element by element to skip them).
+ *
+ * Both accept a strict subset of their input and answer None for anything outside it, so the
+ * pure-Python path (which they only speed up) keeps deciding every error and every unusual shape:
+ * the result is, by construction and by differential tests (tests/gateway/test_speedups.py),
+ * exactly what the Python path gives. SOURCE_SHA256 (this file's digest, set by the build) lets the
+ * loader refuse a build older than this source.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef SOURCE_SHA256
+#define SOURCE_SHA256 ""
+#endif
+
+/* ------------------------------------------------------------------ JSON token-id array */
+
+#define MAX_DIGITS 18 /* every 18-digit integer is below 2**63: int64 and uint64 agree */
+
+#define HIGH_NIBBLES 0xF0F0F0F0F0F0F0F0ULL
+#define THREES 0x3030303030303030ULL
+#define SIXES 0x0606060606060606ULL
+
+/* 8 bytes read as a little-endian integer (the first byte lowest). */
+static inline uint64_t le64(uint64_t x) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return __builtin_bswap64(x);
+#else
+    return x;
+#endif
+}
+
+static inline int is_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+/* parse_uint_array(buf, start, stop) -> bytearray | None
+ *
+ * buf[start:stop] is the text between a JSON array's brackets. When it is exactly
+ * ws* int ws* ("," ws* int ws*)*, every int a non-negative JSON integer (no sign, no leading zero,
+ * no fraction or exponent) of at most 18 digits, answer the integers as native uint64 (a bytearray
+ * for numpy.frombuffer); else None. The same language as gateway.http.prompt._validated. */
+static PyObject *parse_uint_array(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "parse_uint_array(buf, start, stop) takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t stop = PyLong_AsSsize_t(args[2]);
+    if (stop == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (start < 0 || stop < start || stop > view.len) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "range %zd:%zd outside a buffer of %zd bytes", start, stop, view.len);
+        return NULL;
+    }
+    const unsigned char *p = (const unsigned char *)view.buf + start;
+    const unsigned char *end = (const unsigned char *)view.buf + stop;
+    Py_ssize_t cap = (stop - start + 1) / 2; /* at most one number per two bytes ("1,1,1") */
+    if (cap == 0) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, cap * (Py_ssize_t)sizeof(uint64_t));
+    if (out == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint64_t *dst = (uint64_t *)PyByteArray_AS_STRING(out);
+    Py_ssize_t n = 0;
+    int ok = 0;
+    for (;;) {
+        while (p < end && is_ws(*p)) p++;
+        if (p == end || (unsigned)(*p - '0') > 9) break; /* a number must come here */
+        uint64_t v;
+        int len = 0;
+        if (end - p >= 8) {
+            /* 8 bytes at once (SWAR): the digit run's length, then its value, without a branch per
+             * digit. A byte is a digit iff its high nibble is 3 and adding 6 keeps it so. */
+            uint64_t chunk;
+            memcpy(&chunk, p, 8);
+            chunk = le64(chunk);
+            uint64_t other = ((chunk & HIGH_NIBBLES) ^ THREES) | (((chunk + SIXES) & HIGH_NIBBLES) ^ THREES);
+            len = other ? __builtin_ctzll(other) / 8 : 8; /* >= 1: the first byte is a digit */
+            if (len < 8) {
+                /* the run's digits, most significant first, in the top bytes; zeros below */
+                uint64_t x = (chunk - THREES) << (8 * (8 - len));
+                x = (x * 10 + (x >> 8)) & 0x00FF00FF00FF00FFULL;
+                x = (x * 100 + (x >> 16)) & 0x0000FFFF0000FFFFULL;
+                v = (x * 10000 + (x >> 32)) & 0xFFFFFFFFULL;
+                if (*p == '0' && len > 1) break; /* a leading zero */
+                p += len;
+            }
+        }
+        if (len == 0 || len == 8) { /* near the end, or a long number: digit by digit */
+            const unsigned char *first = p;
+            v = (uint64_t)(*p++ - '0');
+            if (v == 0 && p < end && (unsigned)(*p - '0') <= 9) break; /* a leading zero */
+            while (p < end && (unsigned)(*p - '0') <= 9) v = v * 10 + (uint64_t)(*p++ - '0');
+            if (p - first > MAX_DIGITS) break;
+        }
+        dst[n++] = v;
+        if (p < end && *p == ',') { /* the common case: no whitespace */
+            p++;
+            continue;
+        }
+        while (p < end && is_ws(*p)) p++;
+        if (p == end) {
+            ok = 1;
+            break;
+        }
+        if (*p != ',') break;
+        p++;
+    }
+    PyBuffer_Release(&view);
+    if (!ok) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    if (PyByteArray_Resize(out, n * (Py_ssize_t)sizeof(uint64_t)) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+/* ------------------------------------------------------------------ msgpack KV-event batch */
+
+/* Every reader returns OK, FALLBACK (the input is outside the subset handled here, or malformed:
+ * the caller answers None and the Python decoder decides) or FAIL (a Python exception is set). */
+enum { OK = 0, FALLBACK = 1, FAIL = -1 };
+
+typedef struct {
+    const unsigned char *p, *end;
+} Rd;
+
+static inline int need(Rd *r, Py_ssize_t k) { return r->end - r->p >= k; }
+
+static inline uint64_t be(const unsigned char *p, int k) {
+    uint64_t v = 0;
+    for (int i = 0; i < k; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+/* A msgpack integer: *neg = 1 with the value in *s when negative, else *u. */
+static int rd_int(Rd *r, int *neg, uint64_t *u, int64_t *s) {
+    if (!need(r, 1)) return FALLBACK;
+    unsigned b = *r->p;
+    int k;
+    *neg = 0;
+    if (b <= 0x7f) {
+        *u = b;
+        r->p += 1;
+        return OK;
+    }
+    if (b >= 0xe0) {
+        *neg = 1;
+        *s = (int64_t)(int8_t)b;
+        r->p += 1;
+        return OK;
+    }
+    switch (b) {
+    case 0xcc: k = 1; break;
+    case 0xcd: k = 2; break;
+    case 0xce: k = 4; break;
+    case 0xcf: k = 8; break;
+    case 0xd0: case 0xd1: case 0xd2: case 0xd3: {
+        k = 1 << (b - 0xd0);
+        if (!need(r, 1 + k)) return FALLBACK;
+        uint64_t raw = be(r->p + 1, k);
+        int64_t v;
+        if (k == 1) v = (int8_t)raw;
+        else if (k == 2) v = (int16_t)raw;
+        else if (k == 4) v = (int32_t)raw;
+        else v = (int64_t)raw;
+        r->p += 1 + k;
+        if (v < 0) {
+            *neg = 1;
+            *s = v;
+        } else {
+            *u = (uint64_t)v;
+        }
+        return OK;
+    }
+    default: return FALLBACK;
+    }
+    if (!need(r, 1 + k)) return FALLBACK;
+    *u = be(r->p + 1, k);
+    r->p += 1 + k;
+    return OK;
+}
+
+static inline int rd_nil(Rd *r) {
+    if (need(r, 1) && *r->p == 0xc0) {
+        r->p++;
+        return 1;
+    }
+    return 0;
+}
+
+/* An array (want_map = 0) or map header's element count. */
+static int rd_header(Rd *r, int want_map, Py_ssize_t *count) {
+    if (!need(r, 1)) return FALLBACK;
+    unsigned b = *r->p;
+    unsigned fix = want_map ? 0x80 : 0x90, b16 = want_map ? 0xde : 0xdc, b32 = want_map ? 0xdf : 0xdd;
+    if (b >= fix && b <= fix + 15) {
+        *count = b - fix;
+        r->p += 1;
+        return OK;
+    }
+    int k = b == b16 ? 2 : b == b32 ? 4 : 0;
+    if (k == 0 || !need(r, 1 + k)) return FALLBACK;
+    *count = (Py_ssize_t)be(r->p + 1, k);
+    r->p += 1 + k;
+    return OK;
+}
+
+static int rd_str(Rd *r, const char **s, Py_ssize_t *len) {
+    if (!need(r, 1)) return FALLBACK;
+    unsigned b = *r->p;
+    int k;
+    if (b >= 0xa0 && b <= 0xbf) {
+        *len = b - 0xa0;
+        k = 0;
+    } else if (b == 0xd9 || b == 0xda || b == 0xdb) {
+        k = 1 << (b - 0xd9);
+        if (!need(r, 1 + k)) return FALLBACK;
+        *len = (Py_ssize_t)be(r->p + 1, k);
+    } else {
+        return FALLBACK;
+    }
+    r->p += 1 + k;
+    if (!need(r, *len)) return FALLBACK;
+    *s = (const char *)r->p;
+    r->p += *len;
+    return OK;
+}
+
+/* nil -> None; an int -> a Python int (non-negative only when nonneg, positive only when positive). */
+static int rd_opt_int(Rd *r, PyObject **out, int allow_nil, int nonneg, int positive) {
+    if (rd_nil(r)) {
+        if (!allow_nil) return FALLBACK;
+        *out = Py_NewRef(Py_None);
+        return OK;
+    }
+    int neg;
+    uint64_t u = 0;
+    int64_t s = 0;
+    if (rd_int(r, &neg, &u, &s) != OK) return FALLBACK;
+    if (neg) {
+        if (nonneg || positive) return FALLBACK;
+        *out = PyLong_FromLongLong(s);
+    } else {
+        if (positive && u == 0) return FALLBACK;
+        *out = PyLong_FromUnsignedLongLong(u);
+    }
+    return *out == NULL ? FAIL : OK;
+}
+
+static int rd_opt_str(Rd *r, PyObject **out) {
+    if (rd_nil(r)) {
+        *out = Py_NewRef(Py_None);
+        return OK;
+    }
+    const char *s;
+    Py_ssize_t len;
+    if (rd_str(r, &s, &len) != OK) return FALLBACK;
+    *out = PyUnicode_DecodeUTF8(s, len, NULL);
+    if (*out == NULL) { /* not UTF-8: the Python decoder says what is wrong */
+        PyErr_Clear();
+        return FALLBACK;
+    }
+    return OK;
+}
+
+/* An array of non-negative ints as a tuple of Python ints (vLLM's block hashes). */
+static int rd_hashes(Rd *r, PyObject **out) {
+    Py_ssize_t k;
+    if (rd_header(r, 0, &k) != OK || r->end - r->p < k) return FALLBACK; /* >= 1 byte an element */
+    PyObject *t = PyTuple_New(k);
+    if (t == NULL) return FAIL;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int neg;
+        uint64_t u = 0;
+        int64_t s = 0;
+        if (rd_int(r, &neg, &u, &s) != OK || neg) {
+            Py_DECREF(t);
+            return FALLBACK;
+        }
+        PyObject *v = PyLong_FromUnsignedLongLong(u);
+        if (v == NULL) {
+            Py_DECREF(t);
+            return FAIL;
+        }
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    *out = t;
+    return OK;
+}
+
+/* The encoded size of a msgpack int by its first byte; 0: not an int. */
+static unsigned char INT_SIZE[256];
+
+static void init_int_size(void) {
+    for (int b = 0; b < 256; b++) INT_SIZE[b] = (b <= 0x7f || b >= 0xe0) ? 1 : 0;
+    INT_SIZE[0xcc] = INT_SIZE[0xd0] = 2;
+    INT_SIZE[0xcd] = INT_SIZE[0xd1] = 3;
+    INT_SIZE[0xce] = INT_SIZE[0xd2] = 5;
+    INT_SIZE[0xcf] = INT_SIZE[0xd3] = 9;
+}
+
+/* Skip an array of ints (BlockStored.token_ids): (offset of its header, offset past it). */
+static int skip_int_array(Rd *r, const unsigned char *base, Py_ssize_t *from, Py_ssize_t *to) {
+    *from = r->p - base;
+    Py_ssize_t k;
+    if (rd_header(r, 0, &k) != OK) return FALLBACK;
+    const unsigned char *p = r->p, *end = r->end;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (p >= end) return FALLBACK;
+        unsigned size = INT_SIZE[*p]; /* a table, not a switch: ids of mixed widths mispredict less */
+        if (size == 0 || end - p < (Py_ssize_t)size) return FALLBACK;
+        p += size;
+    }
+    r->p = p;
+    *to = p - base;
+    return OK;
+}
+
+/* extra_keys that hold none: nil, or one nil per block (what vLLM 0.32 sends without LoRA,
+ * multimodal inputs or a cache salt). Any key at all: FALLBACK. */
+static int rd_no_extra_keys(Rd *r) {
+    if (rd_nil(r)) return OK;
+    Py_ssize_t k;
+    if (rd_header(r, 0, &k) != OK) return FALLBACK;
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (!rd_nil(r)) return FALLBACK;
+    return OK;
+}
+
+/* Skip nil, an int or a string. */
+static int skip_scalar(Rd *r) {
+    if (rd_nil(r)) return OK;
+    const char *s;
+    Py_ssize_t len;
+    int neg;
+    uint64_t u;
+    int64_t v;
+    return rd_int(r, &neg, &u, &v) == OK || rd_str(r, &s, &len) == OK ? OK : FALLBACK;
+}
+
+static inline int key_is(const char *s, Py_ssize_t len, const char *name) {
+    return (size_t)len == strlen(name) && memcmp(s, name, (size_t)len) == 0;
+}
+
+/* The event fields this decoder reads, and which each event type may carry (vLLM 0.32's structs,
+ * vllm/distributed/kv_events.py). The last five the Python decoder ignores, as msgspec ignores fields
+ * its structs lack; here they are skipped when their value is nil, an int or a string. */
+enum {
+    F_TYPE, F_HASHES, F_PARENT, F_TOKENS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA_KEYS, F_GROUP_IDX,
+    F_SPEC_KIND, F_SPEC_WINDOW, F_LOCALITY, F_OWNERSHIP, F_SESSION, NF
+};
+static const char *const FIELD_NAMES[NF] = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                                            "lora_id", "medium", "lora_name", "extra_keys", "group_idx",
+                                            "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
+                                            "ownership", "session_id"};
+#define BIT(f) (1u << (f))
+static const unsigned STORED_ALLOWED = (1u << NF) - 1;
+static const unsigned STORED_REQUIRED = BIT(F_TYPE) | BIT(F_HASHES) | BIT(F_PARENT) | BIT(F_TOKENS) | BIT(F_BLOCK_SIZE);
+static const unsigned REMOVED_ALLOWED =
+    BIT(F_TYPE) | BIT(F_HASHES) | BIT(F_MEDIUM) | BIT(F_GROUP_IDX) | BIT(F_LOCALITY) | BIT(F_OWNERSHIP);
+static const unsigned REMOVED_REQUIRED = BIT(F_TYPE) | BIT(F_HASHES);
+static const unsigned CLEARED_ALLOWED = BIT(F_TYPE) | BIT(F_MEDIUM);
+
+enum { T_NONE, T_STORED, T_REMOVED, T_CLEARED };
+
+/* One event map -> a tuple:
+ *   (1, block_hashes, parent, (token_ids from, to), block_size, lora_id, medium, lora_name, group_idx)
+ *   (2, block_hashes, medium, group_idx)
+ *   (3, medium)
+ * Absent optional fields are None (the defaults of vLLM's structs); extra_keys only when it holds no key. */
+static int rd_event(Rd *r, const unsigned char *base, PyObject **out) {
+    Py_ssize_t nkeys;
+    if (rd_header(r, 1, &nkeys) != OK) return FALLBACK;
+    PyObject *v[NF] = {NULL};
+    unsigned seen = 0;
+    int kind = T_NONE, rc = FALLBACK;
+    Py_ssize_t tok_from = 0, tok_to = 0;
+    for (Py_ssize_t i = 0; i < nkeys; i++) {
+        const char *k;
+        Py_ssize_t klen;
+        if (rd_str(r, &k, &klen) != OK) goto done;
+        int f = -1;
+        for (int j = 0; j < NF; j++)
+            if (key_is(k, klen, FIELD_NAMES[j])) {
+                f = j;
+                break;
+            }
+        if (f < 0 || (seen & BIT(f))) goto done; /* an unknown or repeated key: not the common shape */
+        seen |= BIT(f);
+        int got;
+        switch (f) {
+        case F_TYPE: {
+            const char *s;
+            Py_ssize_t len;
+            got = rd_str(r, &s, &len);
+            if (got == OK) {
+                kind = key_is(s, len, "BlockStored") ? T_STORED
+                       : key_is(s, len, "BlockRemoved") ? T_REMOVED
+                       : key_is(s, len, "AllBlocksCleared") ? T_CLEARED
+                                                             : T_NONE;
+                if (kind == T_NONE) got = FALLBACK;
+            }
+            break;
+        }
+        case F_HASHES: got = rd_hashes(r, &v[f]); break;
+        case F_PARENT: got = rd_opt_int(r, &v[f], 1, 1, 0); break;
+        case F_TOKENS: got = skip_int_array(r, base, &tok_from, &tok_to); break;
+        case F_BLOCK_SIZE: got = rd_opt_int(r, &v[f], 0, 1, 1); break;
+        case F_LORA_ID: case F_GROUP_IDX: got = rd_opt_int(r, &v[f], 1, 0, 0); break;
+        case F_MEDIUM: case F_LORA_NAME: got = rd_opt_str(r, &v[f]); break;
+        case F_EXTRA_KEYS: got = rd_no_extra_keys(r); break;
+        default: got = skip_scalar(r); break; /* a field the Python decoder ignores */
+        }
+        if (got != OK) {
+            rc = got;
+            goto done;
+        }
+    }
+    unsigned allowed = kind == T_STORED ? STORED_ALLOWED : kind == T_REMOVED ? REMOVED_ALLOWED : CLEARED_ALLOWED;
+    unsigned required = kind == T_STORED ? STORED_REQUIRED : kind == T_REMOVED ? REMOVED_REQUIRED : BIT(F_TYPE);
+    if (kind == T_NONE || (seen & ~allowed) || (seen & required) != required) goto done;
+    for (int j = 0; j < NF; j++)
+        if (v[j] == NULL) v[j] = Py_NewRef(Py_None);
+    if (kind == T_STORED)
+        *out = Py_BuildValue("(iOO(nn)OOOOO)", 1, v[F_HASHES], v[F_PARENT], tok_from, tok_to, v[F_BLOCK_SIZE],
+                             v[F_LORA_ID], v[F_MEDIUM], v[F_LORA_NAME], v[F_GROUP_IDX]);
+    else if (kind == T_REMOVED)
+        *out = Py_BuildValue("(iOOO)", 2, v[F_HASHES], v[F_MEDIUM], v[F_GROUP_IDX]);
+    else
+        *out = Py_BuildValue("(iO)", 3, v[F_MEDIUM]);
+    rc = *out == NULL ? FAIL : OK;
+done:
+    for (int j = 0; j < NF; j++) Py_XDECREF(v[j]);
+    return rc;
+}
+
+static int rd_ts(Rd *r, double *ts) {
+    if (!need(r, 1)) return FALLBACK;
+    unsigned b = *r->p;
+    if (b == 0xcb || b == 0xca) {
+        int k = b == 0xcb ? 8 : 4;
+        if (!need(r, 1 + k)) return FALLBACK;
+        uint64_t raw = be(r->p + 1, k);
+        if (k == 8) {
+            memcpy(ts, &raw, 8);
+        } else {
+            uint32_t w = (uint32_t)raw;
+            float f;
+            memcpy(&f, &w, 4);
+            *ts = f;
+        }
+        r->p += 1 + k;
+        return OK;
+    }
+    int neg;
+    uint64_t u = 0;
+    int64_t s = 0;
+    if (rd_int(r, &neg, &u, &s) != OK) return FALLBACK;
+    *ts = neg ? (double)s : (double)u;
+    return OK;
+}
+
+static int rd_events(Rd *r, const unsigned char *base, PyObject **out) {
+    Py_ssize_t k;
+    if (rd_header(r, 0, &k) != OK || r->end - r->p < k) return FALLBACK;
+    PyObject *t = PyTuple_New(k);
+    if (t == NULL) return FAIL;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *e = NULL;
+        int rc = rd_event(r, base, &e);
+        if (rc != OK) {
+            Py_DECREF(t);
+            return rc;
+        }
+        PyTuple_SET_ITEM(t, i, e);
+    }
+    *out = t;
+    return OK;
+}
+
+/* kv_batch(payload) -> (ts, events, data_parallel_rank) | None
+ *
+ * vLLM's current wire shape, [ts, [event maps], rank?] (what vLLM 0.32 sends) or
+ * {"ts", "events", "data_parallel_rank"?} (each key once, no others), with plain non-negative int
+ * block hashes, int token ids and nil extra_keys; None for anything else. Events as rd_event. */
+static PyObject *kv_batch(PyObject *Py_UNUSED(self), PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *base = (const unsigned char *)view.buf;
+    Rd r = {base, base + view.len};
+    double ts = 0;
+    PyObject *events = NULL, *rank = NULL, *out = NULL;
+    int rc = FALLBACK;
+    Py_ssize_t n;
+    if (need(&r, 1) && ((*r.p >= 0x90 && *r.p <= 0x9f) || *r.p == 0xdc || *r.p == 0xdd)) {
+        if (rd_header(&r, 0, &n) != OK || n < 2 || n > 3) goto done;
+        if ((rc = rd_ts(&r, &ts)) != OK || (rc = rd_events(&r, base, &events)) != OK) goto done;
+        if (n == 3 && (rc = rd_opt_int(&r, &rank, 1, 0, 0)) != OK) goto done;
+    } else {
+        if (rd_header(&r, 1, &n) != OK) goto done;
+        int have_ts = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const char *k;
+            Py_ssize_t klen;
+            rc = FALLBACK;
+            if (rd_str(&r, &k, &klen) != OK) goto done;
+            if (key_is(k, klen, "ts") && !have_ts) {
+                have_ts = 1;
+                rc = rd_ts(&r, &ts);
+            } else if (key_is(k, klen, "events") && events == NULL) {
+                rc = rd_events(&r, base, &events);
+            } else if (key_is(k, klen, "data_parallel_rank") && rank == NULL) {
+                rc = rd_opt_int(&r, &rank, 1, 0, 0);
+            }
+            if (rc != OK) goto done;
+        }
+        rc = FALLBACK;
+        if (!have_ts || events == NULL) goto done;
+    }
+    rc = FALLBACK;
+    if (r.p != r.end) goto done; /* trailing bytes */
+    out = Py_BuildValue("(dOO)", ts, events, rank == NULL ? Py_None : rank);
+    rc = out == NULL ? FAIL : OK;
+done:
+    PyBuffer_Release(&view);
+    Py_XDECREF(events);
+    Py_XDECREF(rank);
+    if (rc == FAIL) return NULL;
+    if (rc == FALLBACK) Py_RETURN_NONE;
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"parse_uint_array", (PyCFunction)(void (*)(void))parse_uint_array, METH_FASTCALL,
+     "parse_uint_array(buf, start, stop) -> bytearray | None: a JSON array body's ids as native uint64."},
+    {"kv_batch", kv_batch, METH_O,
+     "kv_batch(payload) -> (ts, events, data_parallel_rank) | None: a vLLM KV-event batch's fields."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuhit._speedups", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__speedups(void) {
+    init_int_size();
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

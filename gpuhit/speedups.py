@@ -1,0 +1,62 @@
+"""The optional C speedups (``gpuhit/_speedups.c``) and the guard against a stale build.
+
+Two parsers in C that the gateway otherwise runs with numpy, orjson and msgspec
+(:func:`gateway.http.prompt.fast_completion_ids`, :func:`engines.kv_event_codec.decode_batch`):
+``parse_uint_array`` (a token-id JSON array, validated and parsed into uint64 in one pass) and
+``kv_batch`` (a vLLM KV-event batch, BlockStored's token ids skipped without building them). Each
+answers only the common, strict shape of its input and None for anything else, which the Python
+path then decides as it always did: the answers are the same with or without the build (the
+differential tests in ``tests/gateway/test_speedups.py`` hold the two to that).
+
+``make compile`` builds them (with the mypyc transport, :mod:`gpuhit.native`); ``make uncompile``
+removes them. Pure Python is the default; ``gpuhit serve``'s banner says which is running. The
+extension carries the SHA-256 of the source it was built from, and :func:`load` refuses one built
+from another version of ``_speedups.c`` (Python would otherwise run the old code silently).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+from gpuhit.errors import ConfigError
+
+SOURCE = Path(__file__).resolve().with_name("_speedups.c")
+NAME = "gpuhit._speedups"
+
+
+def source_sha256(path: Path = SOURCE) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def verified(module: ModuleType, source: Path = SOURCE) -> ModuleType:
+    """``module`` when it was built from ``source`` as it is now; ConfigError naming the fix otherwise."""
+    if getattr(module, "SOURCE_SHA256", None) != source_sha256(source):
+        raise ConfigError(f"{module.__file__} was built from another version of {source.name}: "
+                          "run `make compile` again, or `make uncompile` for pure Python")
+    return module
+
+
+def load() -> ModuleType | None:
+    """The built extension (checked against its source), or None when there is no build."""
+    if importlib.util.find_spec(NAME) is None:
+        return None
+    import gpuhit._speedups as module  # type: ignore[import-not-found]
+
+    return verified(module)
+
+
+def load_file(path: Path) -> ModuleType:
+    """The extension built at ``path`` (:func:`gpuhit.native.build_speedups`), checked against the
+    source: for tests, which run the same inputs through it and through pure Python."""
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{path} is not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return verified(module)
+
+
+ACCEL: ModuleType | None = load()

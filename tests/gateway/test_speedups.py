@@ -1,0 +1,222 @@
+"""The C speedups (gpuhit/_speedups.c) against the pure-Python path they stand in for: the same
+answer for every input, valid or not, or None (and the Python path decides). Built for the test run
+by the ``c_speedups`` fixture (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import msgpack
+import numpy as np
+import pytest
+
+from engines import kv_event_codec as codec
+from engines.kv_event_codec import ARRAY, CURRENT, VLLM, KVEventDecodeError, encode_batch
+from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from gateway.http import prompt
+from gpuhit import speedups
+from gpuhit.errors import ConfigError
+
+# ------------------------------------------------------------------------------ token-id arrays
+
+_ALPHABET = b"0123456789,, \t\n\r-+.eE[]x0"
+
+
+def _numpy_ids(text: bytes) -> list[int] | None:
+    v = prompt._validated(np.frombuffer(text, dtype=np.uint8))
+    return None if v is None else prompt._parse_text(v[0]).tolist()
+
+
+def _c_ids(accel, text: bytes, pad: bytes = b"") -> list[int] | None:
+    raw = pad + text + pad
+    buf = accel.parse_uint_array(raw, len(pad), len(pad) + len(text))
+    return None if buf is None else np.frombuffer(buf, dtype=np.uint64).tolist()
+
+
+def _random_array_text(rng: random.Random) -> bytes:
+    n = rng.choice([1, 2, 3, 7, 50])
+    nums = []
+    for _ in range(n):
+        digits = rng.choice([1, 1, 2, 5, 6, 7, 8, 9, 16, 17, 18, 19, 20])
+        nums.append(str(rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10**digits)).encode())
+    seps = [rng.choice([b",", b",", b", ", b" ,\n", b"\t,\r"]) for _ in range(n - 1)]
+    text = b"".join(a + (seps[i] if i < len(seps) else b"") for i, a in enumerate(nums))
+    return rng.choice([b"", b" ", b"\n"]) + text + rng.choice([b"", b" ", b"\t"])
+
+
+def _mutate(rng: random.Random, text: bytes) -> bytes:
+    b = bytearray(text)
+    for _ in range(rng.randrange(1, 4)):
+        op = rng.random()
+        at = rng.randrange(len(b) + 1)
+        if op < 0.4 or not b:
+            b.insert(at, rng.choice(_ALPHABET))
+        elif op < 0.7:
+            del b[min(at, len(b) - 1)]
+        else:
+            b[min(at, len(b) - 1)] = rng.choice(_ALPHABET)
+    return bytes(b)
+
+
+def test_c_token_id_parser_answers_as_numpy_for_valid_and_broken_arrays(c_speedups):
+    """Valid arrays (numbers of 1-20 digits around the 8-byte blocks the C parser reads at once,
+    JSON whitespace anywhere between numbers) and random corruptions of them (signs, fractions,
+    exponents, brackets, leading zeros, empty elements, split numbers): C and numpy agree exactly,
+    wherever in the buffer the text lies."""
+    rng = random.Random(2024)
+    accepted = refused = 0
+    for trial in range(6000):
+        text = _random_array_text(rng)
+        if trial % 2:
+            text = _mutate(rng, text)
+        want = _numpy_ids(text)
+        for pad in (b"", b"9", b"[1,2,3,4,5,6,7,8]"):  # the neighbours must not be read
+            assert _c_ids(c_speedups, text, pad) == want, (text, pad)
+        accepted += want is not None
+        refused += want is None
+    assert accepted > 2000 and refused > 1500
+
+
+@pytest.mark.parametrize("text, want", [
+    (b"0", [0]), (b"00", None), (b"0,0", [0, 0]), (b"10", [10]), (b"01", None), (b"1,01", None),
+    (b"12345678", [12345678]), (b"123456789", [123456789]), (b"12345678,1", [12345678, 1]),
+    (b"999999999999999999", [999999999999999999]), (b"1000000000000000000", None),
+    (b"1,999999999999999999,2", [1, 999999999999999999, 2]), (b"", None), (b" ", None), (b",", None),
+    (b"1,", None), (b",1", None), (b"1,,2", None), (b"1 2", None), (b"1 ,\n 2 ", [1, 2]), (b"-1", None),
+    (b"1.0", None), (b"1e2", None), (b"\x001", None), (b"1\x00", None), (b"1:2", None),
+    (b"12345670,12345671,12345672,12345673", [12345670, 12345671, 12345672, 12345673]),
+])
+def test_c_token_id_parser_edges(c_speedups, text, want):
+    assert _numpy_ids(text) == want
+    assert _c_ids(c_speedups, text) == want
+
+
+def test_c_token_id_parser_checks_its_arguments(c_speedups):
+    with pytest.raises(ValueError, match="outside a buffer of 3 bytes"):
+        c_speedups.parse_uint_array(b"1,2", 0, 4)
+    with pytest.raises(ValueError):
+        c_speedups.parse_uint_array(b"1,2", 2, 1)
+    with pytest.raises(TypeError):
+        c_speedups.parse_uint_array(b"1,2", 0)
+    with pytest.raises(TypeError):
+        c_speedups.parse_uint_array("1,2", 0, 3)  # text, not bytes
+    assert np.frombuffer(c_speedups.parse_uint_array(memoryview(b"[5,6]"), 1, 4), np.uint64).tolist() == [5, 6]
+
+
+# ------------------------------------------------------------------------------ KV-event batches
+
+
+def _random_batch(rng: random.Random, trial: int) -> KVEventBatch:
+    events = []
+    for _ in range(rng.randrange(0, 5)):
+        kind = rng.random()
+        if kind < 0.55:
+            n = rng.choice([1, 2, 16, 17, 300])
+            width = rng.choice([7, 8, 16, 17, 32, 33, 63, 64])
+            toks = tuple(rng.randrange(0, 1 << rng.choice([7, 8, 16, 20, 31, 40])) for _ in range(16 * n))
+            events.append(BlockStored(
+                tuple(rng.randrange(1 << width) for _ in range(n)), rng.choice([None, 0, rng.randrange(1 << 64)]),
+                toks, rng.choice([1, 16, 32]), rng.choice([None, 0, 7, -3]), rng.choice([None, "GPU", "CPU", "dísk"]),
+                rng.choice([None, "adapter"]), rng.choice([None, 0, 2])))
+        elif kind < 0.9:
+            events.append(BlockRemoved(tuple(rng.randrange(1 << 64) for _ in range(rng.randrange(0, 40))),
+                                       rng.choice([None, "GPU", "CPU"]), rng.choice([None, 1])))
+        else:
+            events.append(AllBlocksCleared())
+    return KVEventBatch(rng.choice([float(trial), trial + 0.25, 1.7e9]), tuple(events), rng.choice([None, 0, 3]))
+
+
+def _vllm_032(batch: KVEventBatch, rng: random.Random) -> bytes:
+    """vLLM 0.32's own wire shape (VLLM), with some of the fields vLLM 0.32 may add that the decoders
+    ignore (kv_cache_spec_sliding_window, locality, ownership, session_id)."""
+    doc = msgpack.unpackb(encode_batch(batch, VLLM), raw=False)
+    for e in doc[1]:
+        for k, v in (("kv_cache_spec_sliding_window", 4096), ("locality", "LOCAL"), ("ownership", None),
+                     ("session_id", "s-1")):
+            if e["type"] == "BlockStored" and rng.random() < 0.3:
+                e[k] = v
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def _decoded(payload: bytes, accel, monkeypatch) -> KVEventBatch | str:
+    """The batch, or the decoder's error; token ids a corrupt payload holds undecodable (msgspec
+    skips them unchecked, see RawTokenIds) read as their error."""
+    with monkeypatch.context() as m:
+        m.setattr(codec, "_ACCEL", accel)
+        try:
+            batch = codec.decode_batch(payload)
+        except KVEventDecodeError as exc:
+            return f"error: {exc}"
+    events = []
+    for e in batch.events:
+        if type(e) is BlockStored:
+            try:
+                e.token_ids.ids() if type(e.token_ids) is codec.RawTokenIds else None
+            except KVEventDecodeError as exc:
+                e = dataclasses.replace(e, token_ids=(str(exc),))
+        events.append(e)
+    return dataclasses.replace(batch, events=tuple(events))
+
+
+def _corrupt(rng: random.Random, payload: bytes) -> bytes:
+    b = bytearray(payload)
+    op = rng.random()
+    if op < 0.3:
+        return bytes(b[: rng.randrange(len(b))])  # truncated
+    if op < 0.4:
+        return payload + bytes([rng.randrange(256)])  # trailing byte
+    for _ in range(rng.randrange(1, 4)):
+        b[rng.randrange(len(b))] = rng.choice([0xC0, 0xC2, 0xFF, 0x00, 0x7F, 0xCC, 0xCF, 0xD3, 0xDC, 0xDE, 0xA3,
+                                               rng.randrange(256)])
+    return bytes(b)
+
+
+def test_c_kv_decoder_answers_as_the_python_decoders(c_speedups, monkeypatch):
+    """Random batches in every wire shape (vLLM 0.32's array batch of map events, the map batch,
+    the older all-array shape) and random corruptions of them: the batch decoded with the C
+    decoder equals the pure-Python one, or both refuse with the same error. The C decoder takes the
+    common shapes itself (not just stepping aside)."""
+    rng = random.Random(77)
+    taken = 0
+    for trial in range(1500):
+        batch = _random_batch(rng, trial)
+        shape = trial % 3
+        payload = _vllm_032(batch, rng) if shape == 0 else encode_batch(batch, CURRENT if shape == 1 else ARRAY)
+        if trial % 2:
+            payload = _corrupt(rng, payload)
+        want = _decoded(payload, None, monkeypatch)
+        got = _decoded(payload, c_speedups, monkeypatch)
+        assert got == want, (trial, payload[:80])
+        if not trial % 2:
+            assert want == batch
+        if c_speedups.kv_batch(payload) is not None:
+            taken += 1
+            assert not isinstance(want, str)
+    assert taken > 400
+
+
+def test_c_kv_decoder_leaves_token_ids_raw_and_odd_shapes_to_python(c_speedups, monkeypatch):
+    monkeypatch.setattr(codec, "_ACCEL", c_speedups)
+    toks = tuple(range(70_000))
+    batch = codec.decode_batch(encode_batch(KVEventBatch(0.0, (BlockStored((1, 2), None, toks, 16),)), VLLM))
+    ids = batch.events[0].token_ids
+    assert type(ids) is codec.RawTokenIds and ids._ids is None and len(ids) == 70_000
+    assert ids[:16] == toks[:16] and ids._ids is None and ids == toks
+    # outside the C subset: non-int token ids, extra_keys, an unknown key, digest-bytes hashes
+    stored = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "token_ids": [1] * 16,
+              "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+    for odd in ({"token_ids": ["a", 2.5] * 8}, {"extra_keys": [None, ["salt"]]}, {"future_field": 1},
+                {"locality": [1]},
+                {"block_hashes": [b"\x00" * 31 + b"\x05"]}, {"block_hashes": [-1]}):
+        payload = msgpack.packb([1.0, [{**stored, **odd}]])
+        assert c_speedups.kv_batch(payload) is None, odd
+        assert codec.decode_batch(payload) == _decoded(payload, None, monkeypatch)
+
+
+def test_a_build_from_another_source_is_refused(c_speedups, tmp_path):
+    changed = tmp_path / "_speedups.c"
+    changed.write_bytes(speedups.SOURCE.read_bytes() + b"\n/* edited after the build */\n")
+    with pytest.raises(ConfigError, match="built from another version of _speedups.c: run `make compile` again"):
+        speedups.verified(c_speedups, changed)
+    assert speedups.verified(c_speedups) is c_speedups
