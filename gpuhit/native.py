@@ -37,7 +37,8 @@ STAMP = "native.sha256.json"
 SPEEDUPS = "_speedups"  # gpuhit/_speedups.c -> gpuhit/_speedups.*.so
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """A file's SHA-256 (hex): what the stamp records and the C speedups carry of their source."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -63,7 +64,7 @@ def check(directory: Path = HERE) -> bool:
     missing = [m for m in MODULES if not any(p.name.startswith(f"{m}.") for p in built)]
     if missing:
         raise ConfigError(f"partial compiled transport in {directory} (no {', '.join(missing)}): {fix}")
-    changed = [m for m in MODULES if recorded.get(f"{m}.py") != _sha256(directory / f"{m}.py")]
+    changed = [m for m in MODULES if recorded.get(f"{m}.py") != sha256_of(directory / f"{m}.py")]
     if changed:
         raise ConfigError(f"{', '.join(f'{m}.py' for m in changed)} changed since the transport was compiled: {fix}")
     return True
@@ -92,7 +93,7 @@ def _speedups_extension(root: Path, absolute: bool = False):  # -> setuptools.Ex
 
     c_source = root / "gpuhit" / f"{SPEEDUPS}.c"
     return Extension(f"gpuhit.{SPEEDUPS}", [str(c_source if absolute else c_source.relative_to(root))],
-                     extra_compile_args=["-O3"], define_macros=[("SOURCE_SHA256", f'"{_sha256(c_source)}"')])
+                     extra_compile_args=["-O3"], define_macros=[("SOURCE_SHA256", f'"{sha256_of(c_source)}"')])
 
 
 def build_speedups(out: Path) -> Path:
@@ -132,7 +133,7 @@ def build(directory: Path = HERE) -> None:
               script_args=["build_ext", "--inplace", "--build-temp", "build/native", "--build-lib", "build/native"])
     finally:
         os.chdir(cwd)
-    (directory / STAMP).write_text(json.dumps({f"{m}.py": _sha256(directory / f"{m}.py") for m in MODULES},
+    (directory / STAMP).write_text(json.dumps({f"{m}.py": sha256_of(directory / f"{m}.py") for m in MODULES},
                                               indent=1) + "\n")
     check(directory)
     print(f"compiled {', '.join(sources)} ({len(_built(directory))} extension files) and gpuhit/{SPEEDUPS}.c")

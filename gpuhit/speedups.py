@@ -16,24 +16,20 @@ from another version of ``_speedups.c`` (Python would otherwise run the old code
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 from gpuhit.errors import ConfigError
+from gpuhit.native import sha256_of
 
 SOURCE = Path(__file__).resolve().with_name("_speedups.c")
 NAME = "gpuhit._speedups"
 
 
-def source_sha256(path: Path = SOURCE) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def verified(module: ModuleType, source: Path = SOURCE) -> ModuleType:
     """``module`` when it was built from ``source`` as it is now; ConfigError naming the fix otherwise."""
-    if getattr(module, "SOURCE_SHA256", None) != source_sha256(source):
+    if getattr(module, "SOURCE_SHA256", None) != sha256_of(source):
         raise ConfigError(f"{module.__file__} was built from another version of {source.name}: "
                           "run `make compile` again, or `make uncompile` for pure Python")
     return module

@@ -128,10 +128,11 @@ def _skip_ws(raw: bytes, i: int) -> int:
     return i
 
 
-def _validated(seg: np.ndarray) -> tuple[bytes, np.ndarray] | None:
-    """``(digits-and-commas text, comma positions)`` of the JSON array body ``seg`` (uint8 bytes
-    between ``[`` and ``]``) when it is exactly ``int (, int)*`` with JSON whitespace, each a
-    non-negative JSON integer (no sign, no leading zero) of at most 18 digits; else None."""
+def _validated(raw: bytes, start: int, stop: int) -> tuple[bytes, np.ndarray] | None:
+    """``(digits-and-commas text, comma positions)`` of the JSON array body ``raw[start:stop]``
+    (the bytes between ``[`` and ``]``) when it is exactly ``int (, int)*`` with JSON whitespace,
+    each a non-negative JSON integer (no sign, no leading zero) of at most 18 digits; else None."""
+    seg = np.frombuffer(raw, dtype=np.uint8, count=stop - start, offset=start)
     n = len(seg)
     if n == 0:
         return None
@@ -184,7 +185,7 @@ def parse_ids(raw: bytes, start: int, stop: int) -> np.ndarray | None:
     if _ACCEL is not None:
         buf = _ACCEL.parse_uint_array(raw, start, stop)
         return None if buf is None else np.frombuffer(buf, dtype=np.uint64)
-    v = _validated(np.frombuffer(raw, dtype=np.uint8, count=stop - start, offset=start))
+    v = _validated(raw, start, stop)
     return None if v is None else _parse_text(v[0])
 
 
@@ -316,7 +317,7 @@ def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str
         if _ACCEL is not None:  # parsed whole in C: faster than LazyIds' numpy check alone
             ids = parse_ids(raw, lb + 1, rb)
         else:
-            v = _validated(np.frombuffer(raw, dtype=np.uint8, count=rb - lb - 1, offset=lb + 1))
+            v = _validated(raw, lb + 1, rb)
             ids = None if v is None else _parse_text(v[0]) if memo is not None and session is not None else LazyIds(*v)
         if ids is None:
             return None

@@ -31,7 +31,7 @@ def _fake_build(d: Path) -> None:
         (d / f"{m}.py").write_text(f"# {m}\n")
         (d / f"{m}{SUFFIX}").write_bytes(b"")
     (d / f"{native.GROUP}__mypyc{SUFFIX}").write_bytes(b"")
-    (d / native.STAMP).write_text(json.dumps({f"{m}.py": native._sha256(d / f"{m}.py") for m in native.MODULES}))
+    (d / native.STAMP).write_text(json.dumps({f"{m}.py": native.sha256_of(d / f"{m}.py") for m in native.MODULES}))
 
 
 def test_a_stale_or_partial_build_is_refused_by_name(tmp_path):

@@ -24,7 +24,7 @@ _ALPHABET = b"0123456789,, \t\n\r-+.eE[]x0"
 
 
 def _numpy_ids(text: bytes) -> list[int] | None:
-    v = prompt._validated(np.frombuffer(text, dtype=np.uint8))
+    v = prompt._validated(text, 0, len(text))
     return None if v is None else prompt._parse_text(v[0]).tolist()
 
 
