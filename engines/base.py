@@ -11,8 +11,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import msgspec
+
 from engines.kv_events import KVEventBatch
-from gpuhit.frozen import record
 
 
 def max_cached_tokens(prompt_len: int, block_size: int) -> int:
@@ -21,8 +22,7 @@ def max_cached_tokens(prompt_len: int, block_size: int) -> int:
     return max(prompt_len - 1, 0) // block_size * block_size
 
 
-@record
-class GenerateRequest:
+class GenerateRequest(msgspec.Struct, frozen=True):
     """One generation request with an exact output length.
 
     ``prompt_token_ids`` is the prompt (live path, exact). ``block_hashes`` are the 64-bit vLLM
@@ -66,8 +66,7 @@ class GenerateResult:
         return self.error is None
 
 
-@record
-class EngineStats:
+class EngineStats(msgspec.Struct, frozen=True, gc=False):
     """Engine-reported load, as vLLM's /metrics gauges give it (None = not known yet)."""
 
     running: int | None = None

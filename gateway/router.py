@@ -31,8 +31,10 @@ import asyncio
 import inspect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from engines.base import EngineClient, EngineStats, GenerateRequest, GenerateResult, max_cached_tokens
 from engines.kv_events import KVEventBatch
@@ -51,15 +53,13 @@ from gateway.snapshot import (
     Snapshot,
 )
 from gpuhit.errors import ConfigError, NoInstanceError
-from gpuhit.frozen import record
 
 ROLES = ("both", "prefill", "decode")
 DEFAULT_KV_BYTES_PER_TOKEN = 98304
 _NO_STATS = EngineStats()  # what a snapshot shows of engines whose stats are not used
 
 
-@record
-class RouteRequest:
+class RouteRequest(msgspec.Struct, frozen=True):
     """What the router needs to know about one request. ``block_hashes``: the prompt's full blocks'
     hashes, a tuple or a lazily hashed :class:`engines.hashing.PromptHashes` (the router reads only
     as far as the index's search goes)."""
@@ -74,8 +74,7 @@ class RouteRequest:
     turn: int = 0
 
 
-@record
-class RouteRecord:
+class RouteRecord(msgspec.Struct, frozen=True):
     """One routing decision, as logged through ``decision_sink``."""
 
     request_id: str
@@ -520,8 +519,8 @@ class Router:
             insts = list(snap.instances)
             for i in {d.target, d.source} - {None}:
                 g, c = self._match_one(i, req.block_hashes)
-                insts[i] = replace(insts[i], gpu_hit_blocks=g, cpu_hit_blocks=c)
-            snap = replace(snap, instances=tuple(insts))
+                insts[i] = msgspec.structs.replace(insts[i], gpu_hit_blocks=g, cpu_hit_blocks=c)
+            snap = msgspec.structs.replace(snap, instances=tuple(insts))
         return snap, d
 
     def _validate(self, d: Decision, snap: Snapshot) -> None:

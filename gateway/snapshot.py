@@ -7,10 +7,9 @@ mutable gateway state: everything they may use is copied in here.
 
 from __future__ import annotations
 
-from dataclasses import field
+import msgspec
 
 from engines.base import max_cached_tokens
-from gpuhit.frozen import record
 
 FORWARD = "forward"  # run the request on ``target``
 MIGRATE = "migrate"  # move the session's KV from ``source`` to ``target``, rebind, then run on target
@@ -19,8 +18,7 @@ PD = "pd"  # prefill on ``source`` (producer), decode on ``target`` (consumer), 
 ACTIONS = (FORWARD, MIGRATE, FETCH, PD)
 
 
-@record
-class InstanceState:
+class InstanceState(msgspec.Struct, frozen=True, gc=False):
     """One instance as the policy sees it at decision time."""
 
     index: int
@@ -50,8 +48,7 @@ class InstanceState:
     resident_blocks: int = 0
 
 
-@record
-class RequestView:
+class RequestView(msgspec.Struct, frozen=True, gc=False):
     request_id: str
     input_tokens: int
     num_blocks: int  # full engine blocks of the prompt
@@ -63,8 +60,7 @@ class RequestView:
     seq: int = 0  # gateway-wide request counter (round robin uses it)
 
 
-@record
-class Snapshot:
+class Snapshot(msgspec.Struct, frozen=True, gc=False):
     now: float
     request: RequestView
     instances: tuple[InstanceState, ...]
@@ -81,14 +77,13 @@ class Snapshot:
         return min(self.instances[i].gpu_hit_blocks * bs, max_cached_tokens(req.input_tokens, bs))
 
 
-@record
-class Decision:
+class Decision(msgspec.Struct, frozen=True, gc=False):
     action: str
     target: int
     reason: str
     source: int | None = None
     # Counterfactual: the score every candidate got (lower is better unless the policy says otherwise).
-    scores: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    scores: tuple[tuple[int, float], ...] = ()
     predicted_hit_blocks: int = 0
     # vLLM's per-request ``priority`` (smaller runs first under ``--scheduling-policy priority``), for
     # the target request and for the producer (KV export) step of a KV-moving action. None: the
