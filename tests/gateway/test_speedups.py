@@ -4,10 +4,10 @@ by the ``c_speedups`` fixture (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -154,9 +154,9 @@ def _decoded(payload: bytes, accel, monkeypatch) -> KVEventBatch | str:
             try:
                 e.token_ids.ids() if type(e.token_ids) is codec.RawTokenIds else None
             except KVEventDecodeError as exc:
-                e = dataclasses.replace(e, token_ids=(str(exc),))
+                e = msgspec.structs.replace(e, token_ids=(str(exc),))
         events.append(e)
-    return dataclasses.replace(batch, events=tuple(events))
+    return msgspec.structs.replace(batch, events=tuple(events))
 
 
 def _corrupt(rng: random.Random, payload: bytes) -> bytes:
