@@ -35,12 +35,16 @@ def _c_ids(accel, text: bytes, pad: bytes = b"") -> list[int] | None:
 
 
 def _random_array_text(rng: random.Random) -> bytes:
-    n = rng.choice([1, 2, 3, 7, 50])
+    # A third are the common shape, long runs of short ids and bare commas (the C parser's fast
+    # loop), with now and then a long number or whitespace that sends it to its general loop.
+    plain = rng.random() < 0.3
+    n = rng.choice([20, 300] if plain else [1, 2, 3, 7, 50])
     nums = []
     for _ in range(n):
-        digits = rng.choice([1, 1, 2, 5, 6, 7, 8, 9, 16, 17, 18, 19, 20])
+        digits = rng.choice([1, 2, 5, 6, 7, 7, 7, 7, 7, 7, 8] if plain else [1, 1, 2, 5, 6, 7, 8, 9, 16, 17, 18, 19, 20])
         nums.append(str(rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10**digits)).encode())
-    seps = [rng.choice([b",", b",", b", ", b" ,\n", b"\t,\r"]) for _ in range(n - 1)]
+    seps = [b"," if plain and rng.random() < 0.98 else rng.choice([b",", b",", b", ", b" ,\n", b"\t,\r"])
+            for _ in range(n - 1)]
     text = b"".join(a + (seps[i] if i < len(seps) else b"") for i, a in enumerate(nums))
     return rng.choice([b"", b" ", b"\n"]) + text + rng.choice([b"", b" ", b"\t"])
 
