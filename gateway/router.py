@@ -525,19 +525,20 @@ class Router:
 
     def _validate(self, d: Decision, snap: Snapshot) -> None:
         n = len(self.engines)
-        who = f"policy {self.policy_name!r}"
+        who = self.policy_name
         if not isinstance(d, Decision) or d.action not in ACTIONS:
-            raise ConfigError(f"{who} returned an invalid decision {d!r}")
+            raise ConfigError(f"policy {who!r} returned an invalid decision {d!r}")
         if not (isinstance(d.target, int) and 0 <= d.target < n):
-            raise ConfigError(f"{who} chose instance {d.target!r}, out of range 0..{n - 1}")
+            raise ConfigError(f"policy {who!r} chose instance {d.target!r}, out of range 0..{n - 1}")
         if not self._healthy[d.target]:
-            raise ConfigError(f"{who} chose unhealthy instance {d.target} ({self.names[d.target]})")
+            raise ConfigError(f"policy {who!r} chose unhealthy instance {d.target} ({self.names[d.target]})")
         if d.action != FORWARD:
             s = d.source
             if not (isinstance(s, int) and 0 <= s < n) or s == d.target:
-                raise ConfigError(f"{who}: {d.action} needs a source instance other than the target, got {s!r}")
+                raise ConfigError(f"policy {who!r}: {d.action} needs a source instance other than the target, "
+                                  f"got {s!r}")
             if not self._healthy[s]:
-                raise ConfigError(f"{who} chose unhealthy source instance {s} ({self.names[s]})")
+                raise ConfigError(f"policy {who!r} chose unhealthy source instance {s} ({self.names[s]})")
 
     # -- carrying out ------------------------------------------------------------------------------
 
