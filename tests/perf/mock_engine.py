@@ -10,9 +10,13 @@ streamed as SSE chunks or whole, and serves what both routers read at start-up: 
 It does publish KV events as vLLM 0.32 does (its wire shape, :data:`engines.kv_event_codec.VLLM`), so a KV-aware router's precise index holds what the
 engines hold and its lookups, lazy hashing included, do the work they do in production: every
 token-id prompt's full blocks (vLLM's sha256 block hashes, :mod:`engines.hashing`) not stored yet
-are announced in one ``BlockStored`` event on the ZMQ PUB socket before the answer is written, with
-a ``BlockRemoved`` for the least recently used blocks beyond its 1,000,000 blocks of capacity. Prints ``mock engine on
-http://127.0.0.1:<port>`` once listening.
+are announced in one ``BlockStored`` event, with a ``BlockRemoved`` for the least recently used
+blocks beyond its 1,000,000 blocks of capacity. As vLLM 0.32's scheduler does once per engine step
+(``Scheduler.update_from_output``: one ``KVEventBatch`` of the step's events, published before
+the step's outputs go out), the events of the requests answered in one event-loop iteration (this
+mock's "step") go out as one batch on the ZMQ PUB socket, and only then their answers
+(``--events per-request``: a batch per request, published before its answer, as earlier versions
+of this mock did). Prints ``mock engine on http://127.0.0.1:<port>`` once listening.
 """
 
 from __future__ import annotations
@@ -95,16 +99,20 @@ class _Store:
     """What this engine has cached (LRU, ``CAPACITY`` blocks), and the PUB socket it announces
     stored and evicted blocks on."""
 
-    def __init__(self, pub) -> None:
+    def __init__(self, pub, per_step: bool = True) -> None:
         self.pub = pub
         self.seq = 0
+        self.per_step = per_step
+        self.events: list = []  # this step's events, not published yet
+        self.answers: list[tuple[asyncio.Transport, bytes]] = []  # this step's answers, not written yet
+        self._flush: asyncio.Handle | None = None
         # few sessions kept: a kept 100k-token prompt costs ~1.4 MB, and every prompt is kept once
         self.hashes = SessionHashCache(BlockHasher(BLOCK_SIZE), max_sessions=128, max_tokens=4 << 20)
         self.cached: OrderedDict[int, None] = OrderedDict()
 
     def on_prompt(self, body: bytes, session: str | None) -> None:
-        """Announce the prompt's full blocks that are not cached yet (token-id prompts only), and
-        the least recently used blocks they push out."""
+        """Queue for this step's batch the prompt's full blocks that are not cached yet (token-id
+        prompts only), and the least recently used blocks they push out."""
         if len(body) >= FAST_PARSE_MIN_BYTES and (fast := fast_completion_ids(body)) is not None:
             ids = fast[1]
         else:
@@ -127,13 +135,35 @@ class _Store:
         evicted = [cached.popitem(last=False)[0] for _ in range(max(0, len(cached) - CAPACITY))]
         tokens = np.asarray(ids[k * BLOCK_SIZE : len(hs) * BLOCK_SIZE]).tolist()
         # as vLLM 0.32 fills them (medium, group 0, data-parallel rank 0) and encodes them (VLLM)
-        events: list = [BlockStored(tuple(new), hs[k - 1] if k else None, tuple(tokens), BLOCK_SIZE, medium="GPU",
-                                    group_idx=0)]
+        self.events.append(BlockStored(tuple(new), hs[k - 1] if k else None, tuple(tokens), BLOCK_SIZE,
+                                       medium="GPU", group_idx=0))
         if evicted:
-            events.append(BlockRemoved(tuple(evicted), medium="GPU", group_idx=0))
-        batch = KVEventBatch(time.time(), tuple(events), 0)
-        self.pub.send_multipart([b"kv-events", encode_seq(self.seq), encode_batch(batch, VLLM)])
-        self.seq += 1
+            self.events.append(BlockRemoved(tuple(evicted), medium="GPU", group_idx=0))
+
+    def answer(self, transport: asyncio.Transport, data: bytes) -> None:
+        """Write ``data`` after this step's events are published (at once when per request)."""
+        if not self.per_step:
+            self.publish()
+            transport.write(data)
+            return
+        self.answers.append((transport, data))
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_soon(self.end_step)
+
+    def end_step(self) -> None:
+        self._flush = None
+        self.publish()
+        answers, self.answers = self.answers, []
+        for transport, data in answers:
+            if not transport.is_closing():
+                transport.write(data)
+
+    def publish(self) -> None:
+        if self.events:
+            batch = KVEventBatch(time.time(), tuple(self.events), 0)
+            self.events = []
+            self.pub.send_multipart([b"kv-events", encode_seq(self.seq), encode_batch(batch, VLLM)])
+            self.seq += 1
 
 
 class _Conn(asyncio.Protocol):
@@ -173,10 +203,10 @@ class _Conn(asyncio.Protocol):
             self.store.on_prompt(body, self.session)
             if b'"stream":true' in body or b'"stream": true' in body:
                 key += b"+s"
-        self.transport.write(self.answers.get(key, NOT_FOUND))
+        self.store.answer(self.transport, self.answers.get(key, NOT_FOUND))
 
 
-async def main(port: int) -> None:
+async def main(port: int, per_step: bool = True) -> None:
     import zmq
 
     ctx = zmq.Context()
@@ -184,7 +214,7 @@ async def main(port: int) -> None:
     kv_port = pub.bind_to_random_port("tcp://127.0.0.1")
     answers = _answers(kv_port)
     loop = asyncio.get_running_loop()
-    store = _Store(pub)
+    store = _Store(pub, per_step)
     server = await loop.create_server(lambda: _Conn(answers, store), "127.0.0.1", port, backlog=1024)
     print(f"mock engine on http://127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
     await server.serve_forever()
@@ -193,6 +223,10 @@ async def main(port: int) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--events", choices=("per-step", "per-request"), default="per-step",
+                    help="one KV event batch per event-loop iteration, as vLLM per engine step (default), "
+                         "or one per request")
     import uvloop
 
-    uvloop.run(main(ap.parse_args().port))
+    args = ap.parse_args()
+    uvloop.run(main(args.port, args.events == "per-step"))

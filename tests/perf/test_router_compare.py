@@ -24,7 +24,9 @@ one configuration helps the next). Each router's CPU time is read from its threa
 Prints per configuration: p50 latency, added p50 over direct, router CPU-ms per request,
 throughput, and gpuhit / vllm-router ratios. ``make bench`` runs it; ``GPUHIT_BENCH_SCALE`` scales
 the request counts (default 1: a few minutes on 2 cores), ``GPUHIT_BENCH_ROUNDS`` repeats each
-configuration (median of rounds; default 1), ``GPUHIT_BENCH_ONLY=chat,2k`` picks workloads.
+configuration (median of rounds; default 1), ``GPUHIT_BENCH_ONLY=chat,2k`` picks workloads,
+``GPUHIT_BENCH_MOCK_EVENTS=per-request`` makes the mock engines publish a KV event batch per request
+instead of one per event-loop iteration (vLLM publishes one per engine step).
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ REQUESTS = {
     "100k": {1: 16, 16: 48, 64: 128},
     "100k+512": {1: 16, 16: 48, 64: 128},
 }
+# How the mock engines publish KV events: one batch per event-loop iteration, as vLLM per engine
+# step (default), or one per request (this benchmark's mock before 2026-11-26).
+MOCK_EVENTS = os.environ.get("GPUHIT_BENCH_MOCK_EVENTS", "per-step")
 CLK = os.sysconf("SC_CLK_TCK")
 VOCAB = 150_000
 
@@ -181,11 +186,15 @@ async def _vllm_router(engines: list[str]) -> tuple[asyncio.subprocess.Process, 
     import socket
 
     exe = shutil.which("vllm-router") or str(pathlib.Path(sys.executable).parent / "vllm-router")
-    with socket.socket() as s:
+    with socket.socket() as s, socket.socket() as m:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        m.bind(("127.0.0.1", 0))
+        port, metrics_port = s.getsockname()[1], m.getsockname()[1]
+    # Its Prometheus exporter on a free port too: on its default (29000) a second router, or one
+    # left from an earlier run, makes it exit at start.
     proc = await asyncio.create_subprocess_exec(
-        exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *engines, "--policy", "round_robin",
+        exe, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port),
+        "--worker-urls", *engines, "--policy", "round_robin",
         "--log-level", "warning", "--disable-retries", "--disable-circuit-breaker", "--max-payload-size",
         str(64 << 20), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -217,7 +226,7 @@ def test_router_compare():
         try:
             engines = []
             for _ in range(2):
-                p, u = await _spawn_url([str(HERE / "mock_engine.py")], " on ")
+                p, u = await _spawn_url([str(HERE / "mock_engine.py"), "--events", MOCK_EVENTS], " on ")
                 procs.append(p)
                 engines.append(u)
             eng_args = [a for u in engines for a in ("--engine", u)]
@@ -285,7 +294,7 @@ def test_router_compare():
 
 def _print_row(row) -> None:
     workload, stream, c, n, med = row
-    cells = " ".join(f"{t}={v[0]*1e3:.2f}ms/{v[1]:.2f}cpu/{v[2]:.0f}rps" for t, v in med.items())
+    cells = " ".join(f"{t}={v[0]*1e3:.2f}ms/{v[1]:.3f}cpu/{v[2]:.0f}rps" for t, v in med.items())
     print(f"  {workload} stream={stream} c={c} n={n}: {cells}", flush=True)
 
 
@@ -293,7 +302,7 @@ def _print_table(rows) -> None:
     routers = [t for t in rows[0][4] if t != "direct"] if rows else []
     print()
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-          f", scale {SCALE}, rounds {ROUNDS}")
+          f", scale {SCALE}, rounds {ROUNDS}, mock KV events {MOCK_EVENTS}")
     head = "| workload | stream | c | n | direct p50 ms |"
     for t in routers:
         head += f" {t} added p50 ms | {t} CPU-ms/req | {t} req/s |"
@@ -305,7 +314,7 @@ def _print_table(rows) -> None:
         line = f"| {workload} | {'yes' if stream else 'no'} | {c} | {n} | {d*1e3:.2f} |"
         for t in routers:
             p50, cpu, rps = med[t]
-            line += f" {(p50 - d)*1e3:.2f} | {cpu:.2f} | {rps:.0f} |"
+            line += f" {(p50 - d)*1e3:.2f} | {cpu:.3f} | {rps:.0f} |"
         g, v = med["gpuhit"], med["vllm-router"]
         ga, va = max(g[0] - d, 1e-6), max(v[0] - d, 1e-6)
         line += f" {ga / va:.2f} | {g[1] / max(v[1], 1e-9):.2f} | {g[2] / v[2]:.2f} |"
