@@ -45,9 +45,9 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     priority: int = 0
 
 
-@dataclass(slots=True)
-class GenerateResult:
-    """What happened to one request. Times are ``loop.time()`` values of the engine's loop."""
+class GenerateResult(msgspec.Struct):
+    """What happened to one request. Times are ``loop.time()`` values of the engine's loop.
+    Mutable: the engine or the gateway fills it in as the request runs (built in C: one per request)."""
 
     request_id: str
     prompt_tokens: int
