@@ -71,6 +71,7 @@ def _recv_frames(sock: zmq.Socket) -> list[bytes]:
         if not frame.more:  # a message arrives whole: no Again between its frames
             return parts
 
+
 BatchCallback = Callable[[KVEventBatch], None]
 
 
