@@ -31,11 +31,12 @@ import multiprocessing as mp
 import os
 import pathlib
 import queue
+import signal
 import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 from gpuhit.errors import GpuhitError, UnavailableError
 
@@ -64,6 +65,42 @@ def require_ray() -> Any:
 
 # ---------------------------------------------------------------------------------------- local
 
+class InterruptLatch:
+    """Ctrl-C that is not lost while runs execute in this process.
+
+    Why: a KeyboardInterrupt raised while the interpreter runs a weakref callback or a ``__del__``
+    (asyncio's WeakSet of tasks, for one, which a simulated run fills and empties per request) is
+    printed as "Exception ignored" and dropped: the replay then ran on to its end and exited 0. While
+    entered (in the main thread, where the default handler is in place), SIGINT raises
+    KeyboardInterrupt as the default handler does and is also remembered; :meth:`check`, called
+    between runs, raises it again if it was swallowed.
+    """
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._prev: Any = None
+
+    def __enter__(self) -> Self:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._prev = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+            self._prev = None
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.hit = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raise the Ctrl-C that came since :meth:`__enter__`, if one did."""
+        if self.hit:
+            raise KeyboardInterrupt
+
+
 def _local_task(job: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     from replayer.runs import run_one
 
@@ -81,8 +118,11 @@ def run_local(jobs: Sequence[dict[str, Any]], traces: Mapping[str, Any], *, n_jo
     _LOCAL_TRACES, _LOCAL_Q = traces, progress_q
     try:
         if n_jobs <= 1:
-            for j in jobs:
-                yield _local_task(j)
+            with InterruptLatch() as ctrl_c:
+                for j in jobs:
+                    ctrl_c.check()
+                    yield _local_task(j)
+                ctrl_c.check()
             return
         pool = mp.get_context("fork").Pool(n_jobs)
         try:
