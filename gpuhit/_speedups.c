@@ -43,6 +43,21 @@ static inline uint64_t le64(uint64_t x) {
 
 static inline int is_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
+/* Per byte of 8 (little-endian: the first byte lowest), nonzero where it is not an ASCII digit. A
+ * byte is a digit iff its high nibble is 3 and adding 6 keeps it so (a carry out of a non-digit
+ * byte can only mark bytes above it, never the lowest non-digit one). */
+static inline uint64_t non_digits(uint64_t chunk) {
+    return ((chunk & HIGH_NIBBLES) ^ THREES) | (((chunk + SIXES) & HIGH_NIBBLES) ^ THREES);
+}
+
+/* The value of the first len (1..7) bytes of chunk, all digits, most significant first (SWAR). */
+static inline uint64_t digits_value(uint64_t chunk, int len) {
+    uint64_t x = (chunk - THREES) << (8 * (8 - len)); /* the digits in the top bytes, zeros below */
+    x = (x * 10 + (x >> 8)) & 0x00FF00FF00FF00FFULL;
+    x = (x * 100 + (x >> 16)) & 0x0000FFFF0000FFFFULL;
+    return (x * 10000 + (x >> 32)) & 0xFFFFFFFFULL;
+}
+
 /* parse_uint_array(buf, start, stop) -> bytearray | None
  *
  * buf[start:stop] is the text between a JSON array's brackets. When it is exactly
@@ -89,14 +104,11 @@ static PyObject *parse_uint_array(PyObject *Py_UNUSED(self), PyObject *const *ar
         uint64_t chunk;
         memcpy(&chunk, p, 8);
         chunk = le64(chunk);
-        uint64_t other = ((chunk & HIGH_NIBBLES) ^ THREES) | (((chunk + SIXES) & HIGH_NIBBLES) ^ THREES);
+        uint64_t other = non_digits(chunk);
         if ((other & 0xFF) || other == 0) break; /* not a digit here, or 8+ digits */
         int len = __builtin_ctzll(other) >> 3;   /* 1..7 */
         if (((chunk >> (8 * len)) & 0xFF) != ',' || ((chunk & 0xFF) == '0' && len > 1)) break;
-        uint64_t x = (chunk - THREES) << (8 * (8 - len));
-        x = (x * 10 + (x >> 8)) & 0x00FF00FF00FF00FFULL;
-        x = (x * 100 + (x >> 16)) & 0x0000FFFF0000FFFFULL;
-        dst[n++] = (x * 10000 + (x >> 32)) & 0xFFFFFFFFULL;
+        dst[n++] = digits_value(chunk, len);
         p += len + 1;
     }
     for (;;) {
@@ -106,18 +118,14 @@ static PyObject *parse_uint_array(PyObject *Py_UNUSED(self), PyObject *const *ar
         int len = 0;
         if (end - p >= 8) {
             /* 8 bytes at once (SWAR): the digit run's length, then its value, without a branch per
-             * digit. A byte is a digit iff its high nibble is 3 and adding 6 keeps it so. */
+             * digit. */
             uint64_t chunk;
             memcpy(&chunk, p, 8);
             chunk = le64(chunk);
-            uint64_t other = ((chunk & HIGH_NIBBLES) ^ THREES) | (((chunk + SIXES) & HIGH_NIBBLES) ^ THREES);
+            uint64_t other = non_digits(chunk);
             len = other ? __builtin_ctzll(other) / 8 : 8; /* >= 1: the first byte is a digit */
             if (len < 8) {
-                /* the run's digits, most significant first, in the top bytes; zeros below */
-                uint64_t x = (chunk - THREES) << (8 * (8 - len));
-                x = (x * 10 + (x >> 8)) & 0x00FF00FF00FF00FFULL;
-                x = (x * 100 + (x >> 16)) & 0x0000FFFF0000FFFFULL;
-                v = (x * 10000 + (x >> 32)) & 0xFFFFFFFFULL;
+                v = digits_value(chunk, len);
                 if (*p == '0' && len > 1) break; /* a leading zero */
                 p += len;
             }
