@@ -1,4 +1,4 @@
-"""The router's and engines' messages are frozen ``msgspec.Struct`` records: what the code relies on
+"""The router's and engines' messages and the KV events are frozen ``msgspec.Struct`` records: what the code relies on
 of them (immutability, value equality and hashing, defaults, copies with changes, pickling for Ray
 sweeps) holds for every one of them."""
 
@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from engines.base import EngineStats, GenerateRequest
+from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from gateway.router import RouteRecord, RouteRequest
 from gateway.snapshot import Decision, InstanceState, RequestView, Snapshot
 
@@ -22,6 +23,10 @@ EXAMPLES = [
     RouteRecord("r1", "s", "lpwl", "forward", 1, None, "why", ((1, 1.0),), 3, 2.0),
     GenerateRequest("r1", 100, 8, block_hashes=(1, 2)),
     EngineStats(running=1, kv_usage=0.5),
+    BlockStored((1, 2), None, tuple(range(32)), 16, medium="GPU", group_idx=0),
+    BlockRemoved((3,), medium="CPU"),
+    AllBlocksCleared(),
+    KVEventBatch(1.0, (BlockRemoved((3,)), AllBlocksCleared()), 0),
 ]
 
 
