@@ -61,8 +61,7 @@ def parse_params(ptype: str, params: Mapping[str, Any], spec: Mapping[str, Param
 def healthy(snapshot: Snapshot, pool: Iterable[int] | None = None) -> list[InstanceState]:
     """Healthy instances (optionally within ``pool``), in index order; NoInstanceError if none."""
     insts = snapshot.instances
-    cands = [insts[i] for i in pool] if pool is not None else list(insts)
-    out = [s for s in cands if s.healthy]
+    out = [s for s in (insts if pool is None else [insts[i] for i in pool]) if s.healthy]
     if not out:
         raise NoInstanceError("no healthy instance can take the request")
     return out

@@ -27,10 +27,9 @@ SEED_EXPORT_TOKENS_PER_TOKEN = 98304 / 9.7e9 / 50e-6
 
 def lpwl_choice(snapshot: Snapshot) -> tuple[int, tuple[tuple[int, float], ...]]:
     """LPWL's target and every healthy candidate's prefill work (pending + input - hit)."""
-    cands = healthy(snapshot)
-    keyed = [
-        (s.pending_prefill_tokens + new_prefill_tokens(snapshot, s), tie_key(s), s.index) for s in cands
-    ]
+    hit, n = snapshot.hit_tokens, snapshot.request.input_tokens
+    # pending + new_prefill_tokens(snapshot, s), the latter inline (per instance per request)
+    keyed = [(s.pending_prefill_tokens + n - hit(s.index), tie_key(s), s.index) for s in healthy(snapshot)]
     target = min(keyed)[2]
     return target, tuple((i, float(w)) for w, _, i in keyed)
 

@@ -66,10 +66,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None)
 
 def cached_tokens_of(usage_obj: Any) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` or None when the server did not report it."""
-    if not isinstance(usage_obj, Mapping):
+    # type(...) is dict first: parsed JSON is a dict, and isinstance against the Mapping ABC costs
+    # more than the rest of this function.
+    if type(usage_obj) is not dict and not isinstance(usage_obj, Mapping):
         return None
     details = usage_obj.get("prompt_tokens_details")
-    if not isinstance(details, Mapping):
+    if type(details) is not dict and not isinstance(details, Mapping):
         return None
     v = details.get("cached_tokens")
     return v if isinstance(v, int) else None

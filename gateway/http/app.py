@@ -518,7 +518,8 @@ class Gateway(Forwarding, Breakers, Admin):
         ns0 = perf_counter_ns()
         session = headers.get("x-session-id")
         try:
-            if (denied := self.auth_error(headers, endpoint)) is not None:
+            # The transports check this before reading a body; again here for direct callers.
+            if self._auth is not None and (denied := self.auth_error(headers, endpoint)) is not None:
                 raise denied
             fast = self._parse_fast(raw, session) if endpoint == COMPLETIONS else None
             if fast is None:
@@ -539,7 +540,6 @@ class Gateway(Forwarding, Breakers, Admin):
                 return await self._send_error(down, _bad(str(exc)), endpoint)
             except GpuhitError as exc:
                 return await self._send_error(down, exc, endpoint)
-            self.metrics.routing.observe((perf_counter_ns() - ns0) * 1e-9)
             if session is not None and type(hashes) is PromptHashes and hashes.computed < len(hashes):
                 # Routing hashed only as far as the index holds the prefix. A named session will be
                 # back with this prompt extended: hash the rest once the request is on its way
@@ -553,9 +553,7 @@ class Gateway(Forwarding, Breakers, Admin):
             d = ticket.decision
             name = self.engines[ticket.target].name
             m = self.metrics
-            m.decisions.inc((self.policy_name, name, d.action))
-            m.prompt_tokens.inc((name,), n)
-            m.predicted_hit.inc((name,), ticket.predicted_hit_tokens)
+            m.routed(self.policy_name, name, d.action, n, ticket.predicted_hit_tokens, (perf_counter_ns() - ns0) * 1e-9)
             resp_headers = self._decision_headers(ticket.target, d, ticket.predicted_hit_tokens)
             up_headers = {"x-request-id": rid}
             if session is not None:

@@ -153,7 +153,11 @@ class _ServerConn(asyncio.Protocol):
         self.paused = False
         self._drain: asyncio.Future | None = None
         self._queue: deque[_Request] = deque()
+        # The connection's one task: it answers the queued requests in order, then waits on
+        # ``_wake`` for the next (a future per idle spell is cheaper than a task per request).
         self._task: asyncio.Task | None = None
+        self._wake: asyncio.Future | None = None
+        self._busy = False  # a request is being answered
         self._reading_paused = False
         self._stop_parsing = False
         self._url: list[bytes] = []
@@ -303,7 +307,7 @@ class _ServerConn(asyncio.Protocol):
             return
         kind = self._timer_kind
         self._disarm()
-        if kind == "linger" or (not self._partial and self._task is None):
+        if kind == "linger" or (not self._partial and not self._busy):
             self.close()  # idle keep-alive, or a connection that never sent a request: nothing to answer
             return
         if kind == "body":
@@ -366,7 +370,7 @@ class _ServerConn(asyncio.Protocol):
             if expect.lower() != "100-continue":
                 self._reject(ExpectationFailedError(f"unsupported Expect: {expect!r} (only 100-continue)"))
                 raise httptools.HttpParserCallbackError("expectation failed")
-            if not self._queue and self._task is None and self.transport is not None:
+            if not self._queue and not self._busy and self.transport is not None:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -399,17 +403,27 @@ class _ServerConn(asyncio.Protocol):
         self._queue.append(req)
         if self._task is None:
             self._task = self.server.loop.create_task(self._run())
+        elif (wake := self._wake) is not None:
+            self._wake = None
+            wake.set_result(None)
         elif len(self._queue) > _PIPELINE_MAX and self.transport is not None and not self._reading_paused:
             self._reading_paused = True
             self.transport.pause_reading()
 
     async def _run(self) -> None:
         try:
-            while self._queue and not self.closed:
+            while not self.closed:
+                if not self._queue:
+                    if not self._partial and not self._stop_parsing:
+                        self._arm("idle", self.server.keepalive_timeout)
+                    wake = self._wake = self.server.loop.create_future()
+                    await wake  # _enqueue's, or cancelled by connection_lost
+                    continue
                 req = self._queue.popleft()
                 if self._reading_paused and len(self._queue) <= 1 and self.transport is not None:
                     self._reading_paused = False
                     self.transport.resume_reading()
+                self._busy = True
                 try:
                     if req.method == b"POST" and req.path in _POST_PATHS and req.reject is None:
                         await self.gw.handle(req.path, req.headers, req.body, req)  # the common case, direct
@@ -418,6 +432,8 @@ class _ServerConn(asyncio.Protocol):
                 except Exception as exc:  # noqa: BLE001 - a bug must not leave the client waiting forever
                     await self._internal_error(req, exc)
                     return
+                finally:
+                    self._busy = False
                 if req.reject is not None:
                     self._linger_close()
                     return
@@ -428,8 +444,7 @@ class _ServerConn(asyncio.Protocol):
             pass  # connection lost: Gateway.handle has already accounted for its request
         finally:
             self._task = None
-        if not self._partial and not self.closed and not self._stop_parsing:
-            self._arm("idle", self.server.keepalive_timeout)
+            self._wake = None
 
     async def _internal_error(self, req: _Request, exc: Exception) -> None:
         """An unexpected exception while answering: logged with its traceback; the client gets a 500

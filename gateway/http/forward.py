@@ -68,8 +68,9 @@ class Forwarding:
         """The producer step when the decision moves KV, then the post to the target and the relay
         of its answer under a :class:`Watchdog` (TTFB, then idle timeouts; ended at once if the
         target's breaker opens meanwhile)."""
-        params = await self._producer_step(ticket, up_headers) if ticket.needs_producer else None
-        raw = forwarded_body(body, raw, params, ticket.decision.priority, ticket.request.prompt_token_ids)
+        if ticket.action != FORWARD or ticket.decision.priority is not None:  # else the client's bytes go as they are
+            params = await self._producer_step(ticket, up_headers) if ticket.needs_producer else None
+            raw = forwarded_body(body, raw, params, ticket.decision.priority, ticket.request.prompt_token_ids)
         i = ticket.target
         cfg = self.cfg
         first = cfg.ttfb_timeout
@@ -227,8 +228,7 @@ class Forwarding:
                     return await down.respond(up.status, headers, data, up.content_type)
                 ticket.first_token()
                 res.first_token_time = self._loop.time()
-                self._finish_ok(ticket, res, usage_of_json(data), name, own_hit)
-                m.requests.inc((endpoint, "200"))
+                self._finish_ok(endpoint, ticket, res, usage_of_json(data), name, own_hit)
                 return await down.respond(200, headers, data, "application/json")
             return await self._stream(down, endpoint, up, ticket, res, headers, name, own_hit, wd)
         finally:
@@ -263,14 +263,16 @@ class Forwarding:
             self._engine_failed(i, breaker.TIMEOUT, why)
         await self._fail(down, exc, endpoint, headers)
 
-    def _finish_ok(self, ticket: Ticket, res: GenerateResult, u: dict[str, Any] | None, name: str,
+    def _finish_ok(self, endpoint: str, ticket: Ticket, res: GenerateResult, u: dict[str, Any] | None, name: str,
                    own_hit: int) -> None:
+        """A 200 answer relayed whole: the usage the engine reported to the result, the ticket and
+        the metrics."""
         m = self.metrics
         moved = ticket.action != FORWARD and not ticket.fallback
         if u is not None:
             res.completion_tokens = int(u.get("completion_tokens") or 0)
             cached = protocol.cached_tokens_of(u) or 0
-            m.realized_hit.inc((name,), cached)
+            m.succeeded(endpoint, name, cached)
             if moved:
                 # The engine reports local and transferred tokens together; split them so the
                 # router's transferred-bytes totals count only what the transfer brought.
@@ -280,8 +282,10 @@ class Forwarding:
                 m.kv_moves.inc((ticket.action, "recomputed" if short else "transferred"))
             else:
                 res.cached_tokens = cached
-        elif moved:
-            m.kv_moves.inc((ticket.action, "unverified"))
+        else:
+            m.succeeded(endpoint, name, None)
+            if moved:
+                m.kv_moves.inc((ticket.action, "unverified"))
         res.finish_time = self._loop.time()
         ticket.finish(res)
 
@@ -314,8 +318,7 @@ class Forwarding:
         else:
             wd.done()
             if tail.rstrip().endswith(b"[DONE]"):
-                self._finish_ok(ticket, res, usage_from_tail(tail), name, own_hit)
-                m.requests.inc((endpoint, "200"))
+                self._finish_ok(endpoint, ticket, res, usage_from_tail(tail), name, own_hit)
                 try:
                     await down.end()
                 except ConnectionError:

@@ -71,7 +71,7 @@ def test_submit_with_kv_events_feeds_the_index_and_binding():
     async def main():
         router, _engines, records, _ = make(policy="lpwl")
         loop = asyncio.get_running_loop()
-        router._clock = loop.time
+        router.now = loop.time
         r1 = await router.submit(req("t0", 20))
         assert r1.instance == "e0" and r1.result.cached_tokens == 0
         assert router.index.match(tuple(range(1000, 1020)))[0] == (20, 0)
@@ -92,7 +92,7 @@ def test_first_token_counted_when_engine_reports_progress():
 
     async def main():
         router, engines, _, _ = make(n=1, policy="round_robin")
-        router._clock = asyncio.get_running_loop().time
+        router.now = asyncio.get_running_loop().time
         engines[0].decode_s_per_token = 1.0
         task = asyncio.create_task(router.submit(req("a", 10, max_tokens=5)))
         await asyncio.sleep(0.001)  # inside prefill (168 tokens x 1e-4 s)
@@ -112,7 +112,7 @@ def test_first_token_counted_when_engine_reports_progress():
 def test_migrate_and_fetch_two_step(action):
     async def main():
         router, engines, _records, hub = make(policy="lpwl")
-        router._clock = asyncio.get_running_loop().time
+        router.now = asyncio.get_running_loop().time
         await router.submit(req("t0", 20))  # session KV on e0
         router.policy = Fixed(Decision(action, 2, "test", source=0))
         decided_at = asyncio.get_running_loop().time()
@@ -148,7 +148,7 @@ def test_producer_failure_falls_back_to_recompute():
     async def main():
         fail_producers = lambda r: "producer down" if r.kv_transfer_params else None
         router, engines, _, _ = make(policy="lpwl", fail=fail_producers)
-        router._clock = asyncio.get_running_loop().time
+        router.now = asyncio.get_running_loop().time
         await router.submit(req("t0", 20))
         router.policy = Fixed(Decision(MIGRATE, 1, "test", source=0))
         res = await router.submit(req("t1", 30))
@@ -165,7 +165,7 @@ def test_producer_failure_falls_back_to_recompute():
 def test_pd_two_step_full_prompt():
     async def main():
         router, engines, _, _hub = make(n=4, policy={"type": "pd_disagg", "params": {"num_prefill": 2}})
-        router._clock = asyncio.get_running_loop().time
+        router.now = asyncio.get_running_loop().time
         res = await router.submit(req("a", 10, max_tokens=3))
         return router, engines, res
 
