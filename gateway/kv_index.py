@@ -214,7 +214,11 @@ class _BaseIndex:
     def match(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
         if not block_hashes:
             return [(0, 0)] * self.num_instances
-        return [_hit(g_set, c_set, block_hashes) for g_set, c_set in zip(self._gpu, self._cpu)]
+        out = []
+        for g_set, c_set in zip(self._gpu, self._cpu):  # _hit per instance, inline (per request)
+            g = g_set.prefix_hit(block_hashes) if g_set.blocks else 0
+            out.append((g, c_set.prefix_hit(block_hashes, g) if c_set.blocks else 0))
+        return out
 
     def match_one(self, instance: int, block_hashes: Sequence[int]) -> tuple[int, int]:
         self._check(instance)

@@ -410,11 +410,6 @@ class Router:
         except RuntimeError:
             raise ConfigError("Router.decide outside an event loop needs an injected clock") from None
 
-    def _match(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
-        """The index's per-instance hits, after the engines have published what is due."""
-        self._flush()
-        return self.index.match(block_hashes)
-
     def _match_one(self, i: int, block_hashes: Sequence[int]) -> tuple[int, int]:
         """:meth:`_match` for instance ``i`` only."""
         self._flush()
@@ -475,7 +470,12 @@ class Router:
         if not any(self._healthy):
             raise NoInstanceError("no healthy instance: every engine is marked unhealthy")
         n = len(self.engines)
-        hits = self._match(req.block_hashes) if with_hits else [(0, 0)] * n
+        if with_hits:
+            if self._flushers:  # engines holding KV events back publish what is due first
+                self._flush()
+            hits = self.index.match(req.block_hashes)
+        else:
+            hits = [(0, 0)] * n
         now = self.now()
         resident = self.residency.resident_blocks(n, now, req.session_id) if self._reads_residency else [0] * n
         use_stats = self.use_engine_stats
