@@ -404,7 +404,7 @@ class KVEventSubscriber:
         backlog: collections.deque[list[bytes]] = collections.deque()
         wake = asyncio.Event()
 
-        def readable() -> None:
+        def data_readable() -> None:
             # The ZMQ FD is edge-triggered: read while the socket reports a message (reading
             # ZMQ_EVENTS processes ZMQ's pending commands, which re-arms the FD). Asking first
             # rather than reading until zmq.Again: the exception costs ~4 us, the question ~1.3.
@@ -426,7 +426,12 @@ class KVEventSubscriber:
                     wake.set()
                 else:
                     self._handle_in_order(frames, seq)
-            # After the data queued before it: a reconnection is a restart (see the module docstring).
+
+        def readable() -> None:
+            # The monitor's events after the data queued before them: a reconnection is a restart
+            # (see the module docstring). The data socket's own wake-ups do not ask the monitor
+            # (its question is one more getpid and poll syscall in libzmq per wake-up).
+            data_readable()
             mon = self._monitor
             while mon is not None and mon.getsockopt(_EVENTS) & _POLLIN:
                 try:
@@ -440,10 +445,10 @@ class KVEventSubscriber:
                     wake.set()
 
         fds = [sub.getsockopt(zmq.FD)]
+        loop.add_reader(fds[0], data_readable)
         if self._monitor is not None:
             fds.append(self._monitor.getsockopt(zmq.FD))
-        for fd in fds:
-            loop.add_reader(fd, readable)
+            loop.add_reader(fds[1], readable)
         try:
             readable()
             while True:

@@ -40,6 +40,7 @@ from gateway.http.transport import (
     GET_PATHS,
     RESET_PREFIX_CACHE,
     ExpectationFailedError,
+    HeaderLines,
     HeadersTooLargeError,
     MethodNotAllowedError,
     OverloadedError,
@@ -106,7 +107,9 @@ class _Request:
         self.started = False
 
     def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
-        return b"%b%b%b%b\r\n" % (_status_line(status), extra, header_block(headers) if headers else b"",
+        # The gateway's own headers come encoded (HeaderLines): their bytes, without two Python calls.
+        lines = headers.lines if type(headers) is HeaderLines else header_block(headers) if headers else b""
+        return b"%b%b%b%b\r\n" % (_status_line(status), extra, lines,
                                    b"" if self.keep_alive else b"connection: close\r\n")
 
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes, content_type: str) -> None:
