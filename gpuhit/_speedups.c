@@ -1,4 +1,4 @@
-/* gpuhit._speedups: the gateway's two hot parsers in C (optional; `make compile`, gpuhit/speedups.py).
+/* gpuhit._speedups: the gateway's hot parsers in C (optional; `make compile`, gpuhit/speedups.py).
  *
  * Why C: with a new prompt per request, a profile of the gateway spends most of its prompt-specific
  * time in two loops over numbers it mostly does not keep (analysis/results/router-speed-*.md):
@@ -7,9 +7,11 @@
  *                     in the same pass (numpy needs ~6 whole-array passes to validate, orjson makes
  *                     a Python int of every id);
  *   kv_batch          a vLLM KV-event batch (msgpack) -> its events' fields, skipping BlockStored's
- *                     token ids (msgspec walks them element by element to skip them).
+ *                     token ids (msgspec walks them element by element to skip them);
+ *   usage_object      the usage object of an engine's JSON answer, from its tail (orjson builds
+ *                     the whole answer, choices and message included, to read five numbers).
  *
- * Both accept a strict subset of their input and answer None for anything outside it, so the
+ * Each accepts a strict subset of their input and answer None for anything outside it, so the
  * pure-Python path (which they only speed up) keeps deciding every error and every unusual shape:
  * the result is, by construction and by differential tests (tests/gateway/test_speedups.py),
  * exactly what the Python path gives. SOURCE_SHA256 (this file's digest, set by the build) lets the
@@ -578,11 +580,143 @@ done:
     return out;
 }
 
+/* ----------------------------------------------------------------------------- usage objects */
+
+/* The usage object's usual keys, made once: a key of these reuses its string (and its cached
+ * hash) instead of building one per answer. */
+static const char *const USAGE_KEYS[] = {"prompt_tokens", "total_tokens", "completion_tokens",
+                                         "prompt_tokens_details", "cached_tokens"};
+#define N_USAGE_KEYS 5
+static PyObject *usage_keys[N_USAGE_KEYS];
+
+static PyObject *usage_key(const char *k, Py_ssize_t klen) {
+    for (int i = 0; i < N_USAGE_KEYS; i++) {
+        if ((Py_ssize_t)strlen(USAGE_KEYS[i]) == klen && memcmp(USAGE_KEYS[i], k, klen) == 0) {
+            if (usage_keys[i] == NULL && (usage_keys[i] = PyUnicode_InternFromString(USAGE_KEYS[i])) == NULL)
+                return NULL;
+            return Py_NewRef(usage_keys[i]);
+        }
+    }
+    return PyUnicode_FromStringAndSize(k, klen);
+}
+
+/* One compact JSON object of "key":value pairs at p (at its '{'): keys of [A-Za-z0-9_], values
+ * non-negative integers of at most 18 digits (no leading zero), null, or (nest > 0) such an object.
+ * OK with the dict in *out and *pp past its '}'; FALLBACK for anything else (strings, floats,
+ * whitespace, deeper nesting: Python decides those); FAIL with an exception set. */
+static int usage_obj(const char **pp, const char *end, int nest, PyObject **out) {
+    const char *p = *pp;
+    if (p >= end || *p != '{') return FALLBACK;
+    PyObject *d = PyDict_New();
+    if (d == NULL) return FAIL;
+    int rc = FALLBACK;
+    p++;
+    if (p < end && *p == '}') {
+        p++;
+        goto ok;
+    }
+    for (;;) {
+        if (p >= end || *p != '"') goto done;
+        const char *k = ++p;
+        while (p < end && ((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || *p == '_')) p++;
+        if (p == k || p + 1 >= end || p[0] != '"' || p[1] != ':') goto done;
+        Py_ssize_t klen = p - k;
+        p += 2;
+        PyObject *v = NULL;
+        if (p < end && *p >= '0' && *p <= '9') {
+            const char *q = p;
+            long long x = 0;
+            while (p < end && *p >= '0' && *p <= '9' && p - q < 18) x = x * 10 + (*p++ - '0');
+            if ((p - q > 1 && *q == '0') || (p < end && ((*p >= '0' && *p <= '9') || *p == '.' || *p == 'e' || *p == 'E')))
+                goto done; /* a leading zero (not JSON), a longer or a non-integer number */
+            v = PyLong_FromLongLong(x);
+        } else if (end - p >= 4 && memcmp(p, "null", 4) == 0) {
+            p += 4;
+            v = Py_NewRef(Py_None);
+        } else if (nest > 0 && p < end && *p == '{') {
+            rc = usage_obj(&p, end, nest - 1, &v);
+            if (rc != OK) goto done;
+            rc = FALLBACK;
+        } else {
+            goto done;
+        }
+        if (v == NULL) {
+            rc = FAIL;
+            goto done;
+        }
+        PyObject *key = usage_key(k, klen);
+        int bad = key == NULL || PyDict_SetItem(d, key, v) < 0;
+        Py_XDECREF(key);
+        Py_DECREF(v);
+        if (bad) {
+            rc = FAIL;
+            goto done;
+        }
+        if (p < end && *p == ',') {
+            p++;
+            continue;
+        }
+        if (p < end && *p == '}') {
+            p++;
+            break;
+        }
+        goto done;
+    }
+ok:
+    *pp = p;
+    *out = d;
+    return OK;
+done:
+    Py_DECREF(d);
+    return rc;
+}
+
+static int json_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
+
+/* usage_object(tail) -> dict | None
+ *
+ * gateway.http.usage.usage_from_tail(tail, sse=False) for the common shape: the last `"usage"` in
+ * ``tail``, then `:` and `{` (whitespace around the colon as bytes.strip() takes it), a compact
+ * object as usage_obj reads it, and a '}' after it (the answer closes). None for anything else,
+ * which the Python function then decides: the answers are the same with or without this build. */
+static PyObject *usage_object(PyObject *Py_UNUSED(self), PyObject *arg) {
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "usage_object takes bytes");
+        return NULL;
+    }
+    const char *s = PyBytes_AS_STRING(arg);
+    const char *end = s + PyBytes_GET_SIZE(arg);
+    const char *at = NULL;
+    for (const char *q = end - 7; q >= s; q--) {
+        if (*q == '"' && memcmp(q, "\"usage\"", 7) == 0) {
+            at = q;
+            break;
+        }
+    }
+    if (at == NULL) Py_RETURN_NONE;
+    const char *p = at + 7;
+    while (p < end && json_ws(*p)) p++;
+    if (p >= end || *p != ':') Py_RETURN_NONE;
+    p++;
+    while (p < end && json_ws(*p)) p++;
+    PyObject *u = NULL;
+    int rc = usage_obj(&p, end, 3, &u);
+    if (rc == FAIL) return NULL;
+    if (rc != OK) Py_RETURN_NONE;
+    if (memchr(p, '}', end - p) == NULL) { /* cut off after the usage object */
+        Py_DECREF(u);
+        Py_RETURN_NONE;
+    }
+    return u;
+}
+
 static PyMethodDef methods[] = {
     {"parse_uint_array", (PyCFunction)(void (*)(void))parse_uint_array, METH_FASTCALL,
      "parse_uint_array(buf, start, stop) -> bytearray | None: a JSON array body's ids as native uint64."},
     {"kv_batch", kv_batch, METH_O,
      "kv_batch(payload) -> (ts, events, data_parallel_rank) | None: a vLLM KV-event batch's fields."},
+    {"usage_object", usage_object, METH_O,
+     "usage_object(tail) -> dict | None: the usage object of a JSON answer's tail, in its common compact shape."},
     {NULL, NULL, 0, NULL},
 };
 

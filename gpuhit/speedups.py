@@ -1,9 +1,11 @@
 """The optional C speedups (``gpuhit/_speedups.c``) and the guard against a stale build.
 
-Two parsers in C that the gateway otherwise runs with numpy, orjson and msgspec
-(:func:`gateway.http.prompt.fast_completion_ids`, :func:`engines.kv_event_codec.decode_batch`):
-``parse_uint_array`` (a token-id JSON array, validated and parsed into uint64 in one pass) and
-``kv_batch`` (a vLLM KV-event batch, BlockStored's token ids skipped without building them). Each
+Three parsers in C that the gateway otherwise runs with numpy, orjson and msgspec
+(:func:`gateway.http.prompt.fast_completion_ids`, :func:`engines.kv_event_codec.decode_batch`,
+:func:`gateway.http.usage.usage_of_json`): ``parse_uint_array`` (a token-id JSON array, validated
+and parsed into uint64 in one pass), ``kv_batch`` (a vLLM KV-event batch, BlockStored's token ids
+skipped without building them) and ``usage_object`` (an answer's usage object, read from its tail
+without building the rest of the answer). Each
 answers only the common, strict shape of its input and None for anything else, which the Python
 path then decides as it always did: the answers are the same with or without the build (the
 differential tests in ``tests/gateway/test_speedups.py`` hold the two to that).

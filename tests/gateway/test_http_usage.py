@@ -1,7 +1,8 @@
 """``usage_from_tail``: the realized hit found in an answer's tail without parsing the rest. The
 plain-JSON case matches braces with C-level find / count; it must find exactly the object the
 byte-by-byte depth count finds (the reference below), on vLLM-shaped answers cut anywhere and on
-random brace soups."""
+random brace soups. (The C speedups' ``usage_object`` is held to the same answers in
+``test_speedups.py``.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 
 import orjson
 
-from gateway.http.usage import WHOLE_MAX, usage_from_tail, usage_of_json
+from gateway.http.usage import TAIL_MAX, usage_from_tail, usage_of_json
 
 
 def reference(tail: bytes):
@@ -27,6 +28,8 @@ def reference(tail: bytes):
         elif tail[j] == 125:
             depth -= 1
             if depth == 0:
+                if b"}" not in tail[j + 1 :]:  # the answer does not close after it: cut off
+                    return None
                 try:
                     obj = orjson.loads(tail[start : j + 1])
                 except ValueError:
@@ -71,9 +74,10 @@ def test_sse_usage_is_the_last_event_that_has_one():
 def test_whole_json_answers_short_and_long_give_the_same_usage():
     usage = {"prompt_tokens": 40, "total_tokens": 42, "completion_tokens": 2,
              "prompt_tokens_details": {"cached_tokens": 32}}
-    for text in ("} {\"usage\": {", "x" * (2 * WHOLE_MAX)):  # parsed whole; found in the tail
+    for text in ("} {\"usage\": {", "x" * (2 * TAIL_MAX)):  # a short answer and one longer than the tail searched
         body = orjson.dumps({"id": "cmpl-1", "choices": [{"text": text}], "usage": usage, "kv_transfer_params": None})
         assert usage_of_json(body) == usage
+        assert usage_of_json(body.replace(b'"usage":', b' "usage" : ')) == usage  # spaced JSON too
     assert usage_of_json(b'{"usage": null}') is None
-    assert usage_of_json(b'[{"usage": {"a": 1}}]') is None  # not an object
     assert usage_of_json(b'{"usage": {"a": 1}') is None  # cut off: no usage rather than a guess
+    assert usage_of_json(b'{"choices": []}') is None

@@ -218,6 +218,53 @@ def test_c_kv_decoder_leaves_token_ids_raw_and_odd_shapes_to_python(c_speedups, 
         assert codec.decode_batch(payload) == _decoded(payload, None, monkeypatch)
 
 
+# ------------------------------------------------------------------------------ usage objects
+
+
+def _random_usage(rng: random.Random) -> dict:
+    u: dict = {}
+    for k in rng.sample(["prompt_tokens", "total_tokens", "completion_tokens", "x_1"], rng.randint(0, 4)):
+        u[k] = rng.choice([0, 7, rng.randrange(10**6), rng.randrange(10**17), None])
+    if rng.random() < 0.8:
+        u["prompt_tokens_details"] = rng.choice([None, {}, {"cached_tokens": rng.randrange(10**5)},
+                                                 {"cached_tokens": None, "y": {"z": 1}}])
+    return u
+
+
+_USAGE_NOISE = [b" ", b"\n", b"-", b".5", b"e3", b'"s"', b"true", b"{", b"}", b",", b":", b"0", b"01",
+                b"12345678901234567890", b'"usage"', b'\\"', b"[", b"]", b"\\u00e9"]
+
+
+def test_c_usage_reader_answers_as_the_python_tail_reader(c_speedups):
+    """vLLM-shaped JSON answers (random usage objects, spaced or compact), cut anywhere and with
+    random noise spliced in: the C reader's usage object equals usage_from_tail's, or it answers
+    None (and Python decides). It takes the common compact shape itself."""
+    from gateway.http.usage import usage_from_tail
+
+    rng = random.Random(19)
+    taken = 0
+    for trial in range(6000):
+        doc = {"id": "cmpl-1", "choices": [{"text": rng.choice(["a", '} {"usage": {', "\\"])}],
+               "usage": _random_usage(rng), "kv_transfer_params": rng.choice([None, {"k": "v"}])}
+        tail = msgspec.json.encode(doc)
+        if trial % 4 == 1:
+            tail = tail.replace(b'":', b'" : ')
+        elif trial % 4 == 2:
+            tail = tail[: rng.randrange(len(tail) + 1)] if rng.random() < 0.5 else tail[rng.randrange(len(tail)):]
+        elif trial % 4 == 3:
+            at = rng.randrange(len(tail) + 1)
+            tail = tail[:at] + rng.choice(_USAGE_NOISE) + tail[at:]
+        got = c_speedups.usage_object(tail)
+        if trial % 4 == 0:
+            assert got == doc["usage"], tail  # the compact shape vLLM sends: read in C
+        if got is not None:
+            taken += 1
+            assert got == usage_from_tail(tail, sse=False), tail
+    assert taken > 1500
+    with pytest.raises(TypeError):
+        c_speedups.usage_object("text")
+
+
 def test_a_build_from_another_source_is_refused(c_speedups, tmp_path):
     changed = tmp_path / "_speedups.c"
     changed.write_bytes(speedups.SOURCE.read_bytes() + b"\n/* edited after the build */\n")
