@@ -40,10 +40,14 @@ CHARS_PER_TOKEN = 4
 
 
 def text_chunk_hashes(text: str, chunk_chars: int) -> list[int]:
-    """Approximate chained hashes of full ``chunk_chars`` chunks of ``text`` (see module docstring)."""
+    """Approximate chained hashes of full ``chunk_chars`` chunks of ``text`` (see module docstring):
+    ``blake2b-64(previous digest + chunk)`` of each chunk of its UTF-8 bytes, as a big-endian int
+    (the C speedups compute the same hashes, ~4x faster on a long text)."""
+    data = text.encode("utf-8", "surrogatepass")
+    if _ACCEL is not None:
+        return _ACCEL.chunk_hashes(data, chunk_chars)
     out: list[int] = []
     prev = b""
-    data = text.encode("utf-8", "surrogatepass")
     step = chunk_chars
     for start in range(0, len(data) - step + 1, step):
         prev = hashlib.blake2b(prev + data[start : start + step], digest_size=8).digest()

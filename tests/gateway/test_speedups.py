@@ -265,6 +265,40 @@ def test_c_usage_reader_answers_as_the_python_tail_reader(c_speedups):
         c_speedups.usage_object("text")
 
 
+# ------------------------------------------------------------------------------ text chunk hashes
+
+
+def test_c_chunk_hashes_are_hashlib_blake2b(c_speedups, monkeypatch):
+    """The C BLAKE2b chain against hashlib's, on random bytes and steps (one block, several, exactly
+    128 bytes, the 8-byte chaining prefix crossing a block boundary), and text_chunk_hashes with and
+    without the build on random text (non-ASCII and lone surrogates included)."""
+    import hashlib
+
+    def chain(data: bytes, step: int) -> list[int]:
+        out, prev = [], b""
+        for start in range(0, len(data) - step + 1, step):
+            prev = hashlib.blake2b(prev + data[start : start + step], digest_size=8).digest()
+            out.append(int.from_bytes(prev, "big"))
+        return out
+
+    rng = random.Random(23)
+    for _ in range(2000):
+        data = rng.randbytes(rng.randrange(0, 700))
+        step = rng.choice([1, 7, 64, 119, 120, 121, 127, 128, 129, 248, 256, 300])
+        assert c_speedups.chunk_hashes(data, step) == chain(data, step), (len(data), step)
+    alphabet = "ab \n{}\u00e9\u4e2d\U0001f600\ud800"
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 400)))
+        step = rng.choice([1, 16, 64])
+        monkeypatch.setattr(prompt, "_ACCEL", None)
+        want = prompt.text_chunk_hashes(text, step)
+        monkeypatch.setattr(prompt, "_ACCEL", c_speedups)
+        assert prompt.text_chunk_hashes(text, step) == want
+    for args, exc in (((b"ab", 0), ValueError), (("ab", 1), TypeError), ((b"ab",), TypeError)):
+        with pytest.raises(exc):
+            c_speedups.chunk_hashes(*args)
+
+
 def test_a_build_from_another_source_is_refused(c_speedups, tmp_path):
     changed = tmp_path / "_speedups.c"
     changed.write_bytes(speedups.SOURCE.read_bytes() + b"\n/* edited after the build */\n")
