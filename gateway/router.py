@@ -363,7 +363,9 @@ class Router:
         self.decision_sink = decision_sink
         self.kv_bytes_per_token = kv_bytes_per_token
         self.unhealthy_after = unhealthy_after
-        self.use_engine_stats = use_engine_stats
+        # The engines' stats (running, waiting, KV usage, capacity) go into snapshots only for a
+        # policy that reads them: one that declares ``reads_engine_stats = False`` gets None there.
+        self.use_engine_stats = use_engine_stats and bool(getattr(policy, "reads_engine_stats", True))
         if clock is not None:
             self.now = clock  # type: ignore[method-assign]  # the injected clock itself: no wrapper call per read
         self.bindings = SessionBindings()

@@ -26,6 +26,7 @@ class RoundRobin:
     name: str = "round_robin"
     type: str = "round_robin"
     reads_prefix_hits: ClassVar[bool] = False
+    reads_engine_stats: ClassVar[bool] = False
 
     def decide(self, snapshot: Snapshot) -> Decision:
         cands = healthy(snapshot)
@@ -47,6 +48,7 @@ class LeastRequest:
     name: str = "least_request"
     type: str = "least_request"
     reads_prefix_hits: ClassVar[bool] = False
+    reads_engine_stats: ClassVar[bool] = False
 
     def decide(self, snapshot: Snapshot) -> Decision:
         cands = healthy(snapshot)
@@ -75,6 +77,7 @@ class Sticky:
     name: str = "sticky"
     type: str = "sticky"
     reads_prefix_hits: ClassVar[bool] = False
+    reads_engine_stats: ClassVar[bool] = False
 
     def decide(self, snapshot: Snapshot) -> Decision:
         cands = healthy(snapshot)

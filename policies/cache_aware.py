@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from gateway.snapshot import FORWARD, Decision, Snapshot
 from policies.common import Param, fmt, healthy, new_prefill_tokens, parse_params, tie_key
@@ -45,6 +45,7 @@ class LMetric:
 
     name: str = "lmetric"
     type: str = "lmetric"
+    reads_engine_stats: ClassVar[bool] = False
 
     def decide(self, snapshot: Snapshot) -> Decision:
         cands = healthy(snapshot)
@@ -75,6 +76,7 @@ class LMetricPlus1:
 
     name: str = "lmetric_plus1"
     type: str = "lmetric_plus1"
+    reads_engine_stats: ClassVar[bool] = False
 
     def decide(self, snapshot: Snapshot) -> Decision:
         cands = healthy(snapshot)
@@ -106,6 +108,7 @@ class Linear:
 
     name: str = "linear"
     type: str = "linear"
+    reads_engine_stats: ClassVar[bool] = False
     variant: str = "ratio"
     hit_ratio_weight: float = 1.0
     load_weight: float = 1.0
@@ -153,6 +156,7 @@ class Unified:
 
     name: str = "unified"
     type: str = "unified"
+    reads_engine_stats: ClassVar[bool] = False
     pending_threshold_tokens: int = 32768
 
     def decide(self, snapshot: Snapshot) -> Decision:

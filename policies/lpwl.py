@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from engines.base import max_cached_tokens
 from gateway.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
@@ -61,6 +61,7 @@ def lpwl_choice(snapshot: Snapshot) -> tuple[int, tuple[tuple[int, float], ...]]
 class LPWL:
     name: str = "lpwl"
     type: str = "lpwl"
+    reads_engine_stats: ClassVar[bool] = False
 
     def decide(self, snapshot: Snapshot) -> Decision:
         inst, work, scores = _least_work(snapshot)
@@ -102,6 +103,7 @@ class LPWLMigrate:
 
     name: str = "lpwl_migrate"
     type: str = "lpwl_migrate"
+    reads_engine_stats: ClassVar[bool] = False
     t_hot_tokens: int = 32768
     t_cool_s: float = 30.0
     min_gain_tokens: int = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from gateway.snapshot import PD, Decision, Snapshot
 from gpuhit.errors import ConfigError, NoInstanceError
@@ -23,6 +23,7 @@ from policies.registry import register
 class PDDisagg:
     name: str = "pd_disagg"
     type: str = "pd_disagg"
+    reads_engine_stats: ClassVar[bool] = False
     num_prefill: int | None = None
 
     def pools(self, snapshot: Snapshot) -> tuple[list[int], list[int]]:

@@ -20,7 +20,10 @@ class Policy(Protocol):
     """``decide`` maps a frozen snapshot to a decision. A policy may set a class attribute
     ``reads_prefix_hits = False`` to declare it never reads ``gpu_hit_blocks``/``cpu_hit_blocks``:
     the router then leaves them 0 in its snapshots (saving a KV-index match per instance) and
-    looks up only the chosen instances' hits for its accounting."""
+    looks up only the chosen instances' hits for its accounting. Likewise ``reads_engine_stats =
+    False`` declares it never reads the engines' ``running``/``waiting``/``kv_usage``/
+    ``capacity_blocks``: the router then leaves them None (unknown) instead of asking every engine
+    per decision."""
 
     name: str
     type: str

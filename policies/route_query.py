@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from gateway.snapshot import FETCH, FORWARD, Decision, Snapshot
 from policies.common import Param, healthy, parse_params, tie_key
@@ -39,6 +39,7 @@ _RANK = {"stay": 0, "recompute": 0, "fetch": 1}
 class RouteQuery:
     name: str = "route_query"
     type: str = "route_query"
+    reads_engine_stats: ClassVar[bool] = False
     model: ServingCostModel = field(default_factory=ServingCostModel)
 
     def options(self, snapshot: Snapshot) -> list[OptionCost]:

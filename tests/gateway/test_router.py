@@ -286,6 +286,22 @@ class _Spy:
         return self.inner.decide(snapshot)
 
 
+def test_engine_stats_reach_only_policies_that_read_them():
+    """A policy that declares ``reads_engine_stats = False`` (lpwl does) decides on snapshots
+    without the engines' stats (None: unknown) and routes as with them; one that reads them (the
+    default for a policy that declares nothing) gets them."""
+    assert registry.build("lpwl").reads_engine_stats is False
+    seen = {}
+    for reads in (False, True):
+        spy = _Spy(registry.build("lpwl"), True)
+        spy.reads_engine_stats = reads
+        router, _engines, _records, _ = make(n=2, policy=spy)
+        seen[reads] = ([router.begin(req(f"r{k}", 20 + k)).target for k in range(4)], spy.seen[-1].instances)
+    assert seen[False][0] == seen[True][0]
+    assert all(s.running is None and s.kv_usage is None and s.capacity_blocks is None for s in seen[False][1])
+    assert all(s.running is not None and s.capacity_blocks for s in seen[True][1])
+
+
 @pytest.mark.parametrize("ptype", ["round_robin", "least_request", "sticky"])
 def test_policy_that_reads_no_hits_gets_none_but_accounting_is_unchanged(ptype):
     """A blind policy's snapshots carry no hits, yet each routed request's predicted hit and the
