@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import aiohttp
@@ -104,4 +105,7 @@ class Admin:
             "hash_check": None if self.verifier is None else dict(zip(self.verifier.names, self.verifier.state())),
             "tokenizer": None if self.tokenizer is None else self.tokenizer.source,
             "approximate_prompts": dict(self.not_exact),
+            # `gpuhit serve` freezes what exists at start-up (the KV index's sets among it) out of
+            # the cyclic GC's reach: a full collection walks only what requests left behind.
+            "gc": {"frozen": gc.get_freeze_count(), "collections": [g["collections"] for g in gc.get_stats()]},
         }

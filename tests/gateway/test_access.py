@@ -155,6 +155,28 @@ def test_serve_port_in_use_engine_down_and_public_bind_warning():
     asyncio.run(main())
 
 
+def test_serve_freezes_its_start_up_objects_out_of_the_gc():
+    """`gpuhit serve` freezes what exists once it listens (the KV index's block-hash sets among it):
+    /debug/state shows the frozen count and the collections per generation."""
+    import aiohttp
+
+    from tests.e2e.helpers import spawn
+
+    async def main():
+        async with servers([FakeEngine("a")]) as (srv,):
+            gw = await spawn(["-m", "gpuhit.cli", "serve", "--port", "0", "--engine", f"http://127.0.0.1:{srv.port}",
+                              "--model", "m"])
+            try:
+                url = gw.first_line.split(" on ", 1)[1].split(" ", 1)[0]
+                async with aiohttp.ClientSession() as http, http.get(url + "/debug/state") as r:
+                    state = await r.json()
+                assert state["gc"]["frozen"] > 1000 and len(state["gc"]["collections"]) == 3
+            finally:
+                await gw.stop()
+
+    asyncio.run(main())
+
+
 def test_limit_and_timeout_settings_are_validated():
     from gateway.config import EngineEntry, GatewayConfig, from_mapping
 
