@@ -367,7 +367,8 @@ class Router:
         # policy that reads them: one that declares ``reads_engine_stats = False`` gets None there.
         self.use_engine_stats = use_engine_stats and bool(getattr(policy, "reads_engine_stats", True))
         if clock is not None:
-            self.now = clock  # type: ignore[method-assign]  # the injected clock itself: no wrapper call per read
+            # The injected clock itself: no wrapper call per read.
+            self.now = clock  # type: ignore[method-assign]
         self.bindings = SessionBindings()
         self.stats = RouterStats(decisions_by_instance=[0] * n, errors_by_instance=[0] * n)
         self._in_flight = [0] * n
@@ -413,7 +414,8 @@ class Router:
             raise ConfigError("Router.decide outside an event loop needs an injected clock") from None
 
     def _match_one(self, i: int, block_hashes: Sequence[int]) -> tuple[int, int]:
-        """:meth:`_match` for instance ``i`` only."""
+        """Instance ``i``'s (GPU, CPU) hit for ``block_hashes``, as :meth:`snapshot` matches it (after
+        the engines have published what is due)."""
         self._flush()
         return self.index.match_one(i, block_hashes)
 

@@ -107,5 +107,6 @@ class Admin:
             "approximate_prompts": dict(self.not_exact),
             # `gpuhit serve` freezes what exists at start-up (the KV index's sets among it) out of
             # the cyclic GC's reach: a full collection walks only what requests left behind.
-            "gc": {"frozen": gc.get_freeze_count(), "collections": [g["collections"] for g in gc.get_stats()]},
+            "gc": {"frozen": gc.get_freeze_count(),
+                   "collections": [g["collections"] for g in gc.get_stats()]},
         }

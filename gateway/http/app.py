@@ -554,7 +554,8 @@ class Gateway(Forwarding, Breakers, Admin):
             d = ticket.decision
             name = self.engines[ticket.target].name
             m = self.metrics
-            m.routed(self.policy_name, name, d.action, n, ticket.predicted_hit_tokens, (perf_counter_ns() - ns0) * 1e-9)
+            m.routed(self.policy_name, name, d.action, n, ticket.predicted_hit_tokens,
+                     (perf_counter_ns() - ns0) * 1e-9)
             resp_headers = self._decision_headers(ticket.target, d, ticket.predicted_hit_tokens)
             up_headers = {"x-request-id": rid}
             if session is not None:

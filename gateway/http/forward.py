@@ -68,7 +68,8 @@ class Forwarding:
         """The producer step when the decision moves KV, then the post to the target and the relay
         of its answer under a :class:`Watchdog` (TTFB, then idle timeouts; ended at once if the
         target's breaker opens meanwhile)."""
-        if ticket.action != FORWARD or ticket.decision.priority is not None:  # else the client's bytes go as they are
+        # A plain forward without a priority sends the client's bytes as they are.
+        if ticket.action != FORWARD or ticket.decision.priority is not None:
             params = await self._producer_step(ticket, up_headers) if ticket.needs_producer else None
             raw = forwarded_body(body, raw, params, ticket.decision.priority, ticket.request.prompt_token_ids)
         i = ticket.target
@@ -263,8 +264,8 @@ class Forwarding:
             self._engine_failed(i, breaker.TIMEOUT, why)
         await self._fail(down, exc, endpoint, headers)
 
-    def _finish_ok(self, endpoint: str, ticket: Ticket, res: GenerateResult, u: dict[str, Any] | None, name: str,
-                   own_hit: int) -> None:
+    def _finish_ok(self, endpoint: str, ticket: Ticket, res: GenerateResult, u: dict[str, Any] | None,
+                   name: str, own_hit: int) -> None:
         """A 200 answer relayed whole: the usage the engine reported to the result, the ticket and
         the metrics."""
         m = self.metrics

@@ -164,8 +164,8 @@ def test_serve_freezes_its_start_up_objects_out_of_the_gc():
 
     async def main():
         async with servers([FakeEngine("a")]) as (srv,):
-            gw = await spawn(["-m", "gpuhit.cli", "serve", "--port", "0", "--engine", f"http://127.0.0.1:{srv.port}",
-                              "--model", "m"])
+            gw = await spawn(["-m", "gpuhit.cli", "serve", "--port", "0", "--engine",
+                              f"http://127.0.0.1:{srv.port}", "--model", "m"])
             try:
                 url = gw.first_line.split(" on ", 1)[1].split(" ", 1)[0]
                 async with aiohttp.ClientSession() as http, http.get(url + "/debug/state") as r:

@@ -74,7 +74,8 @@ def test_sse_usage_is_the_last_event_that_has_one():
 def test_whole_json_answers_short_and_long_give_the_same_usage():
     usage = {"prompt_tokens": 40, "total_tokens": 42, "completion_tokens": 2,
              "prompt_tokens_details": {"cached_tokens": 32}}
-    for text in ("} {\"usage\": {", "x" * (2 * TAIL_MAX)):  # a short answer and one longer than the tail searched
+    # a short answer, and one longer than the tail searched
+    for text in ("} {\"usage\": {", "x" * (2 * TAIL_MAX)):
         body = orjson.dumps({"id": "cmpl-1", "choices": [{"text": text}], "usage": usage, "kv_transfer_params": None})
         assert usage_of_json(body) == usage
         assert usage_of_json(body.replace(b'"usage":', b' "usage" : ')) == usage  # spaced JSON too

@@ -250,7 +250,8 @@ def test_c_usage_reader_answers_as_the_python_tail_reader(c_speedups):
         if trial % 4 == 1:
             tail = tail.replace(b'":', b'" : ')
         elif trial % 4 == 2:
-            tail = tail[: rng.randrange(len(tail) + 1)] if rng.random() < 0.5 else tail[rng.randrange(len(tail)):]
+            cut = rng.randrange(len(tail) + 1)
+            tail = tail[:cut] if rng.random() < 0.5 else tail[cut:]
         elif trial % 4 == 3:
             at = rng.randrange(len(tail) + 1)
             tail = tail[:at] + rng.choice(_USAGE_NOISE) + tail[at:]

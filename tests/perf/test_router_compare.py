@@ -323,5 +323,6 @@ def _print_table(rows) -> None:
         added = f"{ga / va:.2f}" if min(ga, va) > ADDED_MIN else "n/a"
         line += f" {added} | {g[1] / max(v[1], 1e-9):.2f} | {g[2] / v[2]:.2f} |"
         print(line)
-    print("(ratios are gpuhit / vllm-router: added p50 and CPU lower is better, req/s higher is better; added "
-          f"ratio n/a where either added p50 is at most {ADDED_MIN * 1e3:.2f} ms, within the direct run's noise)")
+    print("(ratios are gpuhit / vllm-router: added p50 and CPU lower is better, req/s higher is better; "
+          f"added ratio n/a where either added p50 is at most {ADDED_MIN * 1e3:.2f} ms, within the direct "
+          "run's noise)")
