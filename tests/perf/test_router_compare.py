@@ -22,7 +22,9 @@ one configuration helps the next). Each router's CPU time is read from its threa
 ``/proc/<pid>/task/*/schedstat`` (ns) around its measured pass (the warm-up pass excluded).
 
 Prints per configuration: p50 latency, added p50 over direct, router CPU-ms per request,
-throughput, and gpuhit / vllm-router ratios. ``make bench`` runs it; ``GPUHIT_BENCH_SCALE`` scales
+throughput, and gpuhit / vllm-router ratios (of the medians, and per round: each round runs every
+target back to back, so a round's ratio is a paired comparison; its median and range over the
+rounds are printed with them). ``make bench`` runs it; ``GPUHIT_BENCH_SCALE`` scales
 the request counts (default 1: a few minutes on 2 cores), ``GPUHIT_BENCH_ROUNDS`` repeats each
 configuration (median of rounds; default 1), ``GPUHIT_BENCH_ONLY=chat,2k`` picks workloads,
 ``GPUHIT_BENCH_MOCK_EVENTS=per-request`` makes the mock engines publish a KV event batch per request
@@ -276,7 +278,7 @@ def test_router_compare():
                                                   f"first: {errors[0]}")
                                     print("  " + failed[-1], flush=True)
                         med = {t: tuple(statistics.median(v[i] for v in got[t]) for i in range(3)) for t in got}
-                        rows.append((workload, stream, c, n, med))
+                        rows.append((workload, stream, c, n, med, got))
                         _print_row(rows[-1])
         finally:
             if vr is not None and vr.returncode is None:
@@ -294,7 +296,7 @@ def test_router_compare():
 
 
 def _print_row(row) -> None:
-    workload, stream, c, n, med = row
+    workload, stream, c, n, med, _ = row
     cells = " ".join(f"{t}={v[0]*1e3:.2f}ms/{v[1]:.3f}cpu/{v[2]:.0f}rps" for t, v in med.items())
     print(f"  {workload} stream={stream} c={c} n={n}: {cells}", flush=True)
 
@@ -307,10 +309,10 @@ def _print_table(rows) -> None:
     head = "| workload | stream | c | n | direct p50 ms |"
     for t in routers:
         head += f" {t} added p50 ms | {t} CPU-ms/req | {t} req/s |"
-    head += " added ratio | CPU ratio | req/s ratio |"
+    head += " added ratio | CPU ratio | req/s ratio | CPU ratio per round | req/s ratio per round |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
-    for workload, stream, c, n, med in rows:
+    for workload, stream, c, n, med, got in rows:
         d = med["direct"][0]
         line = f"| {workload} | {'yes' if stream else 'no'} | {c} | {n} | {d*1e3:.2f} |"
         for t in routers:
@@ -322,7 +324,11 @@ def _print_table(rows) -> None:
         # a ratio of it would read as 0 or thousands.
         added = f"{ga / va:.2f}" if min(ga, va) > ADDED_MIN else "n/a"
         line += f" {added} | {g[1] / max(v[1], 1e-9):.2f} | {g[2] / v[2]:.2f} |"
+        # Each round runs every target back to back: the ratio within a round is a paired comparison.
+        for i in (1, 2):
+            paired = [a[i] / max(b[i], 1e-9) for a, b in zip(got["gpuhit"], got["vllm-router"])]
+            line += f" {statistics.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] |"
         print(line)
     print("(ratios are gpuhit / vllm-router: added p50 and CPU lower is better, req/s higher is better; "
           f"added ratio n/a where either added p50 is at most {ADDED_MIN * 1e3:.2f} ms, within the direct "
-          "run's noise)")
+          f"run's noise; per round: the median [min-max] of the {ROUNDS} rounds' paired ratios)")
