@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engines.base import max_cached_tokens
+
 FORWARD = "forward"  # run the request on ``target``
 MIGRATE = "migrate"  # move the session's KV from ``source`` to ``target``, rebind, then run on target
 FETCH = "fetch"  # pull this request's prefix KV from ``source`` to ``target`` for this request only
@@ -72,8 +74,7 @@ class Snapshot(msgspec.Struct, frozen=True, gc=False):
         prompt of exactly k blocks gets k - 1 of them)."""
         req = self.request
         bs = req.block_size
-        # max_cached_tokens(req.input_tokens, bs), inline: policies call this per instance per request
-        return min(self.instances[i].gpu_hit_blocks * bs, max(req.input_tokens - 1, 0) // bs * bs)
+        return min(self.instances[i].gpu_hit_blocks * bs, max_cached_tokens(req.input_tokens, bs))
 
 
 class Decision(msgspec.Struct, frozen=True, gc=False):

@@ -673,7 +673,8 @@ done:
     return rc;
 }
 
-static int json_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
+/* bytes.strip()'s whitespace (is_ws's JSON four, and \v \f): what usage_from_tail skips around the colon. */
+static int strip_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
 
 /* usage_object(tail) -> dict | None
  *
@@ -697,10 +698,10 @@ static PyObject *usage_object(PyObject *Py_UNUSED(self), PyObject *arg) {
     }
     if (at == NULL) Py_RETURN_NONE;
     const char *p = at + 7;
-    while (p < end && json_ws(*p)) p++;
+    while (p < end && strip_ws(*p)) p++;
     if (p >= end || *p != ':') Py_RETURN_NONE;
     p++;
-    while (p < end && json_ws(*p)) p++;
+    while (p < end && strip_ws(*p)) p++;
     PyObject *u = NULL;
     int rc = usage_obj(&p, end, 3, &u);
     if (rc == FAIL) return NULL;

@@ -8,7 +8,9 @@ skipped without building them) and ``usage_object`` (an answer's usage object, r
 without building the rest of the answer). Each
 answers only the common, strict shape of its input and None for anything else, which the Python
 path then decides as it always did: the answers are the same with or without the build (the
-differential tests in ``tests/gateway/test_speedups.py`` hold the two to that).
+differential tests in ``tests/gateway/test_speedups.py`` hold the two to that). And one hash:
+``chunk_hashes``, the approximate index's chained BLAKE2b-64 text-chunk hashes
+(:func:`gateway.http.prompt.text_chunk_hashes`), equal to hashlib's (tested likewise).
 
 ``make compile`` builds them (with the mypyc transport, :mod:`gpuhit.native`); ``make uncompile``
 removes them. Pure Python is the default; ``gpuhit serve``'s banner says which is running. The
