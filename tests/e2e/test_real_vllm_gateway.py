@@ -149,6 +149,11 @@ def test_exact_hits_for_token_text_and_chat_then_replay_after_restart(real_vllm_
                 assert all(c["ok"] is not False for c in checks.values()), checks
                 assert sum(c["checked"] for c in checks.values()) > 0, checks
                 assert state["approximate_prompts"] == {}
+                # The gateway read each answer's usage (gateway.http.usage) as vLLM wrote it: its
+                # realized-hit counters hold exactly the cached tokens the clients were told.
+                told = sum(c for rows in EXACT.values() for _, c in rows)
+                realized = sum(gw.metrics.realized_hit.values.values())
+                assert realized == told == gw.router.stats.realized_hit_tokens, (realized, told)
                 last = conversations("tokens")[0][-1]
                 cached_before = [len(gw.router.index.cached(i)) for i in range(2)]
             for kind, rows in EXACT.items():
@@ -166,6 +171,28 @@ def test_exact_hits_for_token_text_and_chat_then_replay_after_restart(real_vllm_
         print("exact hits:", json.dumps({k: f"{sum(p == c for p, c in v)}/{len(v)} requests, "
                                             f"{sum(c for _, c in v)} cached tokens, (predicted, cached): {v}"
                                          for k, v in EXACT.items()}))
+
+    asyncio.run(main())
+
+
+def test_the_c_usage_reader_reads_vllms_own_answers(real_vllm_pair, c_speedups):
+    """vLLM's non-streamed answers (completion and chat, bytes as it sends them): the C speedups'
+    usage reader takes them (its common shape is vLLM's) and gives the Python reader's answer."""
+    from gateway.http.usage import TAIL_MAX, usage_from_tail
+
+    async def main() -> None:
+        url = real_vllm_pair.urls[0]
+        async with aiohttp.ClientSession() as http:
+            chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": _sentence(3, 20)}]}
+            completion = {"model": MODEL, "prompt": list(range(100, 180)), "max_tokens": 2}
+            for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+                for _ in range(2):  # the second time with a prefix-cache hit
+                    async with http.post(url + path, json=body) as r:
+                        raw = await r.read()
+                        assert r.status == 200, raw[:300]
+                    tail = raw[-TAIL_MAX:]
+                    got = c_speedups.usage_object(tail)
+                    assert got is not None and got == usage_from_tail(tail, sse=False) == json.loads(raw)["usage"]
 
     asyncio.run(main())
 
