@@ -23,8 +23,8 @@ publisher whose sequence counts from 0 again, and its cache is empty: the old bl
 they stay in the index as phantom hits. vLLM publishes nothing that names the publisher's
 incarnation (no engine id or start time in a batch; ``AllBlocksCleared`` only follows a prefix
 cache reset), so the subscriber watches for the two signs it can see: the live sequence going
-backwards, and the SUB socket losing its TCP connection to the publisher and connecting again (a
-ZMQ socket monitor). Either one is a restart: the consumer gets ``AllBlocksCleared`` and the
+backwards, and the SUB side losing its TCP connection to the publisher and connecting again (the
+subscriber's own connection, :mod:`engines.vllm.zmtp`, tells both in order with the data). Either one is a restart: the consumer gets ``AllBlocksCleared`` and the
 subscriber syncs again as at start (replay from 0), counted in ``stats.restarts``. A reconnect
 without a restart (a network blip) costs a resync, never a wrong index.
 
@@ -41,7 +41,6 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
-from zmq.utils import monitor as zmq_monitor
 
 from engines.kv_event_codec import (
     END_SEQ,
@@ -52,24 +51,10 @@ from engines.kv_event_codec import (
     encode_seq,
 )
 from engines.kv_events import AllBlocksCleared, KVEventBatch
+from engines.vllm.zmtp import ZmtpSubscriber
 from gpuhit.aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
-# Plain ints: pyzmq's constants are enum flags, and ``flag & flag`` runs the enum module's Python code.
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
-
-
-def _recv_frames(sock: zmq.Socket) -> list[bytes]:
-    """One queued multipart message (``zmq.Again`` when there is none), its frames as bytes. Each
-    frame's own ``more`` flag ends it: pyzmq's ``recv_multipart`` asks ``getsockopt(RCVMORE)`` per
-    frame, and pyzmq's ``getsockopt`` builds a ``SocketOption`` enum in Python on every call
-    (~1.6 us of a 3-frame message's 5 us)."""
-    parts = []
-    while True:
-        frame = sock.recv(_NOBLOCK, copy=False)
-        parts.append(frame.bytes)
-        if not frame.more:  # a message arrives whole: no Again between its frames
-            return parts
 
 
 BatchCallback = Callable[[KVEventBatch], None]
@@ -238,8 +223,8 @@ class KVEventSubscriber:
     a synthetic ``AllBlocksCleared`` batch first so the consumer forgets that instance's blocks.
     ``replay_timeout`` bounds each replay round trip (seconds of loop time); a round trip that
     fails is tried ``replay_retries`` more times, ``retry_delay`` seconds apart, doubling.
-    ``watch_reconnects`` turns on the socket monitor that detects a restarted publisher by its
-    reconnection (the sequence check is always on).
+    ``watch_reconnects`` makes a reconnection count as a restarted publisher (the sequence check is
+    always on).
     """
 
     def __init__(
@@ -264,43 +249,34 @@ class KVEventSubscriber:
         self.watch_reconnects = watch_reconnects
         self._callback = callback
         self._ctx = zmq.asyncio.Context()
-        self._sync_ctx = zmq.Context()
-        self._sub: zmq.Socket | None = None
+        self._conn: ZmtpSubscriber | None = None
         self._task: asyncio.Task | None = None
         self._last: int | None = None  # the last sequence delivered (live or replayed)
         self._live_last: int | None = None  # the last sequence read from the live socket
         self._resync = False  # a restarted publisher was detected: sync again from 0
-        self._peer_lost = False  # the monitor saw the connection drop; the next connect is a restart
-        self._monitor: zmq.Socket | None = None
+        self._peer_lost = False  # a connection ended; the next handshake is a restart
+        self._syncing = True  # the initial replay runs: live batches wait behind it
+        self._backlog: collections.deque[list[bytes]] = collections.deque()  # live batches behind a replay
+        self._wake = asyncio.Event()  # the backlog or a restart needs _run's attention
         self.stats = SubscriberStats()
         # Set once the initial replay is done and the live stream is being consumed.
         self.synced = asyncio.Event()
 
     def start(self) -> None:
-        # A plain (synchronous) SUB socket read from a loop reader callback: draining every queued
-        # batch in one callback is far cheaper than one zmq.asyncio future per batch.
-        sub = self._sync_ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 100_000)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        if self.watch_reconnects:
-            self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sub.connect(self.endpoint)
-        self._sub = sub
+        # The SUB side on the loop's own TCP connection (engines.vllm.zmtp says why not pyzmq's).
+        self._conn = ZmtpSubscriber(self.endpoint, self.topic.encode(), self._on_frames,
+                                    on_connected=self._on_connected, on_disconnected=self._on_disconnected,
+                                    name=self.name)
+        self._conn.start()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-sub-{self.name}")
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
-        if self._sub is not None:
-            if self._monitor is not None:
-                self._sub.disable_monitor()
-                self._monitor.close(0)
-                self._monitor = None
-            self._sub.close(0)
-            self._sub = None
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
         self._ctx.term()
-        self._sync_ctx.term()
 
     # -------------------------------------------------------------------------------- internals
 
@@ -394,83 +370,55 @@ class KVEventSubscriber:
         return True
 
     async def _run(self) -> None:
-        assert self._sub is not None
-        sub = self._sub
         # Initial state: everything the publisher still buffers (blocks cached before we joined).
         if self.replay_endpoint:
             await self._catch_up(0, None)
+        self._syncing = False
         self.synced.set()
-        loop = asyncio.get_running_loop()
-        backlog: collections.deque[list[bytes]] = collections.deque()
-        wake = asyncio.Event()
+        backlog = self._backlog
+        while True:
+            if self._resync:
+                await self._sync_again()
+            while backlog and not self._resync:
+                await self._handle(backlog.popleft())
+            if not (backlog or self._resync):
+                self._wake.clear()
+                await self._wake.wait()
 
-        def data_readable() -> None:
-            # The ZMQ FD is edge-triggered: read while the socket reports a message (reading
-            # ZMQ_EVENTS processes ZMQ's pending commands, which re-arms the FD). Asking first
-            # rather than reading until zmq.Again: the exception costs ~4 us, the question ~1.3.
-            while sub.getsockopt(_EVENTS) & _POLLIN:
-                try:
-                    frames = _recv_frames(sub)
-                except zmq.Again:  # not expected (POLLIN means a whole message is queued): wait for the FD
-                    break
-                seq = self._seq_of(frames)
-                if seq is not None:
-                    if self._live_last is not None and seq <= self._live_last:
-                        # The live sequence went backwards: a new publisher. What is queued is
-                        # the old one's (or in the new one's replay buffer).
-                        self._restarted(backlog, f"sequence went back from {self._live_last} to {seq}")
-                    self._live_last = seq
-                if backlog or self._resync or (seq is not None and seq > self._next_seq()):
-                    # A replay (async) must come first; keep order by queueing behind it.
-                    backlog.append(frames)
-                    wake.set()
-                else:
-                    self._handle_in_order(frames, seq)
+    def _on_frames(self, frames: list[bytes]) -> None:
+        """A live message, in the order the connection carried it."""
+        seq = self._seq_of(frames)
+        if seq is not None:
+            if self._live_last is not None and seq <= self._live_last:
+                # The live sequence went backwards: a new publisher. What is queued is the old
+                # one's (or in the new one's replay buffer).
+                self._restarted(f"sequence went back from {self._live_last} to {seq}")
+            self._live_last = seq
+        if self._backlog or self._resync or self._syncing or (seq is not None and seq > self._next_seq()):
+            # A replay (async) must come first; keep order by queueing behind it.
+            self._backlog.append(frames)
+            self._wake.set()
+        else:
+            self._handle_in_order(frames, seq)
 
-        def readable() -> None:
-            # The monitor's events after the data queued before them: a reconnection is a restart
-            # (see the module docstring). The data socket's own wake-ups do not ask the monitor
-            # (its question is one more getpid and poll syscall in libzmq per wake-up).
-            data_readable()
-            mon = self._monitor
-            while mon is not None and mon.getsockopt(_EVENTS) & _POLLIN:
-                try:
-                    event = zmq_monitor.recv_monitor_message(mon, _NOBLOCK)["event"]
-                except zmq.Again:
-                    break
-                if event == zmq.EVENT_DISCONNECTED:
-                    self._peer_lost = True
-                elif event == zmq.EVENT_CONNECTED and self._peer_lost:
-                    self._restarted(backlog, "the publisher's socket reconnected")
-                    wake.set()
+    def _on_disconnected(self) -> None:
+        self._peer_lost = True
 
-        fds = [sub.getsockopt(zmq.FD)]
-        loop.add_reader(fds[0], data_readable)
-        if self._monitor is not None:
-            fds.append(self._monitor.getsockopt(zmq.FD))
-            loop.add_reader(fds[1], readable)
-        try:
-            readable()
-            while True:
-                await wake.wait()
-                wake.clear()
-                if self._resync:
-                    await self._sync_again()
-                while backlog and not self._resync:
-                    await self._handle(backlog.popleft())
-                readable()
-        finally:
-            for fd in fds:
-                loop.remove_reader(fd)
+    def _on_connected(self) -> None:
+        # Connected again after losing the publisher: a restart (see the module docstring).
+        if self._peer_lost and self.watch_reconnects:
+            self._restarted("the publisher's socket reconnected")
+        self._peer_lost = False
 
-    def _restarted(self, backlog: collections.deque[list[bytes]], why: str) -> None:
+    def _restarted(self, why: str) -> None:
         log.warning("KV events from %s: the publisher restarted (%s); clearing its index and replaying",
                     self.name, why)
         self.stats.restarts += 1
         self._resync = True
         self._peer_lost = False
         self._live_last = None
-        backlog.clear()
+        self._backlog.clear()
+        self._wake.set()
 
     async def _sync_again(self) -> None:
         """After a restart: forget everything, then sync as at start (replay from 0)."""
