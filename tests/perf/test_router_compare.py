@@ -22,7 +22,9 @@ one configuration helps the next). Each router's CPU time is read from its threa
 ``/proc/<pid>/task/*/schedstat`` (ns) around its measured pass (the warm-up pass excluded).
 
 Prints per configuration: p50 latency, added p50 over direct, router CPU-ms per request,
-throughput, and gpuhit / vllm-router ratios (of the medians, and per round: each round runs every
+throughput, the latency's mean and p99 (a router can have the lower p50 and the higher mean: in a
+closed loop the mean is concurrency / throughput, the p50 says how evenly requests are served),
+and gpuhit / vllm-router ratios (of the medians, and per round: each round runs every
 target back to back, so a round's ratio is a paired comparison; its median and range over the
 rounds are printed with them). ``make bench`` runs it; ``GPUHIT_BENCH_SCALE`` scales
 the request counts (default 1: a few minutes on 2 cores), ``GPUHIT_BENCH_ROUNDS`` repeats each
@@ -272,12 +274,14 @@ def test_router_compare():
                                 c0 = cpu_seconds(pid) if pid else 0.0
                                 lat, wall, errors = await load(urls, path, c, reqs)
                                 cpu = (cpu_seconds(pid) - c0) * 1e3 / n if pid else 0.0
-                                got[t].append((pct(lat, .5) if lat else float("nan"), cpu, len(lat) / wall))
+                                nan = float("nan")
+                                got[t].append((pct(lat, .5) if lat else nan, cpu, len(lat) / wall,
+                                               statistics.fmean(lat) if lat else nan, pct(lat, .99) if lat else nan))
                                 if errors:
                                     failed.append(f"{t} {workload} stream={stream} c={c}: {len(errors)} errors, "
                                                   f"first: {errors[0]}")
                                     print("  " + failed[-1], flush=True)
-                        med = {t: tuple(statistics.median(v[i] for v in got[t]) for i in range(3)) for t in got}
+                        med = {t: tuple(statistics.median(v[i] for v in got[t]) for i in range(5)) for t in got}
                         rows.append((workload, stream, c, n, med, got))
                         _print_row(rows[-1])
         finally:
@@ -297,8 +301,17 @@ def test_router_compare():
 
 def _print_row(row) -> None:
     workload, stream, c, n, med, _ = row
-    cells = " ".join(f"{t}={v[0]*1e3:.2f}ms/{v[1]:.3f}cpu/{v[2]:.0f}rps" for t, v in med.items())
+    cells = " ".join(f"{t}={v[0]*1e3:.2f}ms/{v[1]:.3f}cpu/{v[2]:.0f}rps(mean {v[3]*1e3:.2f} p99 {v[4]*1e3:.2f})"
+                     for t, v in med.items())
     print(f"  {workload} stream={stream} c={c} n={n}: {cells}", flush=True)
+
+
+def _added_ratio(g: tuple, v: tuple, direct: tuple, i: int) -> str:
+    """gpuhit's latency statistic ``i`` over direct's, divided by vllm-router's. One at or below
+    ADDED_MIN is within the noise of the direct run (a separate run): its ratio would read as 0 or
+    thousands, so it is n/a."""
+    ga, va = g[i] - direct[i], v[i] - direct[i]
+    return f"{ga / va:.2f}" if min(ga, va) > ADDED_MIN else "n/a"
 
 
 def _print_table(rows) -> None:
@@ -309,26 +322,26 @@ def _print_table(rows) -> None:
     head = "| workload | stream | c | n | direct p50 ms |"
     for t in routers:
         head += f" {t} added p50 ms | {t} CPU-ms/req | {t} req/s |"
-    head += " added ratio | CPU ratio | req/s ratio | CPU ratio per round | req/s ratio per round |"
+    head += (" added ratio | CPU ratio | req/s ratio | CPU ratio per round | req/s ratio per round |"
+             " added mean ratio | added p99 ratio |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for workload, stream, c, n, med, got in rows:
         d = med["direct"][0]
+        direct = med["direct"]
         line = f"| {workload} | {'yes' if stream else 'no'} | {c} | {n} | {d*1e3:.2f} |"
         for t in routers:
-            p50, cpu, rps = med[t]
+            p50, cpu, rps = med[t][:3]
             line += f" {(p50 - d)*1e3:.2f} | {cpu:.3f} | {rps:.0f} |"
         g, v = med["gpuhit"], med["vllm-router"]
-        ga, va = g[0] - d, v[0] - d
-        # An added p50 at or below ADDED_MIN is within the noise of the direct run (a separate run):
-        # a ratio of it would read as 0 or thousands.
-        added = f"{ga / va:.2f}" if min(ga, va) > ADDED_MIN else "n/a"
-        line += f" {added} | {g[1] / max(v[1], 1e-9):.2f} | {g[2] / v[2]:.2f} |"
+        line += f" {_added_ratio(g, v, direct, 0)} | {g[1] / max(v[1], 1e-9):.2f} | {g[2] / v[2]:.2f} |"
         # Each round runs every target back to back: the ratio within a round is a paired comparison.
         for i in (1, 2):
             paired = [a[i] / max(b[i], 1e-9) for a, b in zip(got["gpuhit"], got["vllm-router"])]
             line += f" {statistics.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] |"
+        line += f" {_added_ratio(g, v, direct, 3)} | {_added_ratio(g, v, direct, 4)} |"
         print(line)
     print("(ratios are gpuhit / vllm-router: added p50 and CPU lower is better, req/s higher is better; "
-          f"added ratio n/a where either added p50 is at most {ADDED_MIN * 1e3:.2f} ms, within the direct "
+          "added mean and p99: the latency's mean and 99th percentile over direct's, the same way; "
+          f"an added ratio is n/a where either added latency is at most {ADDED_MIN * 1e3:.2f} ms, within the direct "
           f"run's noise; per round: the median [min-max] of the {ROUNDS} rounds' paired ratios)")
