@@ -202,29 +202,33 @@ class _SubProtocol(asyncio.Protocol):
         return flags, data[start:end], end
 
     def _messages(self, data: bytes) -> bytes:
-        """Deliver every whole message in ``data``; the bytes of a frame cut short are returned."""
+        """Deliver every whole message in ``data``; the bytes of a frame cut short are returned.
+        (_frame written out: this loop runs for every frame of every batch.)"""
         pos = 0
         n = len(data)
         parts = self._parts
         deliver = self._owner.on_message
         while pos < n:
-            # The common frame inline (a short one, then the 8-byte-size one); _frame for the rest.
             flags = data[pos]
             if flags & _LONG:
-                got = self._frame(data, pos)
-                if got is None:
+                start = pos + 9
+                if start > n:
+                    self._need = 9
                     break
-                flags, body, end = got
+                end = start + int.from_bytes(data[pos + 1:start], "big")
             else:
-                end = pos + 2 + data[pos + 1] if n - pos >= 2 else n + 1
-                if end > n:
-                    self._need = 2 if n - pos < 2 else end - pos
+                start = pos + 2
+                if start > n:
+                    self._need = 2
                     break
-                body = data[pos + 2:end]
+                end = start + data[pos + 1]
+            if end > n:
+                self._need = end - pos
+                break
             pos = end
             if flags & _COMMAND:
                 continue  # no command is due after the handshake (3.0: no heartbeats); skipped
-            parts.append(body)
+            parts.append(data[start:end])
             if not flags & _MORE:
                 self._parts = []
                 deliver(parts)
