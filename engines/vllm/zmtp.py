@@ -101,13 +101,20 @@ MessageCallback = Callable[[list[bytes]], None]
 
 
 class _SubProtocol(asyncio.Protocol):
-    """One connection: greeting, handshake, subscription, then messages to ``on_message``."""
+    """One connection: greeting, handshake, subscription, then messages to ``on_message``.
+
+    A frame body cut by the reads is gathered as the reads' own slices and joined once, into a
+    bytes object of the body's size: on this machine a second large transient allocation (the
+    join of everything read, then the body sliced out of it) cost ~400 us for a 500 KB batch,
+    the join alone 14."""
 
     def __init__(self, owner: ZmtpSubscriber):
         self._owner = owner
         self._transport: asyncio.Transport | None = None
-        self._pending = bytearray()  # bytes read and not yet parsed (a frame cut by the read)
-        self._need = len(GREETING)  # parse again once this many are pending
+        self._head = b""  # bytes read and not parsed yet: the handshake, or a frame header cut short
+        self._body: list[bytes | memoryview] = []  # the pieces so far of a frame body cut short
+        self._left = 0  # how many bytes that body still lacks
+        self._flags = 0  # its frame's flags
         self._state = 0  # 0: the peer's greeting, 1: its READY, 2: live
         self._parts: list[bytes] = []  # the frames so far of a message with MORE set
         self.live = False
@@ -122,31 +129,35 @@ class _SubProtocol(asyncio.Protocol):
             self.done.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if self._pending:
-            self._pending += data
-            if len(self._pending) < self._need:
-                return
-            data = bytes(self._pending)
-            self._pending.clear()
         try:
-            if self._state == 2:
-                rest = self._messages(data)
+            if self._left:
+                pos = self._fill(data)
+                if pos < 0:
+                    return
             else:
-                rest = self._handshake(data)
+                pos = 0
+                if self._head:
+                    data = self._head + data  # a few bytes (a header), or the handshake's
+                    self._head = b""
+                if self._state != 2:
+                    pos = self._handshake(data)
+                    if pos < 0:
+                        return
+            self._messages(data, pos)
         except ZmtpProtocolError as exc:
             self._owner.protocol_error(str(exc))
             assert self._transport is not None
             self._transport.close()
-            return
-        if rest:
-            self._pending += rest
 
-    def _handshake(self, data: bytes) -> bytes:
+    def _handshake(self, data: bytes) -> int:
+        """Read the greeting and READY from ``data``; where the messages start, or -1 when the
+        handshake is not all there yet (what is left of it kept for the next read)."""
+        pos = 0
         if self._state == 0:
             if len(data) < len(GREETING):
-                self._need = len(GREETING)
-                return data
-            greeting, data = data[:len(GREETING)], data[len(GREETING):]
+                self._head = data
+                return -1
+            greeting = data[:len(GREETING)]
             if greeting[0] != 0xFF or greeting[9] != 0x7F:
                 raise ZmtpProtocolError("the peer's greeting is not ZMTP's")
             if greeting[10] < 3:
@@ -156,9 +167,11 @@ class _SubProtocol(asyncio.Protocol):
                 raise ZmtpProtocolError(f"the peer asks for the {mechanism.decode(errors='replace')} "
                                         f"security mechanism; only NULL is supported")
             self._state = 1
-        got = self._frame(data, 0)
+            pos = len(GREETING)
+        got = _frame_at(data, pos)
         if got is None:
-            return data
+            self._head = data[pos:]
+            return -1
         flags, body, end = got
         if not flags & _COMMAND:
             raise ZmtpProtocolError("the peer sent a message before its READY command")
@@ -177,34 +190,10 @@ class _SubProtocol(asyncio.Protocol):
         self._transport.write(frame(b"\x01" + self._owner.topic))
         self.live = True
         self._owner.handshake_done()
-        return self._messages(data[end:])
-
-    def _frame(self, data: bytes, pos: int) -> tuple[int, bytes, int] | None:
-        """The frame at ``pos`` (flags, body, its end), or None when ``data`` holds only part of it
-        (``_need`` then says how many bytes from ``pos`` it takes)."""
-        n = len(data)
-        if n - pos < 2:
-            self._need = 2
-            return None
-        flags = data[pos]
-        if flags & _LONG:
-            if n - pos < 9:
-                self._need = 9
-                return None
-            start = pos + 9
-            end = start + int.from_bytes(data[pos + 1:start], "big")
-        else:
-            start = pos + 2
-            end = start + data[pos + 1]
-        if end > n:
-            self._need = end - pos
-            return None
-        return flags, data[start:end], end
-
-    def _messages(self, data: bytes) -> bytes:
-        """Deliver every whole message in ``data``; the bytes of a frame cut short are returned.
-        (_frame written out: this loop runs for every frame of every batch.)"""
-        pos = 0
+        return end
+    def _messages(self, data: bytes, pos: int) -> None:
+        """Deliver every whole message in ``data`` from ``pos``; a frame cut short is kept: its
+        header in ``_head``, or its body's first piece in ``_body`` (see :meth:`_fill`)."""
         n = len(data)
         parts = self._parts
         deliver = self._owner.on_message
@@ -213,17 +202,19 @@ class _SubProtocol(asyncio.Protocol):
             if flags & _LONG:
                 start = pos + 9
                 if start > n:
-                    self._need = 9
+                    self._head = data[pos:]
                     break
                 end = start + int.from_bytes(data[pos + 1:start], "big")
             else:
                 start = pos + 2
                 if start > n:
-                    self._need = 2
+                    self._head = data[pos:]
                     break
                 end = start + data[pos + 1]
-            if end > n:
-                self._need = end - pos
+            if end > n:  # the body goes on in the next reads
+                self._body = [memoryview(data)[start:]]
+                self._left = end - n
+                self._flags = flags
                 break
             pos = end
             if flags & _COMMAND:
@@ -234,7 +225,44 @@ class _SubProtocol(asyncio.Protocol):
                 deliver(parts)
                 parts = self._parts
         self._parts = parts
-        return data[pos:] if pos < n else b""
+
+    def _fill(self, data: bytes) -> int:
+        """Add ``data`` to the body being gathered; once whole, handle its frame and answer where
+        the rest of ``data`` starts (-1: the body still lacks bytes)."""
+        left = self._left
+        if len(data) < left:
+            self._body.append(data)
+            self._left = left - len(data)
+            return -1
+        self._body.append(memoryview(data)[:left] if left < len(data) else data)
+        body = b"".join(self._body)
+        self._body = []
+        self._left = 0
+        if not self._flags & _COMMAND:
+            self._parts.append(body)
+            if not self._flags & _MORE:
+                parts, self._parts = self._parts, []
+                self._owner.on_message(parts)
+        return left
+
+
+def _frame_at(data: bytes, pos: int) -> tuple[int, bytes, int] | None:
+    """The whole frame at ``pos`` (flags, body, its end), or None when ``data`` ends first."""
+    n = len(data)
+    if n - pos < 2:
+        return None
+    flags = data[pos]
+    if flags & _LONG:
+        if n - pos < 9:
+            return None
+        start = pos + 9
+        end = start + int.from_bytes(data[pos + 1:start], "big")
+    else:
+        start = pos + 2
+        end = start + data[pos + 1]
+    if end > n:
+        return None
+    return flags, data[start:end], end
 
 
 class ZmtpSubscriber:
