@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 _SIGNATURE = b"\xff" + bytes(7) + b"\x01\x7f"
 GREETING = _SIGNATURE + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
 _MORE, _LONG, _COMMAND = 1, 2, 4
+# A frame announcing more than this is refused rather than buffered (libzmq's ZMQ_MAXMSGSIZE is
+# unlimited by default; a 100k-token prompt's BlockStored batch is ~0.5 MB).
+MAX_FRAME_BYTES = 1 << 30
+HANDSHAKE_FRAME_BYTES = 1 << 16  # READY's properties: a socket type and perhaps an identity
 _PEER_TYPES = (b"PUB", b"XPUB")
 
 
@@ -204,7 +208,11 @@ class _SubProtocol(asyncio.Protocol):
                 if start > n:
                     self._head = data[pos:]
                     break
-                end = start + int.from_bytes(data[pos + 1:start], "big")
+                size = int.from_bytes(data[pos + 1:start], "big")
+                if size > MAX_FRAME_BYTES:
+                    raise ZmtpProtocolError(f"the peer announced a frame of {size} bytes "
+                                            f"(more than {MAX_FRAME_BYTES})")
+                end = start + size
             else:
                 start = pos + 2
                 if start > n:
@@ -246,8 +254,9 @@ class _SubProtocol(asyncio.Protocol):
         return left
 
 
-def _frame_at(data: bytes, pos: int) -> tuple[int, bytes, int] | None:
-    """The whole frame at ``pos`` (flags, body, its end), or None when ``data`` ends first."""
+def _frame_at(data: bytes, pos: int, limit: int = HANDSHAKE_FRAME_BYTES) -> tuple[int, bytes, int] | None:
+    """The whole frame at ``pos`` (flags, body, its end), or None when ``data`` ends first; a
+    frame announcing more than ``limit`` bytes is a protocol error."""
     n = len(data)
     if n - pos < 2:
         return None
@@ -256,7 +265,10 @@ def _frame_at(data: bytes, pos: int) -> tuple[int, bytes, int] | None:
         if n - pos < 9:
             return None
         start = pos + 9
-        end = start + int.from_bytes(data[pos + 1:start], "big")
+        size = int.from_bytes(data[pos + 1:start], "big")
+        if size > limit:
+            raise ZmtpProtocolError(f"the peer announced a handshake frame of {size} bytes (more than {limit})")
+        end = start + size
     else:
         start = pos + 2
         end = start + data[pos + 1]

@@ -203,6 +203,7 @@ def test_trickled_over_tcp():
     (GREETING + frame(b"\x05ERROR\x0bnot allowed", 4), "refused the handshake: not allowed"),
     (GREETING + frame(b"hello"), "a message before its READY"),
     (GREETING + frame(b"\x05READY\x0bSocket-Type\x00\x00", 4), "cut short"),
+    (GREETING + b"\x06" + (1 << 20).to_bytes(8, "big"), "a handshake frame of 1048576 bytes"),
 ])
 def test_a_peer_that_is_not_a_zmtp_publisher_is_refused_with_the_reason(script, why, caplog):
     async def main() -> None:
@@ -219,6 +220,24 @@ def test_a_peer_that_is_not_a_zmtp_publisher_is_refused_with_the_reason(script, 
     with caplog.at_level("WARNING"):
         asyncio.run(main())
     assert why in caplog.text
+
+
+def test_a_frame_announced_bigger_than_the_limit_is_refused_not_buffered(caplog):
+    async def main() -> None:
+        peer = RawPeer(GREETING + ready_command(b"PUB") + frame(b"ok") + b"\x02" + (1 << 40).to_bytes(8, "big"))
+        inbox = Inbox()
+        sub = inbox.subscriber(await peer.start())
+        sub.reconnect_interval = 3600.0
+        sub.start()
+        await asyncio.wait_for(peer.hung_up.wait(), 10)
+        await inbox.wait_for(3)
+        assert inbox.log == ["connected", [b"ok"], "disconnected"] and sub.protocol_errors == 1
+        await sub.close()
+        peer.server.close()
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(main())
+    assert "a frame of 1099511627776 bytes (more than 1073741824)" in caplog.text
 
 
 def test_a_peer_that_closes_mid_frame_is_a_disconnection_and_nothing_half_read_is_delivered():
