@@ -334,7 +334,7 @@ def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str
     if not isinstance(body, dict) or body.get("prompt") != _SENTINEL:
         return None
     if memo is not None:
-        memo.remember(key, raw[lb + 1 : rb], ids)
+        memo.remember(key, _text_of(raw, lb + 1, rb), ids)
     return body, ids
 
 
@@ -369,7 +369,7 @@ class PromptMemo:
         self.max_bytes = max_bytes  # text + ids kept in all (a 100k-token prompt: ~1.4 MB)
         self.bytes = 0
         # key -> (array text, ids, whether the text is known to be the ids' own)
-        self._last: OrderedDict[str | bytes, tuple[bytes, np.ndarray | LazyIds, bool]] = OrderedDict()
+        self._last: OrderedDict[str | bytes, tuple[bytes | memoryview, np.ndarray | LazyIds, bool]] = OrderedDict()
         self.reused = 0  # prompts that parsed only their new ids, or none (tests, /debug/state)
 
     def extend(self, key: str | bytes, raw: bytes, start: int, stop: int) -> np.ndarray | LazyIds | None:
@@ -399,14 +399,17 @@ class PromptMemo:
         self.reused += 1
         return np.concatenate((np.asarray(ids), more))
 
-    def remember(self, key: str | bytes, text: bytes, ids: np.ndarray | LazyIds, checked: bool = True) -> None:
+    def remember(self, key: str | bytes, text: bytes | memoryview, ids: np.ndarray | LazyIds,
+                 checked: bool = True) -> None:
         """Keep ``text`` (an array's text) and its ``ids`` as ``key``'s last prompt; ``checked=False``
-        when the text is not known to be the ids' (verified at first use)."""
+        when the text is not known to be the ids' (verified at first use). The gateway passes a view
+        of the request body rather than a copy of the array's text: a new prompt's copy was an
+        allocation and a memcpy of its size on every request, for the one that repeats or extends it."""
         last = self._last
         if key in last:
             self._forget(key)
         last[key] = (text, ids, checked)
-        self.bytes += len(text) + ids.nbytes
+        self.bytes += _held(text) + ids.nbytes
         while len(last) > 1 and (len(last) > self.max_sessions or self.bytes > self.max_bytes):
             self._forget(next(iter(last)))
 
@@ -416,11 +419,22 @@ class PromptMemo:
         span = _prompt_span(raw)
         if span is not None:
             lb, rb = span
-            self.remember(memo_key(session, raw, lb + 1, rb), raw[lb + 1 : rb], ids, checked=False)
+            self.remember(memo_key(session, raw, lb + 1, rb), _text_of(raw, lb + 1, rb), ids, checked=False)
 
     def _forget(self, key: str | bytes) -> None:
         text, ids, _ = self._last.pop(key)
-        self.bytes -= len(text) + ids.nbytes
+        self.bytes -= _held(text) + ids.nbytes
+
+
+def _text_of(raw: bytes, start: int, stop: int) -> bytes | memoryview:
+    """``raw[start:stop]`` for a memo entry: a view when ``raw`` is immutable bytes (no copy), else
+    a copy (a buffer the caller may change or reuse)."""
+    return memoryview(raw)[start:stop] if type(raw) is bytes else bytes(raw[start:stop])
+
+
+def _held(text: bytes | memoryview) -> int:
+    """The bytes a memo entry's text keeps alive: a view holds its whole body."""
+    return len(text.obj) if isinstance(text, memoryview) else len(text)  # type: ignore[arg-type]
 
 
 class TokenIds(Sequence[int]):
