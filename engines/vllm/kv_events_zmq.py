@@ -270,6 +270,16 @@ class KVEventSubscriber:
         self._conn.start()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-sub-{self.name}")
 
+    @property
+    def connections(self) -> int:
+        """Connections to the publisher that completed their handshake (1 unless it went away)."""
+        return self._conn.connections if self._conn is not None else 0
+
+    @property
+    def protocol_errors(self) -> int:
+        """Connections refused because the peer did not speak what a ZMQ PUB socket does."""
+        return self._conn.protocol_errors if self._conn is not None else 0
+
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None

@@ -88,7 +88,8 @@ class Admin:
                     {"endpoint": s.endpoint, "synced": s.synced.is_set(), "batches": s.stats.batches,
                      "gaps": s.stats.gaps, "resets": s.stats.resets, "decode_errors": s.stats.decode_errors,
                      "replays_ok": s.stats.replays_ok, "replays_failed": s.stats.replays_failed,
-                     "restarts": s.stats.restarts, "last_seq": s.stats.last_seq}
+                     "restarts": s.stats.restarts, "last_seq": s.stats.last_seq,
+                     "connections": s.connections, "protocol_errors": s.protocol_errors}
                     for s in e.subscribers
                 ],
             }

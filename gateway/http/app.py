@@ -267,7 +267,8 @@ class Gateway(Forwarding, Breakers, Admin):
         router = self.router
         names = [e.name for e in self.engines]
         self.metrics.instances = lambda: zip(names, router.counters())
-        self._kv_carried = [{"replays_failed": 0, "restarts": 0} for _ in self.engines]
+        self._kv_carried = [dict.fromkeys(("batches", "connections", "protocol_errors", "replays_failed", "restarts"), 0)
+                            for _ in self.engines]
         self.metrics.kv_streams = lambda: ((n, self.kv_stream_totals(i)) for i, n in enumerate(names))
 
     def _settle_block_size(self) -> None:
@@ -350,6 +351,9 @@ class Gateway(Forwarding, Breakers, Admin):
         """Engine ``i``'s KV-event stream totals since the gateway started (all its subscribers)."""
         out = dict(self._kv_carried[i])
         for sub in self.engines[i].subscribers:
+            out["batches"] += sub.stats.batches
+            out["connections"] += sub.connections
+            out["protocol_errors"] += sub.protocol_errors
             out["replays_failed"] += sub.stats.replays_failed
             out["restarts"] += sub.stats.restarts
         return out

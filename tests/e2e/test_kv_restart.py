@@ -81,6 +81,7 @@ def test_engine_restarted_quickly_leaves_no_phantom_hits():
                 async with http.get(url + "/debug/state") as r:
                     inst = (await r.json())["instances"][0]
                 assert inst["kv_stream"]["restarts"] >= 1 and inst["kv_stream"]["replays_failed"] == 0
+                assert inst["kv_stream"]["connections"] >= 2 and inst["kv_stream"]["protocol_errors"] == 0
                 async with http.get(url + "/metrics") as r:
                     text = await r.text()
                 assert 'gpuhit_gateway_kv_replays_failed_total{instance="e0"} 0.0' in text

@@ -149,6 +149,10 @@ def test_exact_hits_for_token_text_and_chat_then_replay_after_restart(real_vllm_
                 assert all(c["ok"] is not False for c in checks.values()), checks
                 assert sum(c["checked"] for c in checks.values()) > 0, checks
                 assert state["approximate_prompts"] == {}
+                # The gateway's own ZMTP connection to each vLLM publisher: handshake done, batches in.
+                streams = [inst["kv_stream"] for inst in state["instances"]]
+                assert all(s["connections"] == 1 and s["protocol_errors"] == 0 and s["batches"] > 0
+                           for s in streams), streams
                 # The gateway read each answer's usage (gateway.http.usage) as vLLM wrote it: its
                 # realized-hit counters hold exactly the cached tokens the clients were told.
                 told = sum(c for rows in EXACT.values() for _, c in rows)
