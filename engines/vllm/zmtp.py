@@ -32,7 +32,8 @@ from collections.abc import Callable
 from typing import cast
 from urllib.parse import urlsplit
 
-from gpuhit.errors import ConfigError
+from gpuhit.aio import cancel_and_wait
+from gpuhit.errors import ConfigError, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,9 @@ HANDSHAKE_FRAME_BYTES = 1 << 16  # READY's properties: a socket type and perhaps
 _PEER_TYPES = (b"PUB", b"XPUB")
 
 
-class ZmtpProtocolError(Exception):
-    """The peer does not speak what a SUB socket expects (internal: the connection is dropped)."""
+class ZmtpProtocolError(EngineError):
+    """The peer does not speak what a SUB socket expects (caught inside: logged, counted, and the
+    connection dropped)."""
 
 
 def frame(body: bytes, flags: int = 0) -> bytes:
@@ -305,13 +307,8 @@ class ZmtpSubscriber:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"zmtp-sub-{self.name}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None
