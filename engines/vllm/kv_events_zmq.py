@@ -24,9 +24,10 @@ they stay in the index as phantom hits. vLLM publishes nothing that names the pu
 incarnation (no engine id or start time in a batch; ``AllBlocksCleared`` only follows a prefix
 cache reset), so the subscriber watches for the two signs it can see: the live sequence going
 backwards, and the SUB side losing its TCP connection to the publisher and connecting again (the
-subscriber's own connection, :mod:`engines.vllm.zmtp`, tells both in order with the data). Either one is a restart: the consumer gets ``AllBlocksCleared`` and the
-subscriber syncs again as at start (replay from 0), counted in ``stats.restarts``. A reconnect
-without a restart (a network blip) costs a resync, never a wrong index.
+subscriber's own connection, :mod:`engines.vllm.zmtp`, tells both in order with the data). Either
+one is a restart: the consumer gets ``AllBlocksCleared`` and the subscriber syncs again as at
+start (replay from 0), counted in ``stats.restarts``. A reconnect without a restart (a network
+blip) costs a resync, never a wrong index.
 
 :class:`KVEventPublisher` is the emulated server's side (PUB + ROUTER with a bounded replay buffer).
 """

@@ -267,8 +267,8 @@ class Gateway(Forwarding, Breakers, Admin):
         router = self.router
         names = [e.name for e in self.engines]
         self.metrics.instances = lambda: zip(names, router.counters())
-        self._kv_carried = [dict.fromkeys(("batches", "connections", "protocol_errors", "replays_failed", "restarts"), 0)
-                            for _ in self.engines]
+        totals = ("batches", "connections", "protocol_errors", "replays_failed", "restarts")
+        self._kv_carried = [dict.fromkeys(totals, 0) for _ in self.engines]
         self.metrics.kv_streams = lambda: ((n, self.kv_stream_totals(i)) for i, n in enumerate(names))
 
     def _settle_block_size(self) -> None:
