@@ -405,6 +405,11 @@ class KVEventSubscriber:
                 # one's (or in the new one's replay buffer).
                 self._restarted(f"sequence went back from {self._live_last} to {seq}")
             self._live_last = seq
+            if self._last is None and not self.replay_endpoint and not self._syncing:
+                # Joined a stream already under way (at start, or after a restart's reset) with no
+                # replay socket: what came before is unknowable and the index holds none of it, so
+                # the stream starts here; a gap (and a failed replay) would only cry wolf.
+                self._last = seq - 1
         if self._backlog or self._resync or self._syncing or (seq is not None and seq > self._next_seq()):
             # A replay (async) must come first; keep order by queueing behind it.
             self._backlog.append(frames)

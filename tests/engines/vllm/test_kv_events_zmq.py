@@ -65,6 +65,27 @@ def test_initial_replay_then_gap_resync():
     asyncio.run(main())
 
 
+def test_joining_a_stream_under_way_without_replay_socket_is_not_a_gap():
+    async def main() -> None:
+        pub = KVEventPublisher(replay_endpoint=None)
+        pub.start()
+        for h in (1, 2, 3):  # published before anyone subscribed: gone for good (no replay socket)
+            pub.publish(stored(h))
+        got = Collector()
+        sub = KVEventSubscriber(pub.endpoint_bound, got)
+        sub.start()
+        await pub.wait_subscribers(1)
+        pub.publish(stored(4))
+        pub.publish(stored(5))
+        await got.wait_for(2)
+        assert hashes(got.batches) == [4, 5]
+        assert (sub.stats.gaps, sub.stats.resets, sub.stats.replays_failed, sub.stats.last_seq) == (0, 0, 0, 4)
+        await sub.close()
+        await pub.close()
+
+    asyncio.run(main())
+
+
 def test_gap_without_replay_socket_clears_the_index():
     async def main() -> None:
         pub = KVEventPublisher(replay_endpoint=None)
