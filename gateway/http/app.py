@@ -65,9 +65,10 @@ from engines.vllm.health import HealthMonitor
 from gateway.bindings import SessionBindings
 from gateway.config import GatewayConfig
 from gateway.hash_check import HashVerifier
-from gateway.http.admin import CLEARED, Admin
+from gateway.http.admin import Admin
 from gateway.http.forward import Forwarding
 from gateway.http.forward_breakers import Breakers
+from gateway.http.kv_streams import KVStreams
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
     MEMO_MIN_BYTES,
@@ -112,7 +113,7 @@ log = logging.getLogger(__name__)
 _bad = protocol.bad_request
 
 
-class Gateway(Forwarding, Breakers, Admin):
+class Gateway(Forwarding, Breakers, Admin, KVStreams):
     """The gateway's state and request logic. ``listen(host, port)`` starts the engines' side
     (``start``) and the configured transport; ``shutdown()`` stops both. ``app`` is the aiohttp
     application of the ``aiohttp`` transport (its startup / cleanup run ``start`` / ``close``)."""
@@ -267,9 +268,7 @@ class Gateway(Forwarding, Breakers, Admin):
         router = self.router
         names = [e.name for e in self.engines]
         self.metrics.instances = lambda: zip(names, router.counters())
-        totals = ("batches", "connections", "protocol_errors", "replays_failed", "restarts")
-        self._kv_carried = [dict.fromkeys(totals, 0) for _ in self.engines]
-        self.metrics.kv_streams = lambda: ((n, self.kv_stream_totals(i)) for i, n in enumerate(names))
+        self._init_kv_streams()
 
     def _settle_block_size(self) -> None:
         """The block size hashes are cut at: the engines' (``vllm:cache_config_info``), which must agree
@@ -333,30 +332,6 @@ class Gateway(Forwarding, Breakers, Admin):
         if self.cfg.index == "precise":
             # It may have restarted with an empty cache and a fresh event sequence: resubscribe.
             asyncio.get_running_loop().create_task(self._resubscribe(i))
-
-    async def _resubscribe(self, i: int) -> None:
-        eng = self.engines[i]
-        self._kv_carried[i] = self.kv_stream_totals(i)  # keep the totals across subscribers
-        for sub in eng.subscribers:
-            await sub.close()
-        eng.subscribers.clear()
-        assert self.router is not None
-        self.router.index.on_kv_event(i, CLEARED)
-        try:
-            await eng._subscribe()
-        except EngineError as exc:
-            log.warning("re-subscribing to %s's KV events failed: %s", eng.name, exc)
-
-    def kv_stream_totals(self, i: int) -> dict[str, int]:
-        """Engine ``i``'s KV-event stream totals since the gateway started (all its subscribers)."""
-        out = dict(self._kv_carried[i])
-        for sub in self.engines[i].subscribers:
-            out["batches"] += sub.stats.batches
-            out["connections"] += sub.connections
-            out["protocol_errors"] += sub.protocol_errors
-            out["replays_failed"] += sub.stats.replays_failed
-            out["restarts"] += sub.stats.restarts
-        return out
 
     # ------------------------------------------------------------------------------ parsing
 
