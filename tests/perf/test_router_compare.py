@@ -26,7 +26,9 @@ throughput, the latency's mean and p99 (a router can have the lower p50 and the 
 closed loop the mean is concurrency / throughput, the p50 says how evenly requests are served),
 and gpuhit / vllm-router ratios (of the medians, and per round: each round runs every
 target back to back, so a round's ratio is a paired comparison; its median and range over the
-rounds are printed with them). ``make bench`` runs it; ``GPUHIT_BENCH_SCALE`` scales
+rounds are printed with them, and the geometric mean of the rounds' ratios with its 95% t-interval
+over their logs: with ``GPUHIT_BENCH_ROUNDS`` of 5 or more, an interval that excludes 1 says
+which router uses less). ``make bench`` runs it; ``GPUHIT_BENCH_SCALE`` scales
 the request counts (default 1: a few minutes on 2 cores), ``GPUHIT_BENCH_ROUNDS`` repeats each
 configuration (median of rounds; default 1), ``GPUHIT_BENCH_ONLY=chat,2k`` picks workloads,
 ``GPUHIT_BENCH_MOCK_EVENTS=per-request`` makes the mock engines publish a KV event batch per request
@@ -36,6 +38,7 @@ instead of one per event-loop iteration (vLLM publishes one per engine step).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import pathlib
 import shutil
@@ -46,6 +49,7 @@ import time
 import aiohttp
 import orjson
 import pytest
+import scipy.stats
 
 from tests.e2e.helpers import Proc, spawn
 
@@ -306,6 +310,21 @@ def _print_row(row) -> None:
     print(f"  {workload} stream={stream} c={c} n={n}: {cells}", flush=True)
 
 
+def _ratio_interval(ratios: list[float]) -> str:
+    """The paired per-round ratios' geometric mean and its 95% t-interval (over the rounds' log
+    ratios: a ratio's scale is multiplicative), e.g. ``gm 1.07 (1.01-1.13)``; only the mean with one
+    round."""
+    logs = [math.log(r) for r in ratios if r > 0]
+    if not logs:
+        return "gm n/a"
+    m = statistics.fmean(logs)
+    if len(logs) < 2:
+        return f"gm {math.exp(m):.2f}"
+    sem = scipy.stats.sem(logs)
+    lo, hi = scipy.stats.t.interval(0.95, len(logs) - 1, loc=m, scale=sem) if sem > 0 else (m, m)
+    return f"gm {math.exp(m):.2f} ({math.exp(lo):.2f}-{math.exp(hi):.2f})"
+
+
 def _added_ratio(g: tuple, v: tuple, direct: tuple, i: int) -> str:
     """gpuhit's latency statistic ``i`` over direct's, divided by vllm-router's. One at or below
     ADDED_MIN is within the noise of the direct run (a separate run): its ratio would read as 0 or
@@ -338,10 +357,11 @@ def _print_table(rows) -> None:
         # Each round runs every target back to back: the ratio within a round is a paired comparison.
         for i in (1, 2):
             paired = [a[i] / max(b[i], 1e-9) for a, b in zip(got["gpuhit"], got["vllm-router"])]
-            line += f" {statistics.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] |"
+            line += f" {statistics.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] {_ratio_interval(paired)} |"
         line += f" {_added_ratio(g, v, direct, 3)} | {_added_ratio(g, v, direct, 4)} |"
         print(line)
     print("(ratios are gpuhit / vllm-router: added p50 and CPU lower is better, req/s higher is better; "
           "added mean and p99: the latency's mean and 99th percentile over direct's, the same way; "
           f"an added ratio is n/a where either added latency is at most {ADDED_MIN * 1e3:.2f} ms, within the direct "
-          f"run's noise; per round: the median [min-max] of the {ROUNDS} rounds' paired ratios)")
+          f"run's noise; per round: the median [min-max] of the {ROUNDS} rounds' paired ratios, then their "
+          f"geometric mean and its 95% t-interval, n={ROUNDS})")
