@@ -197,9 +197,12 @@ class _SubProtocol(asyncio.Protocol):
         self.live = True
         self._owner.handshake_done()
         return end
+
     def _messages(self, data: bytes, pos: int) -> None:
         """Deliver every whole message in ``data`` from ``pos``; a frame cut short is kept: its
-        header in ``_head``, or its body's first piece in ``_body`` (see :meth:`_fill`)."""
+        header in ``_head``, or its body's first piece in ``_body`` (see :meth:`_fill`). The frame
+        header is read here as :func:`_frame_at` reads it, written out: this loop runs for every
+        frame of every batch."""
         n = len(data)
         parts = self._parts
         deliver = self._owner.on_message
