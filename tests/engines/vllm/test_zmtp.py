@@ -14,34 +14,25 @@ import zmq.asyncio
 
 from engines.vllm.zmtp import GREETING, ZmtpSubscriber, _SubProtocol, frame, parse_endpoint, ready_command
 from gpuhit.errors import ConfigError
+from tests.engines.vllm.test_kv_events_zmq import Collector
 
 
-class Inbox:
-    """Messages and connection events, in the order the subscriber reported them."""
+class Inbox(Collector):
+    """Messages and connection events, in the order the subscriber reported them (``log``;
+    :meth:`wait_for` is the collector's)."""
 
-    def __init__(self) -> None:
-        self.log: list = []
-        self._changed = asyncio.Event()
+    @property
+    def log(self) -> list:
+        return self.batches
 
     def message(self, frames: list[bytes]) -> None:
-        self.log.append(frames)
-        self._changed.set()
+        self(frames)  # type: ignore[arg-type]
 
     def connected(self) -> None:
-        self.log.append("connected")
-        self._changed.set()
+        self("connected")  # type: ignore[arg-type]
 
     def disconnected(self) -> None:
-        self.log.append("disconnected")
-        self._changed.set()
-
-    async def wait_for(self, n: int, timeout: float = 10.0) -> None:
-        async def _wait() -> None:
-            while len(self.log) < n:
-                self._changed.clear()
-                await self._changed.wait()
-
-        await asyncio.wait_for(_wait(), timeout)
+        self("disconnected")  # type: ignore[arg-type]
 
     def subscriber(self, endpoint: str, topic: bytes = b"") -> ZmtpSubscriber:
         return ZmtpSubscriber(endpoint, topic, self.message, self.connected, self.disconnected)
