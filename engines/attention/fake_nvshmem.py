@@ -41,8 +41,8 @@ class FakeNvshmemError(RuntimeError):
 class SignalOp(enum.IntEnum):
     """Mirrors ``nvshmem.core.SignalOp`` (``nvshmem_signal_op_t``)."""
 
-    SIGNAL_SET = 0
-    SIGNAL_ADD = 5
+    SIGNAL_SET = 9
+    SIGNAL_ADD = 10
 
 
 class ComparisonType(enum.IntEnum):

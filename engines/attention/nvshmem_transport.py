@@ -51,6 +51,10 @@ source ``NVIDIA/nvshmem`` ``nvshmem4py/nvshmem/core/``):
 - ``get_unique_id()``, ``init(device=, uid=, rank=, nranks=, initializer_method="uid")``,
   ``finalize()``: ``initialization.html`` / ``core/init_fini.py`` (see :func:`init_uid`).
 
+Every name and argument order above was checked against the source of the nvshmem4py-cu13 0.4.1 wheel
+(``core/direct.py``, ``core/interop/torch.py``, ``core/rma.py``, ``core/collective.py``,
+``core/init_fini.py``); ``tests/perf/gpu_nvshmem_check.py`` runs this module against it on one GPU.
+
 ``signal_wait`` is not used: it blocks a CUDA stream, and this host-driven version needs a host poll.
 """
 
@@ -88,7 +92,10 @@ def load_nvshmem_core() -> Any:
     try:
         from nvshmem import core  # nvshmem4py (nvshmem.core)
     except ImportError as exc:
-        raise UnavailableError(f"the NVSHMEM transport needs nvshmem4py ({exc}); pip install nvshmem4py-cu12") from exc
+        raise UnavailableError(
+            f"the NVSHMEM transport needs nvshmem4py ({exc}); pip install nvshmem4py-cu12 or nvshmem4py-cu13 "
+            "(the one matching torch.version.cuda)"
+        ) from exc
     return core
 
 
@@ -106,7 +113,7 @@ def init_uid(core: Any, *, rank: int, nranks: int, uid: Any = None, device_index
             raise ConfigError("init_uid: several PEs need the unique id that rank 0 created and broadcast")
         uid = core.get_unique_id()
     try:
-        from cuda.core import Device  # cuda-python >= 0.4 (nvshmem4py 0.2+)
+        from cuda.core import Device  # cuda.core >= 0.5 (what nvshmem4py 0.4 requires)
     except ImportError:  # older cuda.core keeps it under .experimental
         from cuda.core.experimental import Device
     dev = Device(torch.cuda.current_device() if device_index is None else device_index)
