@@ -8,6 +8,8 @@ The emulated engine emits these; the gateway's precise KV index consumes them; t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 GPU = "GPU"
@@ -18,7 +20,9 @@ STORAGE = "STORAGE"
 class BlockStored(msgspec.Struct, frozen=True):
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
-    token_ids: tuple[int, ...]
+    # A tuple, or the decoder's RawTokenIds (decoded on first use): a Sequence either way. (These
+    # records are built, never msgspec's decode target, so the annotation decodes nothing.)
+    token_ids: Sequence[int]
     block_size: int
     lora_id: int | None = None
     medium: str | None = GPU

@@ -173,9 +173,9 @@ class _Collector:
             pending = GaugeMetricFamily("gpuhit_gateway_instance_pending_prefill_tokens",
                                         "Prompt tokens routed to the instance whose prefill has not finished "
                                         "(no first token yet).", labels=("instance",))
-            for name, c in m.instances():
-                inflight.add_metric([name], c["in_flight"])
-                pending.add_metric([name], c["pending_prefill_tokens"])
+            for name, counts in m.instances():
+                inflight.add_metric([name], counts["in_flight"])
+                pending.add_metric([name], counts["pending_prefill_tokens"])
             yield inflight
             yield pending
         if m.breakers is not None:

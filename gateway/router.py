@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from engines.kv_events import KVEventBatch
 from gateway.bindings import SessionBindings
 from gateway.kv_index import KVIndex
 from gateway.residency import SessionResidency
+from gateway.route_records import RouteRecord, RouteRequest  # re-exported: where callers import them
 from gateway.snapshot import (
     ACTIONS,
     FETCH,
@@ -57,36 +58,6 @@ from gpuhit.errors import ConfigError, NoInstanceError
 ROLES = ("both", "prefill", "decode")
 DEFAULT_KV_BYTES_PER_TOKEN = 98304
 _NO_STATS = EngineStats()  # what a snapshot shows of engines whose stats are not used
-
-
-class RouteRequest(msgspec.Struct, frozen=True):
-    """What the router needs to know about one request. ``block_hashes``: the prompt's full blocks'
-    hashes, a tuple or a lazily hashed :class:`engines.hashing.PromptHashes` (the router reads only
-    as far as the index's search goes)."""
-
-    request_id: str
-    prompt_len: int
-    max_tokens: int
-    block_hashes: Sequence[int]
-    prompt_token_ids: Sequence[int] | None = None
-    session_id: str | None = None
-    parent_session: str | None = None
-    turn: int = 0
-
-
-class RouteRecord(msgspec.Struct, frozen=True):
-    """One routing decision, as logged through ``decision_sink``."""
-
-    request_id: str
-    session: str | None
-    policy: str
-    action: str
-    target: int
-    source: int | None
-    reason: str
-    scores: tuple[tuple[int, float], ...]
-    predicted_hit_blocks: int
-    now: float
 
 
 @dataclass(slots=True)
@@ -210,7 +181,7 @@ class Ticket:
             prompt_len=req.prompt_len,
             max_tokens=1,
             prompt_token_ids=req.prompt_token_ids,
-            block_hashes=req.block_hashes,
+            block_hashes=req.block_hashes,  # type: ignore[arg-type]  # a Sequence (PromptHashes) is fine here
             session_id=req.session_id,
             kv_transfer_params=producer_transfer_params(self.transfer_id),
             priority=self.decision.producer_priority or 0,
@@ -257,7 +228,7 @@ class Ticket:
             prompt_len=req.prompt_len,
             max_tokens=req.max_tokens,
             prompt_token_ids=req.prompt_token_ids,
-            block_hashes=req.block_hashes,
+            block_hashes=req.block_hashes,  # type: ignore[arg-type]  # a Sequence (PromptHashes) is fine here
             session_id=req.session_id,
             kv_transfer_params=kv_transfer_params,
             priority=self.decision.priority or 0,
@@ -366,16 +337,17 @@ class Router:
         # The engines' stats (running, waiting, KV usage, capacity) go into snapshots only for a
         # policy that reads them: one that declares ``reads_engine_stats = False`` gets None there.
         self.use_engine_stats = use_engine_stats and bool(getattr(policy, "reads_engine_stats", True))
-        if clock is not None:
-            # The injected clock itself: no wrapper call per read.
-            self.now = clock  # type: ignore[method-assign]
+        # The injected clock itself (no wrapper call per read), else the running loop's.
+        self.now: Callable[[], float] = clock if clock is not None else self._loop_time
         self.bindings = SessionBindings()
         self.stats = RouterStats(decisions_by_instance=[0] * n, errors_by_instance=[0] * n)
-        self._in_flight = [0] * n
-        self._routed = [0] * n  # requests sent here so far, as target or as KV source (policies' tie-break)
-        self._pending = [0] * n
-        self._decode = [0] * n
-        self._active_blocks = [0] * n
+        # Per-instance counters. MutableSequence, not list: gateway/share.py swaps in list subclasses
+        # whose __setitem__ reports each change, which compiled code (mypyc) would bypass on a list.
+        self._in_flight: MutableSequence[int] = [0] * n
+        self._routed: MutableSequence[int] = [0] * n  # requests sent here so far, as target or as KV source (tie-break)
+        self._pending: MutableSequence[int] = [0] * n
+        self._decode: MutableSequence[int] = [0] * n
+        self._active_blocks: MutableSequence[int] = [0] * n
         self._healthy = [True] * n
         self.unhealthy_reason: list[str | None] = [None] * n
         self._consecutive_errors = [0] * n
@@ -405,9 +377,8 @@ class Router:
 
         return on_batch
 
-    def now(self) -> float:
-        """The router's time: the injected clock (which replaces this method on the instance), else
-        the running loop's."""
+    def _loop_time(self) -> float:
+        """The router's time without an injected clock (``self.now``): the running loop's."""
         try:
             return asyncio.get_running_loop().time()
         except RuntimeError:

@@ -1,22 +1,30 @@
-"""The fast transport compiled to C with mypyc, and the C speedups (optional), and the guard against a stale build.
+"""The gateway's request path compiled to C with mypyc, and the C speedups (optional), and the guard against a stale build.
 
-Why: per request, the gateway's cost on short requests is CPython's: ~150 Python calls, each a
-frame, argument boxing and attribute look-ups by name. mypyc compiles type-annotated modules to C
-extensions in which calls between compiled functions, attribute access on compiled classes and
-local arithmetic are C. Compiling the three transport modules (:data:`MODULES`) cut the
-instructions per non-streamed chat request from 408 k to 352 k (callgrind, 500 requests at c=1;
-``analysis/results/router-speed-native-2026-11-24.md``). The rest of the gateway stays Python.
+Why: per request, the gateway's cost is CPython's: ~100 Python calls and ~3,700 bytecodes for a new
+2k-token prompt, each call a frame, argument boxing and attribute look-ups by name, spread over the
+router, the policy, hashing, the prompt memo, the metrics and the KV-event subscriber (none above 7%).
+mypyc compiles type-annotated modules to C extensions in which calls between compiled functions,
+attribute access on compiled classes and local arithmetic are C. Compiling the three transport
+modules cut the instructions per non-streamed chat request from 408 k to 352 k (callgrind, 500
+requests at c=1; ``analysis/results/router-speed-native-2026-11-24.md``). Compiling the routing
+path too (:data:`MODULES`) leaves ~1,600 of a streamed new 2k-token prompt's ~3,700 bytecodes
+interpreted, and its CPU per request under load drops (c=64: 0.225 -> 0.189 ms in one paired run);
+at c=1 the cost is mostly the kernel's wake-ups and CPython's object work, which compiling does not
+remove (``analysis/results/router-speed-mypyc-2026-11-26.md``). The hub (``gateway/http/app.py``),
+its mixins and everything else stay Python.
 
 ``make compile`` (``python -m gpuhit.native build``) also builds the C speedups
 (``gpuhit/_speedups.c``, :mod:`gpuhit.speedups`: the token-id and KV-event parsers, which carry
-their own source digest). It compiles the transport in place: one ``.so``
-beside each source, plus mypyc's shared runtime ``gateway/http/compiled__mypyc*.so`` and a stamp
-(:data:`STAMP`) with each source's SHA-256. Python imports an extension module before the source
-of the same name, so a compiled module edited afterwards would silently run its old code: the
-``gateway.http`` package checks the stamp at import (:func:`check`) and refuses to load a stale or partial build,
-naming the fix. ``make uncompile`` (``python -m gpuhit.native clean``) removes the build; pure Python is the
-default everywhere (``make test`` runs it). Compiled classes check argument types at run time
-(a ``FastServer`` parameter must get a ``FastServer``) and cannot be monkeypatched.
+their own source digest). It compiles :data:`MODULES` in place: one ``.so`` beside each source,
+plus mypyc's shared runtime ``gateway/http/compiled__mypyc*.so`` and a stamp (:data:`STAMP`, beside
+the runtime) with each source's SHA-256. Python imports an extension module before the source of
+the same name, so a compiled module edited afterwards would silently run its old code: each package
+holding a compiled module (``gateway``, ``engines``, ``policies``) checks the stamp when it is
+imported (:func:`check`) and refuses to load a stale or partial build, naming the
+fix. ``make uncompile`` (``python -m gpuhit.native clean``) removes the build; pure Python is the
+default everywhere (``make test`` runs it). Compiled classes check argument types at run time (a
+``FastServer`` parameter must get a ``FastServer``) and neither they nor compiled modules' globals
+can be monkeypatched.
 """
 
 from __future__ import annotations
@@ -30,9 +38,16 @@ from pathlib import Path
 
 from gpuhit.errors import ConfigError
 
-HERE = Path(__file__).resolve().parents[1] / "gateway" / "http"  # the compiled modules' package
-MODULES = ("fast", "fast_upstream", "forward_deadlines")  # gateway/http/<name>.py
-GROUP = "compiled"  # mypyc's shared runtime: gateway/http/compiled__mypyc*.so
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: mypyc names modules by their path from here
+# The compiled modules, by path from the checkout: the fast transport, and the request's routing path
+# (router, LPWL, block hashing, prompt memo, metrics, the hash check, the KV-event subscriber's ZMTP).
+MODULES = (
+    "gateway/http/fast.py", "gateway/http/fast_upstream.py", "gateway/http/forward_deadlines.py",
+    "gateway/http/prompt.py", "gateway/router.py", "gateway/metrics.py", "gateway/hash_check.py",
+    "policies/lpwl.py", "engines/hashing.py", "engines/vllm/zmtp.py",
+)
+RUNTIME_DIR = "gateway/http"  # mypyc's shared runtime, gateway/http/compiled__mypyc*.so, and the stamp
+GROUP = "compiled"
 STAMP = "native.sha256.json"
 SPEEDUPS = "_speedups"  # gpuhit/_speedups.c -> gpuhit/_speedups.*.so
 
@@ -42,36 +57,43 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _built(directory: Path) -> list[Path]:
-    """The compiled extension files in ``directory`` (modules and the shared runtime)."""
-    names = (*MODULES, f"{GROUP}__mypyc")
-    return sorted(p for n in names for p in directory.glob(f"{n}.*.so"))
+def _extensions(root: Path, source: str) -> list[Path]:
+    """The extension files built from ``source`` (a path from ``root`` ending in .py)."""
+    path = root / source
+    return sorted(path.parent.glob(f"{path.stem}.*.so"))
 
 
-def check(directory: Path = HERE) -> bool:
-    """True when the compiled modules are in ``directory`` and were built from its current sources;
+def _built(root: Path) -> dict[str, list[Path]]:
+    """The compiled extension files under ``root``, by source (the runtime under its own name)."""
+    runtime = f"{RUNTIME_DIR}/{GROUP}__mypyc.py"  # not a source: names the runtime's files
+    return {m: found for m in (*MODULES, runtime) if (found := _extensions(root, m))}
+
+
+def check(root: Path = ROOT) -> bool:
+    """True when the compiled modules are under ``root`` and were built from its current sources;
     False when there is no build. ConfigError for a stale or partial one (an edited source, a
-    missing module or stamp): running old code unannounced is worse than not starting."""
-    built = _built(directory)
+    missing module or stamp): running old code unannounced is worse than not starting. Each package
+    holding a compiled module asks at import (~1 ms with a build, globs alone without)."""
+    built = _built(root)
     if not built:
         return False
-    fix = "run `make compile` again, or `make uncompile` for the pure-Python transport"
-    stamp = directory / STAMP
+    fix = "run `make compile` again, or `make uncompile` for pure Python"
+    stamp = root / RUNTIME_DIR / STAMP
     try:
         recorded = json.loads(stamp.read_text())
     except (OSError, ValueError):
-        raise ConfigError(f"compiled transport modules in {directory} without a readable {STAMP}: {fix}") from None
-    missing = [m for m in MODULES if not any(p.name.startswith(f"{m}.") for p in built)]
+        raise ConfigError(f"compiled modules under {root} without a readable {stamp.relative_to(root)}: {fix}") from None
+    missing = [m for m in (*MODULES, f"{RUNTIME_DIR}/{GROUP}__mypyc.py") if m not in built]
     if missing:
-        raise ConfigError(f"partial compiled transport in {directory} (no {', '.join(missing)}): {fix}")
-    changed = [m for m in MODULES if recorded.get(f"{m}.py") != sha256_of(directory / f"{m}.py")]
+        raise ConfigError(f"partial compiled build under {root} (no {', '.join(missing)}): {fix}")
+    changed = [m for m in MODULES if recorded.get(m) != sha256_of(root / m)]
     if changed:
-        raise ConfigError(f"{', '.join(f'{m}.py' for m in changed)} changed since the transport was compiled: {fix}")
+        raise ConfigError(f"{', '.join(changed)} changed since it was compiled: {fix}")
     return True
 
 
 def compiled() -> bool:
-    """Whether the running fast transport is the compiled one (for ``gpuhit serve``'s banner)."""
+    """Whether the running fast transport (and with it :data:`MODULES`) is compiled (``gpuhit serve``'s banner)."""
     from gateway.http import fast
 
     return not fast.__file__.endswith(".py")
@@ -104,47 +126,46 @@ def build_speedups(out: Path) -> Path:
     cwd = Path.cwd()
     try:
         os.chdir(out)  # not the checkout: setuptools would read its pyproject.toml
-        setup(name="gpuhit-speedups", ext_modules=[_speedups_extension(HERE.parents[1], absolute=True)],
+        setup(name="gpuhit-speedups", ext_modules=[_speedups_extension(ROOT, absolute=True)],
               script_args=["-q", "build_ext", "--build-temp", str(out / "tmp"), "--build-lib", str(out)])
     finally:
         os.chdir(cwd)
     return next((out / "gpuhit").glob(f"{SPEEDUPS}.*.so"))
 
 
-def build(directory: Path = HERE) -> None:
+def build(root: Path = ROOT) -> None:
     """Compile :data:`MODULES` in place with mypyc (needs ``mypy`` and a C compiler) and write the stamp."""
     try:
         from mypyc.build import mypycify
         from setuptools import setup
     except ImportError as exc:
-        raise ConfigError(f"compiling the transport needs mypy's mypyc and setuptools ({exc}): "
+        raise ConfigError(f"compiling needs mypy's mypyc and setuptools ({exc}): "
                           "pip install 'gpuhit[native]'") from None
-    clean(directory)
-    root = directory.parents[1]  # the checkout: mypyc names modules by their path from here
-    sources = [str((directory / f"{m}.py").relative_to(root)) for m in MODULES]
+    clean(root)
     # Only the compiled modules are type-checked strictly; what they import is read for types
     # (--follow-imports=silent), as the rest of the gateway is not written for mypy.
     opts = ["--ignore-missing-imports", "--follow-imports=silent"]
     cwd = Path.cwd()
     try:
         os.chdir(root)
-        setup(name="gpuhit-native", ext_modules=[*mypycify([*opts, *sources], group_name=f"gateway.http.{GROUP}",
+        group = f"{RUNTIME_DIR.replace('/', '.')}.{GROUP}"
+        setup(name="gpuhit-native", ext_modules=[*mypycify([*opts, *MODULES], group_name=group,
                                                             opt_level="3"), _speedups_extension(root)],
               script_args=["build_ext", "--inplace", "--build-temp", "build/native", "--build-lib", "build/native"])
     finally:
         os.chdir(cwd)
-    (directory / STAMP).write_text(json.dumps({f"{m}.py": sha256_of(directory / f"{m}.py") for m in MODULES},
-                                              indent=1) + "\n")
-    check(directory)
-    print(f"compiled {', '.join(sources)} ({len(_built(directory))} extension files) and gpuhit/{SPEEDUPS}.c")
+    (root / RUNTIME_DIR / STAMP).write_text(json.dumps({m: sha256_of(root / m) for m in MODULES}, indent=1) + "\n")
+    check(root)
+    print(f"compiled {', '.join(MODULES)} ({sum(map(len, _built(root).values()))} extension files) "
+          f"and gpuhit/{SPEEDUPS}.c")
 
 
-def clean(directory: Path = HERE) -> None:
+def clean(root: Path = ROOT) -> None:
     """Remove the compiled modules, the runtime, the stamp and the C speedups (back to pure Python)."""
-    for p in [*_built(directory), *(directory.parents[1] / "gpuhit").glob(f"{SPEEDUPS}.*.so")]:
+    for p in [*(p for found in _built(root).values() for p in found), *(root / "gpuhit").glob(f"{SPEEDUPS}.*.so")]:
         p.unlink()
-    (directory / STAMP).unlink(missing_ok=True)
-    shutil.rmtree(directory.parents[1] / "build" / "native", ignore_errors=True)
+    (root / RUNTIME_DIR / STAMP).unlink(missing_ok=True)
+    shutil.rmtree(root / "build" / "native", ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from engines.base import max_cached_tokens
 from gateway.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
@@ -57,11 +57,16 @@ def lpwl_choice(snapshot: Snapshot) -> tuple[int, tuple[tuple[int, float], ...]]
     return inst.index, scores
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class LPWL:
     name: str = "lpwl"
     type: str = "lpwl"
-    reads_engine_stats: ClassVar[bool] = False
+
+    @property
+    def reads_engine_stats(self) -> bool:
+        """False: LPWL never reads the engines' stats (see :class:`policies.registry.Policy`). A
+        property, not a ClassVar: mypyc's dataclasses take a ClassVar for a field."""
+        return False
 
     def decide(self, snapshot: Snapshot) -> Decision:
         inst, work, scores = _least_work(snapshot)
@@ -74,7 +79,7 @@ class LPWL:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class LPWLMigrate:
     """LPWL, plus migration of a hot host's session.
 
@@ -103,12 +108,17 @@ class LPWLMigrate:
 
     name: str = "lpwl_migrate"
     type: str = "lpwl_migrate"
-    reads_engine_stats: ClassVar[bool] = False
     t_hot_tokens: int = 32768
     t_cool_s: float = 30.0
     min_gain_tokens: int = 0
     export_priority: bool = False
     export_tokens_per_token: float = 0.0
+
+    @property
+    def reads_engine_stats(self) -> bool:
+        """False: LPWL (and its migration rule) never reads the engines' stats (see :class:`policies.registry.Policy`). A
+        property, not a ClassVar: mypyc's dataclasses take a ClassVar for a field."""
+        return False
 
     @property
     def scheduling_policy(self) -> str:
@@ -134,7 +144,7 @@ class LPWLMigrate:
                 others = [s for s in insts if s.healthy and s.index != h]
                 if others:
                     dest = min(others, key=lambda s: (s.pending_prefill_tokens, *tie_key(s)))
-                    gain = host.pending_prefill_tokens - dest.pending_prefill_tokens
+                    gain = float(host.pending_prefill_tokens - dest.pending_prefill_tokens)
                     if self.export_tokens_per_token > 0:
                         gain -= self.export_cost_tokens(snapshot, host)
                     if gain > 0 and gain >= self.min_gain_tokens:

@@ -25,8 +25,12 @@ class Policy(Protocol):
     ``capacity_blocks``: the router then leaves them None (unknown) instead of asking every engine
     per decision."""
 
-    name: str
-    type: str
+    # Read-only (policies are frozen dataclasses): properties, so a frozen field satisfies them.
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def type(self) -> str: ...
 
     def decide(self, snapshot: Snapshot) -> Decision: ...
 

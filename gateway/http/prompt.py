@@ -311,7 +311,8 @@ def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str
     if span is None:
         return None
     lb, rb = span
-    key = ids = None
+    key: str | bytes = b""  # set below whenever it is used (with a memo)
+    ids = None
     if memo is not None:
         key = memo_key(session, raw, lb + 1, rb)
         ids = memo.extend(key, raw, lb + 1, rb)

@@ -1,4 +1,4 @@
-"""The compiled fast transport (gpuhit/native.py): the stale-build guard, and a real mypyc build
+"""The compiled request path (gpuhit/native.py): the stale-build guard, and a real mypyc build
 serving requests in a gateway process."""
 
 from __future__ import annotations
@@ -25,32 +25,39 @@ ROOT = Path(__file__).resolve().parents[2]
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-311-x86_64-linux-gnu.so
 
 
-def _fake_build(d: Path) -> None:
+def _fake_build(root: Path) -> None:
     """Sources, one (empty) extension file per module plus the runtime, and a matching stamp."""
     for m in native.MODULES:
-        (d / f"{m}.py").write_text(f"# {m}\n")
-        (d / f"{m}{SUFFIX}").write_bytes(b"")
-    (d / f"{native.GROUP}__mypyc{SUFFIX}").write_bytes(b"")
-    (d / native.STAMP).write_text(json.dumps({f"{m}.py": native.sha256_of(d / f"{m}.py") for m in native.MODULES}))
+        src = root / m
+        src.parent.mkdir(parents=True, exist_ok=True)
+        src.write_text(f"# {m}\n")
+        src.with_suffix(SUFFIX).write_bytes(b"")
+    (root / native.RUNTIME_DIR / f"{native.GROUP}__mypyc{SUFFIX}").write_bytes(b"")
+    (root / native.RUNTIME_DIR / native.STAMP).write_text(
+        json.dumps({m: native.sha256_of(root / m) for m in native.MODULES}))
 
 
 def test_a_stale_or_partial_build_is_refused_by_name(tmp_path):
     assert native.check(tmp_path) is False  # no build: pure Python
     _fake_build(tmp_path)
     assert native.check(tmp_path) is True
-    (tmp_path / "fast_upstream.py").write_text("# edited after the build\n")
-    with pytest.raises(ConfigError, match=r"fast_upstream\.py changed since the transport was compiled: run `make compile`"):
+    (tmp_path / "gateway/router.py").write_text("# edited after the build\n")
+    with pytest.raises(ConfigError, match=r"gateway/router\.py changed since it was compiled: run `make compile`"):
         native.check(tmp_path)
     _fake_build(tmp_path)
-    (tmp_path / f"fast{SUFFIX}").unlink()
-    with pytest.raises(ConfigError, match=r"partial compiled transport in .* \(no fast\)"):
+    (tmp_path / f"engines/hashing{SUFFIX}").unlink()
+    with pytest.raises(ConfigError, match=r"partial compiled build under .* \(no engines/hashing\.py\)"):
         native.check(tmp_path)
     _fake_build(tmp_path)
-    (tmp_path / native.STAMP).unlink()
-    with pytest.raises(ConfigError, match="without a readable native.sha256.json"):
+    (tmp_path / native.RUNTIME_DIR / f"{native.GROUP}__mypyc{SUFFIX}").unlink()
+    with pytest.raises(ConfigError, match=r"\(no gateway/http/compiled__mypyc\.py\)"):
+        native.check(tmp_path)
+    _fake_build(tmp_path)
+    (tmp_path / native.RUNTIME_DIR / native.STAMP).unlink()
+    with pytest.raises(ConfigError, match="without a readable gateway/http/native.sha256.json"):
         native.check(tmp_path)
     native.clean(tmp_path)
-    assert native.check(tmp_path) is False and not list(tmp_path.glob("*.so"))
+    assert native.check(tmp_path) is False and not list(tmp_path.rglob("*.so"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mypyc") is None or shutil.which("cc") is None,
@@ -65,7 +72,8 @@ def test_a_compiled_gateway_serves_requests(tmp_path):
     out = subprocess.run([sys.executable, "-m", "gpuhit.native", "build"], cwd=copy, capture_output=True, text=True, check=False,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert len(list((copy / "gateway" / "http").glob("*.so"))) == len(native.MODULES) + 1
+    assert all((copy / m).with_suffix(SUFFIX).is_file() for m in native.MODULES)
+    assert len(list((copy / native.RUNTIME_DIR).glob(f"{native.GROUP}__mypyc.*.so"))) == 1
     assert len(list((copy / "gpuhit").glob("_speedups.*.so"))) == 1
     boot = (f"import runpy, sys; sys.path.insert(0, {str(copy)!r}); "
             "runpy.run_module('gpuhit.cli', run_name='__main__', alter_sys=True)")
