@@ -38,12 +38,10 @@ sees. Under ``--fake`` the numbers are meaningless (CPU, in-process copies); it 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import glob
 import json
 import os
 import pathlib
-import platform
 import sys
 import time
 import traceback
@@ -103,22 +101,15 @@ def _pkg_versions() -> dict:
 
 
 def env_info(torch: Any, fake: bool) -> dict:
-    info = {
-        "utc_date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "host": platform.node(),
-        "mode": "fake (CPU, engines.attention.fake_nvshmem)" if fake else "real nvshmem4py",
-        "packages": _pkg_versions(),
-        "nvshmem_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NVSHMEM_")},
-        "pythonpath": os.environ.get("PYTHONPATH", ""),
-    }
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(device=torch.cuda.get_device_name(0), sm_count=p.multi_processor_count,
-                    memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}")
-    else:
+    """gpu_measure's environment block (date, versions, device) plus what this check depends on."""
+    from tests.perf.gpu_measure import env_info as device_env
+
+    info = device_env(torch)
+    info.update(mode="fake (CPU, engines.attention.fake_nvshmem)" if fake else "real nvshmem4py",
+                packages=_pkg_versions(),
+                nvshmem_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("NVSHMEM_")},
+                pythonpath=os.environ.get("PYTHONPATH", ""))
+    if "device" not in info:
         info["device"] = "cpu"
     return info
 
