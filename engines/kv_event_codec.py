@@ -89,7 +89,7 @@ def _event_current(ev: KVEvent) -> dict[str, Any]:
 
 def _event_array(ev: KVEvent) -> list[Any]:
     if isinstance(ev, BlockStored):
-        out = [
+        out: list[Any] = [
             "BlockStored",
             list(ev.block_hashes),
             ev.parent_block_hash,
@@ -285,6 +285,7 @@ class RawTokenIds(Sequence[int]):
 
     def ids(self) -> tuple[int, ...]:
         if self._ids is None:
+            assert self._raw is not None  # held until the ids are decoded
             try:
                 self._ids = tuple(_TOKEN_IDS.decode(self._raw))
             except (msgspec.DecodeError, UnicodeDecodeError) as exc:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from engines.hashing import present_run_end
 from engines.kv_events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -61,7 +61,46 @@ class KVIndex(Protocol):
         ...
 
 
-class _BlockSet:
+class _Tier:
+    """What an index asks of one instance's blocks in one medium; :class:`_BlockSet` (hash -> parent,
+    with orphan bookkeeping) and :class:`_ChainSet` (a set of hashes) answer it. A base class, so the
+    indexes hold ``list[_Tier]`` and compiled code (mypyc, :mod:`gpuhit.native`) calls either."""
+
+    __slots__ = ("blocks",)
+
+    blocks: Any  # a dict (hash -> parent hash) or a set of hashes: its truth is "holds any block"
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def add(self, h: int, parent: int | None = None) -> bool:
+        """Store ``h`` (child of ``parent``); False if it was already stored."""
+        raise NotImplementedError
+
+    def remove(self, h: int) -> bool:
+        """Drop ``h``; False if it was not stored."""
+        raise NotImplementedError
+
+    def add_chain(self, hashes: Sequence[int], parent: int | None) -> None:
+        """Store one ``BlockStored``'s hashes: each the child of the one before, the first of ``parent``."""
+        for h in hashes:
+            self.add(h, parent)
+            parent = h
+
+    def remove_many(self, hashes: Iterable[int]) -> None:
+        """:meth:`remove` each hash (absent ones ignored)."""
+        for h in hashes:
+            self.remove(h)
+
+    def clear(self) -> None:
+        raise NotImplementedError
+
+    def prefix_hit(self, hashes: Sequence[int], start: int = 0) -> int:
+        """Length of the run of ``hashes[start:]`` present here, counted from ``start``."""
+        raise NotImplementedError
+
+
+class _BlockSet(_Tier):
     """Blocks of one instance in one medium: ``blocks`` maps hash -> parent hash (None = chain root).
 
     ``nchild[p]`` counts the stored children of ``p`` and ``orphans`` counts stored blocks whose
@@ -70,18 +109,14 @@ class _BlockSet:
     approximate index's LRU; a plain dict otherwise (half the memory).
     """
 
-    __slots__ = ("blocks", "nchild", "orphans")
+    __slots__ = ("nchild", "orphans")
 
     def __init__(self, lru: bool = False) -> None:
-        self.blocks: dict[int, int | None] = OrderedDict() if lru else {}
+        self.blocks = OrderedDict() if lru else {}
         self.nchild: dict[int, int] = {}
         self.orphans = 0
 
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def add(self, h: int, parent: int | None) -> bool:
-        """Store ``h`` (child of ``parent``); False if it was already stored."""
+    def add(self, h: int, parent: int | None = None) -> bool:
         blocks = self.blocks
         if h in blocks:
             return False
@@ -120,7 +155,6 @@ class _BlockSet:
         self.orphans = 0
 
     def prefix_hit(self, hashes: Sequence[int], start: int = 0) -> int:
-        """Length of the run of ``hashes[start:]`` present here, counted from ``start``."""
         blocks = self.blocks
         n = len(hashes)
         if start >= n or hashes[start] not in blocks:
@@ -135,7 +169,7 @@ class _BlockSet:
         return lo - start
 
 
-class _ChainSet:
+class _ChainSet(_Tier):
     """Blocks of one instance in one medium for the precise index: ``blocks`` is a set of hashes.
 
     Same lookups and answers as :class:`_BlockSet`, without parents: a chained hash determines its
@@ -143,13 +177,10 @@ class _ChainSet:
     docstring), so events apply as single C-level set updates.
     """
 
-    __slots__ = ("blocks",)
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self.blocks: set[int] = set()
-
-    def __len__(self) -> int:
-        return len(self.blocks)
+        self.blocks = set()
 
     def add(self, h: int, parent: int | None = None) -> bool:
         """Store ``h``; False if it was already stored (``parent`` is accepted for symmetry)."""
@@ -176,7 +207,6 @@ class _ChainSet:
         self.blocks.clear()
 
     def prefix_hit(self, hashes: Sequence[int], start: int = 0) -> int:
-        """Length of the run of ``hashes[start:]`` present here, counted from ``start``."""
         blocks = self.blocks
         n = len(hashes)
         if start >= n or hashes[start] not in blocks:
@@ -191,7 +221,7 @@ class _ChainSet:
 
 
 
-def _hit(g_set: _BlockSet | _ChainSet, c_set: _BlockSet | _ChainSet, hashes: Sequence[int]) -> tuple[int, int]:
+def _hit(g_set: _Tier, c_set: _Tier, hashes: Sequence[int]) -> tuple[int, int]:
     """One instance's (GPU prefix hit, CPU-tier blocks continuing it)."""
     g = g_set.prefix_hit(hashes) if g_set.blocks else 0
     return (g, c_set.prefix_hit(hashes, g) if c_set.blocks else 0)
@@ -204,8 +234,8 @@ class _BaseIndex:
         if num_instances <= 0:
             raise ConfigError(f"a KV index needs at least one instance, got {num_instances}")
         self.num_instances = num_instances
-        self._gpu = [_BlockSet(lru) for _ in range(num_instances)]
-        self._cpu = [_BlockSet() for _ in range(num_instances)]
+        self._gpu: list[_Tier] = [_BlockSet(lru) for _ in range(num_instances)]
+        self._cpu: list[_Tier] = [_BlockSet() for _ in range(num_instances)]
 
     def _check(self, instance: int) -> None:
         if not 0 <= instance < self.num_instances:
@@ -246,8 +276,8 @@ class PreciseKVIndex(_BaseIndex):
 
     def __init__(self, num_instances: int):
         super().__init__(num_instances)
-        self._gpu = [_ChainSet() for _ in range(num_instances)]  # type: ignore[misc]
-        self._cpu = [_ChainSet() for _ in range(num_instances)]  # type: ignore[misc]
+        self._gpu = [_ChainSet() for _ in range(num_instances)]
+        self._cpu = [_ChainSet() for _ in range(num_instances)]
 
     def on_kv_event(self, instance: int, batch: KVEventBatch) -> None:
         self._check(instance)
@@ -257,28 +287,27 @@ class PreciseKVIndex(_BaseIndex):
         # batch is mostly long runs of removals: a run on one medium is collected and applied in one call.
         run: list[int] = []
         extend = run.extend
-        run_target = None
+        run_target: _Tier | None = None
         for ev in batch.events:
-            t = type(ev)
-            if t is BlockRemoved or (t is not BlockStored and isinstance(ev, BlockRemoved)):
+            if isinstance(ev, BlockRemoved):
                 m = ev.medium
                 target = gpu if (m == GPU or m is None) else cpu if m == CPU else None
                 if target is None:
                     continue
                 if target is not run_target:
-                    if run:
-                        run_target.remove_many(run)  # type: ignore[union-attr]
+                    if run and run_target is not None:
+                        run_target.remove_many(run)
                         run.clear()
                     run_target = target
                 extend(ev.block_hashes)
                 continue
-            if run:
-                run_target.remove_many(run)  # type: ignore[union-attr]
+            if run and run_target is not None:
+                run_target.remove_many(run)
                 run.clear()
-            if t is BlockStored or isinstance(ev, BlockStored):
+            if isinstance(ev, BlockStored):
                 target = self._tier(instance, ev.medium)
                 if target is not None:
-                    target.add_chain(ev.block_hashes, ev.parent_block_hash)  # type: ignore[union-attr]
+                    target.add_chain(ev.block_hashes, ev.parent_block_hash)
             elif isinstance(ev, AllBlocksCleared):
                 if ev.medium in (None, GPU):
                     gpu.clear()
@@ -286,13 +315,13 @@ class PreciseKVIndex(_BaseIndex):
                     cpu.clear()
             else:  # the decoder only produces the three types; anything else is a bug upstream
                 raise ConfigError(f"unknown KV event {type(ev).__name__}")
-        if run:
-            run_target.remove_many(run)  # type: ignore[union-attr]
+        if run and run_target is not None:
+            run_target.remove_many(run)
 
     def on_routed(self, instance: int, block_hashes: Sequence[int]) -> None:
         """Nothing to learn: the engine's events are the truth."""
 
-    def _tier(self, instance: int, medium: str | None) -> _BlockSet | None:
+    def _tier(self, instance: int, medium: str | None) -> _Tier | None:
         if medium is None or medium == GPU:
             return self._gpu[instance]
         if medium == CPU:
@@ -342,7 +371,7 @@ class ApproximateKVIndex(_BaseIndex):
         for j in range(n - 1, -1, -1):
             h = block_hashes[j]
             if h in blocks:
-                blocks.move_to_end(h)  # type: ignore[attr-defined]
+                blocks.move_to_end(h)
             else:
                 s.add(h, block_hashes[j - 1] if j else None)
         cap = self.capacities[instance]

@@ -40,11 +40,13 @@ from gpuhit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: mypyc names modules by their path from here
 # The compiled modules, by path from the checkout: the fast transport, and the request's routing path
-# (router, LPWL, block hashing, prompt memo, metrics, the hash check, the KV-event subscriber's ZMTP).
+# (router, LPWL, block hashing, prompt memo, metrics, the hash check, the KV index, the KV-event
+# subscriber's ZMTP). Not engines/kv_event_codec.py: mypyc drops a msgspec.Struct subclass's class
+# keywords (tag, array_like, frozen), which its typed decoders depend on.
 MODULES = (
     "gateway/http/fast.py", "gateway/http/fast_upstream.py", "gateway/http/forward_deadlines.py",
     "gateway/http/prompt.py", "gateway/router.py", "gateway/metrics.py", "gateway/hash_check.py",
-    "policies/lpwl.py", "engines/hashing.py", "engines/vllm/zmtp.py",
+    "gateway/kv_index.py", "policies/lpwl.py", "engines/hashing.py", "engines/vllm/zmtp.py",
 )
 RUNTIME_DIR = "gateway/http"  # mypyc's shared runtime, gateway/http/compiled__mypyc*.so, and the stamp
 GROUP = "compiled"
@@ -69,15 +71,29 @@ def _built(root: Path) -> dict[str, list[Path]]:
     return {m: found for m in (*MODULES, runtime) if (found := _extensions(root, m))}
 
 
+def _stray(root: Path) -> list[Path]:
+    """Extension files beside a source in the compiled packages that :data:`MODULES` does not name:
+    left by a build of another version (a module compiled then, not now). Python would import one
+    against a runtime it was not built with."""
+    known = {p for found in _built(root).values() for p in found}
+    packages = sorted({m.split("/", 1)[0] for m in MODULES})
+    return sorted(p for pkg in packages for p in (root / pkg).rglob("*.so")
+                  if p not in known and p.with_name(p.name.split(".", 1)[0] + ".py").is_file())
+
+
 def check(root: Path = ROOT) -> bool:
     """True when the compiled modules are under ``root`` and were built from its current sources;
     False when there is no build. ConfigError for a stale or partial one (an edited source, a
     missing module or stamp): running old code unannounced is worse than not starting. Each package
     holding a compiled module asks at import (~1 ms with a build, globs alone without)."""
     built = _built(root)
+    fix = "run `make compile` again, or `make uncompile` for pure Python"
+    stray = _stray(root)
+    if stray:
+        names = ", ".join(str(p.relative_to(root)) for p in stray)
+        raise ConfigError(f"compiled modules from another build under {root} ({names}): {fix}")
     if not built:
         return False
-    fix = "run `make compile` again, or `make uncompile` for pure Python"
     stamp = root / RUNTIME_DIR / STAMP
     try:
         recorded = json.loads(stamp.read_text())
@@ -162,7 +178,8 @@ def build(root: Path = ROOT) -> None:
 
 def clean(root: Path = ROOT) -> None:
     """Remove the compiled modules, the runtime, the stamp and the C speedups (back to pure Python)."""
-    for p in [*(p for found in _built(root).values() for p in found), *(root / "gpuhit").glob(f"{SPEEDUPS}.*.so")]:
+    built = [p for found in _built(root).values() for p in found]
+    for p in [*built, *_stray(root), *(root / "gpuhit").glob(f"{SPEEDUPS}.*.so")]:
         p.unlink()
     (root / RUNTIME_DIR / STAMP).unlink(missing_ok=True)
     shutil.rmtree(root / "build" / "native", ignore_errors=True)

@@ -58,6 +58,13 @@ def test_a_stale_or_partial_build_is_refused_by_name(tmp_path):
         native.check(tmp_path)
     native.clean(tmp_path)
     assert native.check(tmp_path) is False and not list(tmp_path.rglob("*.so"))
+    # a module compiled by a build of another version, which MODULES no longer names
+    (tmp_path / "engines/kv_event_codec.py").write_text("# not compiled now\n")
+    (tmp_path / f"engines/kv_event_codec{SUFFIX}").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"compiled modules from another build under .* \(engines/kv_event_codec\."):
+        native.check(tmp_path)
+    native.clean(tmp_path)
+    assert native.check(tmp_path) is False and not list(tmp_path.rglob("*.so"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mypyc") is None or shutil.which("cc") is None,
