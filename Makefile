@@ -62,8 +62,9 @@ $(BENCH_STAMP): pyproject.toml | $(STAMP)
 bench: $(STAMP) $(BENCH_STAMP)
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/perf
 
-# The fast transport compiled with mypyc (gpuhit/native.py): optional, in place, checked against its
-# sources at import. `make uncompile` goes back to pure Python (the default; `make test` runs either).
+# The request path (transport, router, policy, KV index: gpuhit/native.py MODULES) compiled with mypyc:
+# optional, in place, checked against its sources at import. `make uncompile` goes back to pure Python
+# (the default; `make test` runs either).
 NATIVE_STAMP := $(VENV)/.native
 $(NATIVE_STAMP): pyproject.toml | $(STAMP)
 	$(PIP) install -q -e ".[native]"
