@@ -33,7 +33,11 @@ This version is host-driven: signals are polled from the host (one small device-
 poll) and the encoded bytes cross host<->device once on each side (the wire codec is host bytes).
 It also moves whole slots: nvshmem4py resolves a tensor to its whole allocation and ``put`` moves
 ``min(dst, src)`` bytes of them (``nvshmem/core/rma.py`` ``_call_putget``), so a message costs
-``slot_bytes`` on the fabric whatever its length; size ``slot_bytes`` to the largest message.
+``slot_bytes`` on the fabric whatever its length; size ``slot_bytes`` to the largest message. Run the
+requester and holder processes with one torch intra-op thread (``OMP_NUM_THREADS=1`` or
+``torch.set_num_threads(1)``): on a 16-core H100 host the pool's wake-ups cost ~6-7 ms a round trip
+once a message's tensors pass torch's parallel grain (~130 KB), 8 ms against 1.4-2 ms measured
+(``analysis/results/nvshmem-h100-2026-11-26.md``).
 :class:`RouteStats` counts the protocol's bytes (header + payload), not the slot size. A device-side
 put from the attention kernel (IBGDA) is the next step, not this one.
 

@@ -3,9 +3,12 @@
 
 Run from the repository root on one CUDA GPU, with nvshmem4py importable (carried as a wheel)::
 
-    PYTHONPATH=.:/tmp/site python3 tests/perf/gpu_nvshmem_check.py --out $OUT
+    PYTHONPATH=.:/tmp/site OMP_NUM_THREADS=1 python3 tests/perf/gpu_nvshmem_check.py --out $OUT
     PYTHONPATH=. python3 tests/perf/gpu_nvshmem_check.py --out DIR --fake   # CPU, through fake_nvshmem
     python3 tests/perf/gpu_nvshmem_check.py --print-fallbacks .whl/fallback  # wheels the image lacks
+
+(``OMP_NUM_THREADS=1``: with torch's 16 intra-op threads the host-side tensor work of a message above
+~130 KB cost ~6-7 ms more a round trip on the H100 host; see the transport's docstring.)
 
 Steps (each in its own try/except; a failure is recorded with its traceback, the rest still runs where
 it can; ``nvshmem-check.json`` is rewritten after every step, so a timeout still leaves what was done):
