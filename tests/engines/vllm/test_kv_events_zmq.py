@@ -86,6 +86,50 @@ def test_joining_a_stream_under_way_without_replay_socket_is_not_a_gap():
     asyncio.run(main())
 
 
+def test_the_initial_replay_waits_for_the_live_connection():
+    """A batch published while the SUB side is still connecting reaches it through the initial
+    replay, asked for once the connection is up: asked earlier, the batch would reach neither path,
+    and with no later batch to show the gap it would stay missing. The live connection goes through
+    a relay on loopback that holds it until the batch is out."""
+
+    async def main() -> None:
+        pub = KVEventPublisher(topic="kv")
+        pub.start()
+        host, port = pub.endpoint_bound.removeprefix("tcp://").rsplit(":", 1)
+        accepted, release = asyncio.Event(), asyncio.Event()
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.set()
+            await release.wait()
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+        server = await asyncio.start_server(relay, "127.0.0.1", 0)
+        got = Collector()
+        sub = KVEventSubscriber(f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}", got,
+                                replay_endpoint=pub.replay_endpoint_bound, topic="kv", replay_timeout=30.0)
+        sub.start()
+        await accepted.wait()  # the subscriber is connecting; the relay holds it
+        pub.lose_next(1)
+        pub.publish(stored(1))  # not on the wire: only the replay buffer has it
+        assert not sub.synced.is_set() and sub.stats.replays_ok == 0  # no replay before the connection
+        release.set()
+        await got.wait_for(1)
+        assert hashes(got.batches) == [1] and sub.connections == 1
+        assert (sub.stats.replays_ok, sub.stats.gaps, sub.stats.resets) == (1, 0, 0)
+        await sub.close()
+        server.close()
+        await pub.close()
+
+    asyncio.run(main())
+
+
 def test_gap_without_replay_socket_clears_the_index():
     async def main() -> None:
         pub = KVEventPublisher(replay_endpoint=None)
