@@ -4,4 +4,4 @@
 # partial build is refused here, before any of them is imported.
 from gpuhit import native as _native
 
-_native.check()
+_native.check_once()

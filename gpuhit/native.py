@@ -71,11 +71,11 @@ def _built(root: Path) -> dict[str, list[Path]]:
     return {m: found for m in (*MODULES, runtime) if (found := _extensions(root, m))}
 
 
-def _stray(root: Path) -> list[Path]:
-    """Extension files beside a source in the compiled packages that :data:`MODULES` does not name:
-    left by a build of another version (a module compiled then, not now). Python would import one
-    against a runtime it was not built with."""
-    known = {p for found in _built(root).values() for p in found}
+def _stray(root: Path, built: dict[str, list[Path]]) -> list[Path]:
+    """Extension files beside a source in the compiled packages that :data:`MODULES` does not name
+    (``built``: :func:`_built`'s answer): left by a build of another version (a module compiled then,
+    not now). Python would import one against a runtime it was not built with."""
+    known = {p for found in built.values() for p in found}
     packages = sorted({m.split("/", 1)[0] for m in MODULES})
     return sorted(p for pkg in packages for p in (root / pkg).rglob("*.so")
                   if p not in known and p.with_name(p.name.split(".", 1)[0] + ".py").is_file())
@@ -84,11 +84,11 @@ def _stray(root: Path) -> list[Path]:
 def check(root: Path = ROOT) -> bool:
     """True when the compiled modules are under ``root`` and were built from its current sources;
     False when there is no build. ConfigError for a stale or partial one (an edited source, a
-    missing module or stamp): running old code unannounced is worse than not starting. Each package
-    holding a compiled module asks at import (~1 ms with a build, globs alone without)."""
+    missing module or stamp): running old code unannounced is worse than not starting. The packages
+    holding compiled modules ask through :func:`check_once`."""
     built = _built(root)
     fix = "run `make compile` again, or `make uncompile` for pure Python"
-    stray = _stray(root)
+    stray = _stray(root, built)
     if stray:
         names = ", ".join(str(p.relative_to(root)) for p in stray)
         raise ConfigError(f"compiled modules from another build under {root} ({names}): {fix}")
@@ -106,6 +106,19 @@ def check(root: Path = ROOT) -> bool:
     if changed:
         raise ConfigError(f"{', '.join(changed)} changed since it was compiled: {fix}")
     return True
+
+
+_checked_root: bool | None = None  # check(ROOT)'s answer in this process, once asked
+
+
+def check_once() -> bool:
+    """:func:`check` of this checkout, answered once per process: ``gateway``, ``engines`` and
+    ``policies`` each ask at import, before any of their modules loads, and the answer (~1.3 ms of
+    globs and hashes) cannot change between them. :func:`build` and :func:`clean` forget it."""
+    global _checked_root
+    if _checked_root is None:
+        _checked_root = check(ROOT)
+    return _checked_root
 
 
 def compiled() -> bool:
@@ -157,7 +170,7 @@ def build(root: Path = ROOT) -> None:
     except ImportError as exc:
         raise ConfigError(f"compiling needs mypy's mypyc and setuptools ({exc}): "
                           "pip install 'gpuhit[native]'") from None
-    clean(root)
+    clean(root)  # forgets check_once's answer
     # Only the compiled modules are type-checked strictly; what they import is read for types
     # (--follow-imports=silent), as the rest of the gateway is not written for mypy.
     opts = ["--ignore-missing-imports", "--follow-imports=silent"]
@@ -178,11 +191,14 @@ def build(root: Path = ROOT) -> None:
 
 def clean(root: Path = ROOT) -> None:
     """Remove the compiled modules, the runtime, the stamp and the C speedups (back to pure Python)."""
-    built = [p for found in _built(root).values() for p in found]
-    for p in [*built, *_stray(root), *(root / "gpuhit").glob(f"{SPEEDUPS}.*.so")]:
+    built = _built(root)
+    for p in [*(p for found in built.values() for p in found), *_stray(root, built),
+              *(root / "gpuhit").glob(f"{SPEEDUPS}.*.so")]:
         p.unlink()
     (root / RUNTIME_DIR / STAMP).unlink(missing_ok=True)
     shutil.rmtree(root / "build" / "native", ignore_errors=True)
+    global _checked_root
+    _checked_root = None
 
 
 def main(argv: list[str] | None = None) -> int:

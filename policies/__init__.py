@@ -8,4 +8,4 @@ Every policy module registers itself in :mod:`policies.registry`; build one with
 # partial build is refused here, before any of them is imported.
 from gpuhit import native as _native
 
-_native.check()
+_native.check_once()
