@@ -29,12 +29,18 @@ verified range).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from engines.hashing import present_run_end
 from engines.kv_events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from gpuhit.errors import ConfigError
+from gpuhit.speedups import ACCEL
+
+
+def _new_hash_set() -> Any:
+    """An empty set of block hashes for :class:`_ChainSet`: the C speedups' ``BlockSet`` when built."""
+    return set() if ACCEL is None else ACCEL.BlockSet()
 
 
 class KVIndex(Protocol):
@@ -174,13 +180,24 @@ class _ChainSet(_Tier):
 
     Same lookups and answers as :class:`_BlockSet`, without parents: a chained hash determines its
     parent, and nothing here reads it (exactness comes from verifying the search, see the module
-    docstring), so events apply as single C-level set updates.
+    docstring), so events apply as single C-level set updates. With the C speedups
+    (:mod:`gpuhit.speedups`) the set is their ``BlockSet`` (``gpuhit/_blockset.c``): bare uint64
+    keys, batches probed with their slots prefetched, no rehash while a full cache churns; it answers
+    every operation used here as a Python set does (``tests/gateway/test_blockset.py``), 2x faster
+    for an event's 128 hashes in and out of a million-hash set, in a sixth of the memory.
     """
 
     __slots__ = ()
 
-    def __init__(self) -> None:
-        self.blocks = set()
+    def __init__(self, new_set: Callable[[], Any] | None = None) -> None:
+        self.blocks = (new_set or _new_hash_set)()
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` hashes now where the set can be sized (``BlockSet``; a Python set grows as
+        it fills): an engine's cache filling up then never rehashes it mid-request."""
+        reserve = getattr(self.blocks, "reserve", None)
+        if reserve is not None:
+            reserve(n)
 
     def add(self, h: int, parent: int | None = None) -> bool:
         """Store ``h``; False if it was already stored (``parent`` is accepted for symmetry)."""
@@ -274,10 +291,19 @@ class PreciseKVIndex(_BaseIndex):
     __slots__ = ()
     learns_from_routing = False  # on_routed is a no-op: the router skips calling it
 
-    def __init__(self, num_instances: int):
+    def __init__(self, num_instances: int, new_set: Callable[[], Any] | None = None):
+        """``new_set``: makes each tier's empty set of hashes (default: the C ``BlockSet`` when the
+        speedups are built, else ``set``; tests give either)."""
         super().__init__(num_instances)
-        self._gpu = [_ChainSet() for _ in range(num_instances)]
-        self._cpu = [_ChainSet() for _ in range(num_instances)]
+        self._gpu = [_ChainSet(new_set) for _ in range(num_instances)]
+        self._cpu = [_ChainSet(new_set) for _ in range(num_instances)]
+
+    def reserve(self, gpu_blocks: Sequence[int | None]) -> None:
+        """Size each instance's GPU tier for its engine's capacity in blocks (None: unknown, left to
+        grow), so a cache filling up does not rehash the index mid-request (see :meth:`_ChainSet.reserve`)."""
+        for tier, n in zip(self._gpu, gpu_blocks):
+            if n and isinstance(tier, _ChainSet):
+                tier.reserve(n)
 
     def on_kv_event(self, instance: int, batch: KVEventBatch) -> None:
         self._check(instance)

@@ -13,11 +13,14 @@
  *   chunk_hashes      the approximate index's chained text-chunk hashes (BLAKE2b-64 from RFC 7693:
  *                     hashlib costs a Python call and an object per 64-byte chunk).
  *
+ * And one type, in _blockset.c (built into this extension): BlockSet, the precise KV index's set of
+ * block hashes.
+ *
  * The parsers accept a strict subset of their input and answer None for anything outside it, so the
  * pure-Python path (which they only speed up) keeps deciding every error and every unusual shape:
  * the result is, by construction and by differential tests (tests/gateway/test_speedups.py),
- * exactly what the Python path gives. SOURCE_SHA256 (this file's digest, set by the build) lets the
- * loader refuse a build older than this source.
+ * exactly what the Python path gives. SOURCE_SHA256 (the digest of this file and _blockset.c, set by
+ * the build) lets the loader refuse a build older than its sources.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -854,10 +857,12 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuhit._speedups", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
+int blockset_add_type(PyObject *module); /* _blockset.c */
+
 PyMODINIT_FUNC PyInit__speedups(void) {
     init_int_size();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0) {
+    if (m != NULL && (PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 || blockset_add_type(m) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from gpuhit.errors import ConfigError
@@ -51,7 +52,8 @@ MODULES = (
 RUNTIME_DIR = "gateway/http"  # mypyc's shared runtime, gateway/http/compiled__mypyc*.so, and the stamp
 GROUP = "compiled"
 STAMP = "native.sha256.json"
-SPEEDUPS = "_speedups"  # gpuhit/_speedups.c -> gpuhit/_speedups.*.so
+SPEEDUPS = "_speedups"  # gpuhit/_speedups.c and _blockset.c -> gpuhit/_speedups.*.so
+SPEEDUPS_SOURCES = ("gpuhit/_speedups.c", "gpuhit/_blockset.c")  # one extension (its module init in the first)
 
 
 def sha256_of(path: Path) -> str:
@@ -136,15 +138,20 @@ def describe(transport: str) -> str:
     return (", compiled" if transport == "fast" and compiled() else "") + (", C speedups" if speedups.ACCEL else "")
 
 
+def sources_sha256(paths: Sequence[Path]) -> str:
+    """One digest of several source files, in order: what the C speedups carry of their sources."""
+    return hashlib.sha256("".join(sha256_of(p) for p in paths).encode()).hexdigest()
+
+
 def _speedups_extension(root: Path, absolute: bool = False):  # -> setuptools.Extension
-    """The C speedups' extension, carrying its source's digest (:func:`gpuhit.speedups.load` compares
+    """The C speedups' extension, carrying its sources' digest (:func:`gpuhit.speedups.load` compares
     it at import). ``root``: the checkout, the current directory while setuptools builds it unless
     ``absolute``."""
     from setuptools import Extension
 
-    c_source = root / "gpuhit" / f"{SPEEDUPS}.c"
-    return Extension(f"gpuhit.{SPEEDUPS}", [str(c_source if absolute else c_source.relative_to(root))],
-                     extra_compile_args=["-O3"], define_macros=[("SOURCE_SHA256", f'"{sha256_of(c_source)}"')])
+    sources = [root / s for s in SPEEDUPS_SOURCES]
+    return Extension(f"gpuhit.{SPEEDUPS}", [str(p if absolute else p.relative_to(root)) for p in sources],
+                     extra_compile_args=["-O3"], define_macros=[("SOURCE_SHA256", f'"{sources_sha256(sources)}"')])
 
 
 def build_speedups(out: Path) -> Path:
@@ -186,7 +193,7 @@ def build(root: Path = ROOT) -> None:
     (root / RUNTIME_DIR / STAMP).write_text(json.dumps({m: sha256_of(root / m) for m in MODULES}, indent=1) + "\n")
     check(root)
     print(f"compiled {', '.join(MODULES)} ({sum(map(len, _built(root).values()))} extension files) "
-          f"and gpuhit/{SPEEDUPS}.c")
+          f"and {' + '.join(SPEEDUPS_SOURCES)}")
 
 
 def clean(root: Path = ROOT) -> None:

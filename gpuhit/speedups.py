@@ -1,4 +1,5 @@
-"""The optional C speedups (``gpuhit/_speedups.c``) and the guard against a stale build.
+"""The optional C speedups (``gpuhit/_speedups.c`` and ``_blockset.c``, one extension) and the guard
+against a stale build.
 
 Three parsers in C that the gateway otherwise runs with numpy, orjson and msgspec
 (:func:`gateway.http.prompt.fast_completion_ids`, :func:`engines.kv_event_codec.decode_batch`,
@@ -10,32 +11,38 @@ answers only the common, strict shape of its input and None for anything else, w
 path then decides as it always did: the answers are the same with or without the build (the
 differential tests in ``tests/gateway/test_speedups.py`` hold the two to that). And one hash:
 ``chunk_hashes``, the approximate index's chained BLAKE2b-64 text-chunk hashes
-(:func:`gateway.http.prompt.text_chunk_hashes`), equal to hashlib's (tested likewise).
+(:func:`gateway.http.prompt.text_chunk_hashes`), equal to hashlib's (tested likewise). And one
+type: ``BlockSet``, the precise KV index's set of block hashes (:class:`gateway.kv_index._ChainSet`;
+bare uint64 keys, batches probed with their slots prefetched), which answers as a Python set of ints
+does (``tests/gateway/test_blockset.py``).
 
 ``make compile`` builds them (with the mypyc transport, :mod:`gpuhit.native`); ``make uncompile``
 removes them. Pure Python is the default; ``gpuhit serve``'s banner says which is running. The
-extension carries the SHA-256 of the source it was built from, and :func:`load` refuses one built
-from another version of ``_speedups.c`` (Python would otherwise run the old code silently).
+extension carries a SHA-256 of the sources it was built from, and :func:`load` refuses one built
+from another version of them (Python would otherwise run the old code silently).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 from gpuhit.errors import ConfigError
-from gpuhit.native import sha256_of
+from gpuhit.native import ROOT, SPEEDUPS_SOURCES, sources_sha256
 
-SOURCE = Path(__file__).resolve().with_name("_speedups.c")
+SOURCES = tuple(ROOT / s for s in SPEEDUPS_SOURCES)
+SOURCE = SOURCES[0]
 NAME = "gpuhit._speedups"
 
 
-def verified(module: ModuleType, source: Path = SOURCE) -> ModuleType:
-    """``module`` when it was built from ``source`` as it is now; ConfigError naming the fix otherwise."""
-    if getattr(module, "SOURCE_SHA256", None) != sha256_of(source):
-        raise ConfigError(f"{module.__file__} was built from another version of {source.name}: "
-                          "run `make compile` again, or `make uncompile` for pure Python")
+def verified(module: ModuleType, sources: Sequence[Path] = SOURCES) -> ModuleType:
+    """``module`` when it was built from ``sources`` as they are now; ConfigError naming the fix otherwise."""
+    if getattr(module, "SOURCE_SHA256", None) != sources_sha256(sources):
+        raise ConfigError(f"{module.__file__} was built from another version of "
+                          f"{' / '.join(p.name for p in sources)}: run `make compile` again, or `make uncompile` "
+                          "for pure Python")
     return module
 
 

@@ -239,6 +239,7 @@ class Gateway(Forwarding, Breakers, Admin, KVStreams):
                                 "an approximate hash", found, exc)
         if cfg.index == "precise":
             index: Any = PreciseKVIndex(len(self.engines))
+            index.reserve([e.stats().kv_capacity_blocks for e in self.engines])  # as the first scrape read them
         else:
             index = ApproximateKVIndex.from_engines(self.engines)
         # The loop's clock, injected: saves get_running_loop() (a getpid() syscall) per decision.

@@ -19,7 +19,7 @@ import pytest
 from engines.fake import FakeEngine
 from gpuhit import native
 from gpuhit.errors import ConfigError
-from tests.e2e.helpers import servers, spawn
+from tests.e2e.helpers import servers, spawn, spawn_emulator
 
 ROOT = Path(__file__).resolve().parents[2]
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-311-x86_64-linux-gnu.so
@@ -70,9 +70,11 @@ def test_a_stale_or_partial_build_is_refused_by_name(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("mypyc") is None or shutil.which("cc") is None,
                     reason="needs mypy's mypyc and a C compiler (pip install 'gpuhit[native]')")
 def test_a_compiled_gateway_serves_requests(tmp_path):
-    """mypyc compiles the transport in a copy of the packages; a gateway run from that copy says so
-    in its banner, imports the extensions, and relays a non-streamed and a streamed completion
-    from a real engine server with its decision headers."""
+    """mypyc compiles the request path in a copy of the packages; a gateway run from that copy says
+    so in its banner, imports the extensions, and relays a non-streamed and a streamed completion
+    from a real engine server with its decision headers; in front of an engine process publishing
+    real ZMQ KV events, its precise index (the C speedups' BlockSet) predicts exactly the prefix
+    hit the engine then reports."""
     copy = tmp_path / "src"
     for pkg in ("gpuhit", "gateway", "engines", "policies", "replayer", "analysis"):
         shutil.copytree(ROOT / pkg, copy / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.sha256.json"))
@@ -111,5 +113,31 @@ def test_a_compiled_gateway_serves_requests(tmp_path):
                         assert r.status == 400 and "prompt" in (await r.json())["error"]["message"]
             finally:
                 await gw.stop()
+        eng, eng_url = await spawn_emulator("--kv-events-port", "0", "--zero-cost", "--num-gpu-blocks", "4096")
+        gw = None
+        try:
+            gw = await spawn(["-c", boot, "serve", "--port", "0", "--engine", eng_url, "--model", "m",
+                              "--policy", "lpwl", "--index", "precise"])
+            assert "precise index, fast transport, compiled, C speedups)" in gw.first_line, gw.first_line
+            url = gw.first_line.split(" on ", 1)[1].split(" ", 1)[0]
+            prompt = {"model": "m", "prompt": list(range(7000, 7320)), "max_tokens": 2}  # 20 blocks of 16
+            async with aiohttp.ClientSession() as http:
+                async def hits() -> tuple[int, int]:
+                    async with http.post(url + "/v1/completions", json=prompt) as r:
+                        assert r.status == 200, await r.text()
+                        cached = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+                        return int(r.headers["x-gpuhit-predicted-hit"]), cached
+                assert await hits() == (0, 0)
+                seen: list[tuple[int, int]] = []
+                for _ in range(400):  # until the prompt's BlockStored event has reached the index
+                    seen.append(await hits())
+                    if seen[-1][0]:
+                        break
+                assert seen[-1] == (304, 304), seen[-5:]  # 19 full blocks (the last token is recomputed)
+                assert all(cached == 304 for _, cached in seen)  # the engine had them from the first answer
+        finally:
+            if gw is not None:
+                await gw.stop()
+            await eng.stop()
 
     asyncio.run(main())
