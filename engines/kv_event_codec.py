@@ -405,8 +405,9 @@ _ARRAY_HEADS = frozenset([bytes([0x90 + k]) for k in range(16)] + [b"\xdc", b"\x
 
 
 def _from_fields(payload: bytes, fields: tuple) -> KVEventBatch:
-    """The batch of the C decoder's answer (``gpuhit/_speedups.c`` ``kv_batch``: events as tuples,
-    token ids as offsets into ``payload``), built as :func:`_decode_current` builds it."""
+    """The batch of the C decoder's tuples (``gpuhit/_speedups.c`` ``kv_batch(payload)``: events as
+    tuples, token ids as offsets into ``payload``), built as :func:`_decode_current` builds it: what
+    ``kv_batch(payload, _RECORDS)``, which builds the records in C, must equal (the tests hold it to that)."""
     ts, events, rank = fields
     view = memoryview(payload)
     out: list[KVEvent] = []
@@ -425,10 +426,14 @@ def _from_fields(payload: bytes, fields: tuple) -> KVEventBatch:
     return KVEventBatch(ts=ts, events=tuple(out), data_parallel_rank=rank)
 
 
+# The classes the C decoder builds its answer from (kv_batch's second argument, in its order).
+_RECORDS = (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared, RawTokenIds)
+
+
 def decode_batch(payload: bytes) -> KVEventBatch:
     """Decode one published payload; raises :class:`KVEventDecodeError` on anything else."""
-    if _ACCEL is not None and (fields := _ACCEL.kv_batch(payload)) is not None:
-        return _from_fields(payload, fields)
+    if _ACCEL is not None and (batch := _ACCEL.kv_batch(payload, _RECORDS)) is not None:
+        return batch
     fast = _decode_current(payload)
     if fast is not None:
         return fast

@@ -302,6 +302,30 @@ static int rd_opt_int(Rd *r, PyObject **out, int allow_nil, int nonneg, int posi
     return *out == NULL ? FAIL : OK;
 }
 
+/* The last few short strings decoded (an event's medium: "GPU" / "CPU", its lora_name), kept: each
+ * of vLLM's one-block BlockRemoved events carries its medium, which then costs no new string. */
+#define STR_CACHE 4
+#define STR_CACHE_MAX 16
+static char str_cache_bytes[STR_CACHE][STR_CACHE_MAX];
+static Py_ssize_t str_cache_len[STR_CACHE];
+static PyObject *str_cache_obj[STR_CACHE];
+static int str_cache_next;
+
+static PyObject *cached_str(const char *s, Py_ssize_t len) {
+    if (len > STR_CACHE_MAX) return PyUnicode_DecodeUTF8(s, len, NULL);
+    for (int i = 0; i < STR_CACHE; i++)
+        if (str_cache_obj[i] != NULL && str_cache_len[i] == len && memcmp(str_cache_bytes[i], s, (size_t)len) == 0)
+            return Py_NewRef(str_cache_obj[i]);
+    PyObject *o = PyUnicode_DecodeUTF8(s, len, NULL);
+    if (o == NULL) return NULL;
+    int i = str_cache_next;
+    str_cache_next = (i + 1) % STR_CACHE;
+    Py_XSETREF(str_cache_obj[i], Py_NewRef(o));
+    memcpy(str_cache_bytes[i], s, (size_t)len);
+    str_cache_len[i] = len;
+    return o;
+}
+
 static int rd_opt_str(Rd *r, PyObject **out) {
     if (rd_nil(r)) {
         *out = Py_NewRef(Py_None);
@@ -310,7 +334,7 @@ static int rd_opt_str(Rd *r, PyObject **out) {
     const char *s;
     Py_ssize_t len;
     if (rd_str(r, &s, &len) != OK) return FALLBACK;
-    *out = PyUnicode_DecodeUTF8(s, len, NULL);
+    *out = cached_str(s, len);
     if (*out == NULL) { /* not UTF-8: the Python decoder says what is wrong */
         PyErr_Clear();
         return FALLBACK;
@@ -408,6 +432,15 @@ static const char *const FIELD_NAMES[NF] = {"type", "block_hashes", "parent_bloc
                                             "lora_id", "medium", "lora_name", "extra_keys", "group_idx",
                                             "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
                                             "ownership", "session_id"};
+/* A key's field, or -1: its length first (one compare rules out most names), then its bytes. */
+static int field_of(const char *k, Py_ssize_t klen) {
+    static Py_ssize_t lens[NF];
+    if (lens[0] == 0)
+        for (int j = 0; j < NF; j++) lens[j] = (Py_ssize_t)strlen(FIELD_NAMES[j]);
+    for (int j = 0; j < NF; j++)
+        if (lens[j] == klen && memcmp(k, FIELD_NAMES[j], (size_t)klen) == 0) return j;
+    return -1;
+}
 #define BIT(f) (1u << (f))
 static const unsigned STORED_ALLOWED = (1u << NF) - 1;
 static const unsigned STORED_REQUIRED = BIT(F_TYPE) | BIT(F_HASHES) | BIT(F_PARENT) | BIT(F_TOKENS) | BIT(F_BLOCK_SIZE);
@@ -418,12 +451,39 @@ static const unsigned CLEARED_ALLOWED = BIT(F_TYPE) | BIT(F_MEDIUM);
 
 enum { T_NONE, T_STORED, T_REMOVED, T_CLEARED };
 
+/* With kv_batch's classes: the records themselves (engines/kv_events.py), built here with their
+ * fields in order, instead of tuples a Python loop turns into records (~0.4 us an event: vLLM sends
+ * a BlockRemoved per evicted block, so a full cache takes as many events as blocks stored). */
+enum { C_BATCH, C_STORED, C_REMOVED, C_CLEARED, C_RAW_IDS, N_CLASSES };
+typedef struct {
+    PyObject *cls[N_CLASSES];
+    PyObject *view; /* a memoryview of the payload: token ids are RawTokenIds over a slice of it */
+} Build;
+
+static PyObject *raw_token_ids(const Build *b, Py_ssize_t from, Py_ssize_t to) {
+    PyObject *lo = PyLong_FromSsize_t(from), *hi = PyLong_FromSsize_t(to);
+    PyObject *slice = (lo && hi) ? PySlice_New(lo, hi, NULL) : NULL;
+    Py_XDECREF(lo);
+    Py_XDECREF(hi);
+    if (slice == NULL) return NULL;
+    PyObject *part = PyObject_GetItem(b->view, slice);
+    Py_DECREF(slice);
+    if (part == NULL) return NULL;
+    PyObject *ids = PyObject_CallOneArg(b->cls[C_RAW_IDS], part);
+    Py_DECREF(part);
+    return ids;
+}
+
+static PyObject *call_positional(PyObject *cls, PyObject *const *args, size_t n) {
+    return PyObject_Vectorcall(cls, args, n, NULL);
+}
+
 /* One event map -> a tuple:
  *   (1, block_hashes, parent, (token_ids from, to), block_size, lora_id, medium, lora_name, group_idx)
  *   (2, block_hashes, medium, group_idx)
  *   (3, medium)
  * Absent optional fields are None (the defaults of vLLM's structs); extra_keys only when it holds no key. */
-static int rd_event(Rd *r, const unsigned char *base, PyObject **out) {
+static int rd_event(Rd *r, const unsigned char *base, const Build *b, PyObject **out) {
     Py_ssize_t nkeys;
     if (rd_header(r, 1, &nkeys) != OK) return FALLBACK;
     PyObject *v[NF] = {NULL};
@@ -434,12 +494,7 @@ static int rd_event(Rd *r, const unsigned char *base, PyObject **out) {
         const char *k;
         Py_ssize_t klen;
         if (rd_str(r, &k, &klen) != OK) goto done;
-        int f = -1;
-        for (int j = 0; j < NF; j++)
-            if (key_is(k, klen, FIELD_NAMES[j])) {
-                f = j;
-                break;
-            }
+        int f = field_of(k, klen);
         if (f < 0 || (seen & BIT(f))) goto done; /* an unknown or repeated key: not the common shape */
         seen |= BIT(f);
         int got;
@@ -476,7 +531,24 @@ static int rd_event(Rd *r, const unsigned char *base, PyObject **out) {
     if (kind == T_NONE || (seen & ~allowed) || (seen & required) != required) goto done;
     for (int j = 0; j < NF; j++)
         if (v[j] == NULL) v[j] = Py_NewRef(Py_None);
-    if (kind == T_STORED)
+    if (b != NULL) { /* the records, fields in their declared order */
+        if (kind == T_STORED) {
+            PyObject *ids = raw_token_ids(b, tok_from, tok_to);
+            if (ids == NULL) {
+                rc = FAIL;
+                goto done;
+            }
+            PyObject *args[8] = {v[F_HASHES], v[F_PARENT], ids, v[F_BLOCK_SIZE], v[F_LORA_ID], v[F_MEDIUM],
+                                 v[F_LORA_NAME], v[F_GROUP_IDX]};
+            *out = call_positional(b->cls[C_STORED], args, 8);
+            Py_DECREF(ids);
+        } else if (kind == T_REMOVED) {
+            PyObject *args[3] = {v[F_HASHES], v[F_MEDIUM], v[F_GROUP_IDX]};
+            *out = call_positional(b->cls[C_REMOVED], args, 3);
+        } else {
+            *out = call_positional(b->cls[C_CLEARED], &v[F_MEDIUM], 1);
+        }
+    } else if (kind == T_STORED)
         *out = Py_BuildValue("(iOO(nn)OOOOO)", 1, v[F_HASHES], v[F_PARENT], tok_from, tok_to, v[F_BLOCK_SIZE],
                              v[F_LORA_ID], v[F_MEDIUM], v[F_LORA_NAME], v[F_GROUP_IDX]);
     else if (kind == T_REMOVED)
@@ -515,14 +587,14 @@ static int rd_ts(Rd *r, double *ts) {
     return OK;
 }
 
-static int rd_events(Rd *r, const unsigned char *base, PyObject **out) {
+static int rd_events(Rd *r, const unsigned char *base, const Build *b, PyObject **out) {
     Py_ssize_t k;
     if (rd_header(r, 0, &k) != OK || r->end - r->p < k) return FALLBACK;
     PyObject *t = PyTuple_New(k);
     if (t == NULL) return FAIL;
     for (Py_ssize_t i = 0; i < k; i++) {
         PyObject *e = NULL;
-        int rc = rd_event(r, base, &e);
+        int rc = rd_event(r, base, b, &e);
         if (rc != OK) {
             Py_DECREF(t);
             return rc;
@@ -533,14 +605,35 @@ static int rd_events(Rd *r, const unsigned char *base, PyObject **out) {
     return OK;
 }
 
-/* kv_batch(payload) -> (ts, events, data_parallel_rank) | None
+/* kv_batch(payload[, classes]) -> (ts, events, data_parallel_rank) | None
  *
  * vLLM's current wire shape, [ts, [event maps], rank?] (what vLLM 0.32 sends) or
  * {"ts", "events", "data_parallel_rank"?} (each key once, no others), with plain non-negative int
- * block hashes, int token ids and nil extra_keys; None for anything else. Events as rd_event. */
-static PyObject *kv_batch(PyObject *Py_UNUSED(self), PyObject *arg) {
+ * block hashes, int token ids and nil extra_keys; None for anything else. Events as rd_event.
+ * With classes, (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared, RawTokenIds): the
+ * KVEventBatch itself, its events built as engines/kv_event_codec.py's decoders build them. */
+static PyObject *kv_batch(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "kv_batch(payload[, classes])");
+        return NULL;
+    }
+    PyObject *arg = args[0];
+    Build build, *b = NULL;
+    if (nargs == 2) {
+        if (!PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != N_CLASSES) {
+            PyErr_SetString(PyExc_TypeError, "kv_batch's classes: (KVEventBatch, BlockStored, BlockRemoved, "
+                                             "AllBlocksCleared, RawTokenIds)");
+            return NULL;
+        }
+        for (int i = 0; i < N_CLASSES; i++) build.cls[i] = PyTuple_GET_ITEM(args[1], i);
+        if ((build.view = PyMemoryView_FromObject(arg)) == NULL) return NULL;
+        b = &build;
+    }
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
+        if (b != NULL) Py_DECREF(build.view);
+        return NULL;
+    }
     const unsigned char *base = (const unsigned char *)view.buf;
     Rd r = {base, base + view.len};
     double ts = 0;
@@ -549,7 +642,7 @@ static PyObject *kv_batch(PyObject *Py_UNUSED(self), PyObject *arg) {
     Py_ssize_t n;
     if (need(&r, 1) && ((*r.p >= 0x90 && *r.p <= 0x9f) || *r.p == 0xdc || *r.p == 0xdd)) {
         if (rd_header(&r, 0, &n) != OK || n < 2 || n > 3) goto done;
-        if ((rc = rd_ts(&r, &ts)) != OK || (rc = rd_events(&r, base, &events)) != OK) goto done;
+        if ((rc = rd_ts(&r, &ts)) != OK || (rc = rd_events(&r, base, b, &events)) != OK) goto done;
         if (n == 3 && (rc = rd_opt_int(&r, &rank, 1, 0, 0)) != OK) goto done;
     } else {
         if (rd_header(&r, 1, &n) != OK) goto done;
@@ -563,7 +656,7 @@ static PyObject *kv_batch(PyObject *Py_UNUSED(self), PyObject *arg) {
                 have_ts = 1;
                 rc = rd_ts(&r, &ts);
             } else if (key_is(k, klen, "events") && events == NULL) {
-                rc = rd_events(&r, base, &events);
+                rc = rd_events(&r, base, b, &events);
             } else if (key_is(k, klen, "data_parallel_rank") && rank == NULL) {
                 rc = rd_opt_int(&r, &rank, 1, 0, 0);
             }
@@ -574,10 +667,22 @@ static PyObject *kv_batch(PyObject *Py_UNUSED(self), PyObject *arg) {
     }
     rc = FALLBACK;
     if (r.p != r.end) goto done; /* trailing bytes */
-    out = Py_BuildValue("(dOO)", ts, events, rank == NULL ? Py_None : rank);
+    if (b != NULL) {
+        PyObject *fts = PyFloat_FromDouble(ts);
+        if (fts == NULL) {
+            rc = FAIL;
+            goto done;
+        }
+        PyObject *bargs[3] = {fts, events, rank == NULL ? Py_None : rank};
+        out = call_positional(build.cls[C_BATCH], bargs, 3);
+        Py_DECREF(fts);
+    } else {
+        out = Py_BuildValue("(dOO)", ts, events, rank == NULL ? Py_None : rank);
+    }
     rc = out == NULL ? FAIL : OK;
 done:
     PyBuffer_Release(&view);
+    if (b != NULL) Py_DECREF(build.view);
     Py_XDECREF(events);
     Py_XDECREF(rank);
     if (rc == FAIL) return NULL;
@@ -846,8 +951,9 @@ static PyObject *chunk_hashes(PyObject *Py_UNUSED(self), PyObject *const *args, 
 static PyMethodDef methods[] = {
     {"parse_uint_array", (PyCFunction)(void (*)(void))parse_uint_array, METH_FASTCALL,
      "parse_uint_array(buf, start, stop) -> bytearray | None: a JSON array body's ids as native uint64."},
-    {"kv_batch", kv_batch, METH_O,
-     "kv_batch(payload) -> (ts, events, data_parallel_rank) | None: a vLLM KV-event batch's fields."},
+    {"kv_batch", (PyCFunction)(void (*)(void))kv_batch, METH_FASTCALL,
+     "kv_batch(payload[, classes]) -> (ts, events, data_parallel_rank) | KVEventBatch | None: a vLLM KV-event "
+     "batch's fields, or with classes its records."},
     {"chunk_hashes", (PyCFunction)(void (*)(void))chunk_hashes, METH_FASTCALL,
      "chunk_hashes(data, step) -> list[int]: the approximate index's chained blake2b-64 hashes of full step-byte chunks."},
     {"usage_object", usage_object, METH_O,

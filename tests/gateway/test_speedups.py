@@ -194,10 +194,18 @@ def test_c_kv_decoder_answers_as_the_python_decoders(c_speedups, monkeypatch):
         assert got == want, (trial, payload[:80])
         if not trial % 2:
             assert want == batch
-        if c_speedups.kv_batch(payload) is not None:
+        if (fields := c_speedups.kv_batch(payload)) is not None:
             taken += 1
             assert not isinstance(want, str)
+            # the records built in C are those the Python loop builds from the tuples
+            built = c_speedups.kv_batch(payload, codec._RECORDS)
+            assert built == codec._from_fields(payload, fields) == want
+            assert [type(e) for e in built.events] == [type(e) for e in want.events]
+            assert all(type(e.token_ids) is codec.RawTokenIds for e in built.events if type(e) is BlockStored)
     assert taken > 400
+    for bad in ((), codec._RECORDS[:4], [*codec._RECORDS]):
+        with pytest.raises(TypeError, match="classes"):
+            c_speedups.kv_batch(payload, bad)
 
 
 def test_c_kv_decoder_leaves_token_ids_raw_and_odd_shapes_to_python(c_speedups, monkeypatch):

@@ -11,7 +11,8 @@ It does publish KV events as vLLM 0.32 does (its wire shape, :data:`engines.kv_e
 engines hold and its lookups, lazy hashing included, do the work they do in production: every
 token-id prompt's full blocks (vLLM's sha256 block hashes, :mod:`engines.hashing`) not stored yet
 are announced in one ``BlockStored`` event, with a ``BlockRemoved`` for the least recently used
-blocks beyond its 1,000,000 blocks of capacity. As vLLM 0.32's scheduler does once per engine step
+blocks beyond its capacity (``--capacity``, default 1,000,000 blocks; with ``--removed per-block``
+one ``BlockRemoved`` per evicted block, as vLLM 0.32's block pool sends them). As vLLM 0.32's scheduler does once per engine step
 (``Scheduler.update_from_output``: one ``KVEventBatch`` of the step's events, published before
 the step's outputs go out), the events of the requests answered in one event-loop iteration (this
 mock's "step") go out as one batch on the ZMQ PUB socket, and only then their answers
@@ -73,8 +74,8 @@ def _whole(status: bytes, ctype: bytes, body: bytes) -> bytes:
             + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-def _answers(kv_port: int) -> dict[bytes, bytes]:
-    metrics = (f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",num_gpu_blocks="{CAPACITY}"}} 1.0\n'
+def _answers(kv_port: int, capacity: int = CAPACITY) -> dict[bytes, bytes]:
+    metrics = (f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",num_gpu_blocks="{capacity}"}} 1.0\n'
                'vllm:num_requests_running{model_name="m"} 0.0\nvllm:num_requests_waiting{model_name="m"} 0.0\n'
                'vllm:kv_cache_usage_perc{model_name="m"} 0.0\n').encode()
     sse_head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -96,13 +97,16 @@ NOT_FOUND = _whole(b"404 Not Found", b"application/json", b'{"error":"not found"
 
 
 class _Store:
-    """What this engine has cached (LRU, ``CAPACITY`` blocks), and the PUB socket it announces
-    stored and evicted blocks on."""
+    """What this engine has cached (LRU, ``capacity`` blocks), and the PUB socket it announces
+    stored and evicted blocks on (the evicted in one ``BlockRemoved`` a prompt, or with
+    ``removed_per_block`` one each, as vLLM)."""
 
-    def __init__(self, pub, per_step: bool = True) -> None:
+    def __init__(self, pub, per_step: bool = True, capacity: int = CAPACITY, removed_per_block: bool = False) -> None:
         self.pub = pub
         self.seq = 0
         self.per_step = per_step
+        self.capacity = capacity
+        self.removed_per_block = removed_per_block
         self.events: list = []  # this step's events, not published yet
         self.answers: list[tuple[asyncio.Transport, bytes]] = []  # this step's answers, not written yet
         self._flush: asyncio.Handle | None = None
@@ -132,12 +136,14 @@ class _Store:
             return
         new = hs[k:]
         cached.update(dict.fromkeys(new))
-        evicted = [cached.popitem(last=False)[0] for _ in range(max(0, len(cached) - CAPACITY))]
+        evicted = [cached.popitem(last=False)[0] for _ in range(max(0, len(cached) - self.capacity))]
         tokens = np.asarray(ids[k * BLOCK_SIZE : len(hs) * BLOCK_SIZE]).tolist()
         # as vLLM 0.32 fills them (medium, group 0, data-parallel rank 0) and encodes them (VLLM)
         self.events.append(BlockStored(tuple(new), hs[k - 1] if k else None, tuple(tokens), BLOCK_SIZE,
                                        medium="GPU", group_idx=0))
-        if evicted:
+        if evicted and self.removed_per_block:
+            self.events.extend(BlockRemoved((h,), medium="GPU", group_idx=0) for h in evicted)
+        elif evicted:
             self.events.append(BlockRemoved(tuple(evicted), medium="GPU", group_idx=0))
 
     def answer(self, transport: asyncio.Transport, data: bytes) -> None:
@@ -206,15 +212,15 @@ class _Conn(asyncio.Protocol):
         self.store.answer(self.transport, self.answers.get(key, NOT_FOUND))
 
 
-async def main(port: int, per_step: bool = True) -> None:
+async def main(port: int, per_step: bool = True, capacity: int = CAPACITY, removed_per_block: bool = False) -> None:
     import zmq
 
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     kv_port = pub.bind_to_random_port("tcp://127.0.0.1")
-    answers = _answers(kv_port)
+    answers = _answers(kv_port, capacity)
     loop = asyncio.get_running_loop()
-    store = _Store(pub, per_step)
+    store = _Store(pub, per_step, capacity, removed_per_block)
     server = await loop.create_server(lambda: _Conn(answers, store), "127.0.0.1", port, backlog=1024)
     print(f"mock engine on http://127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
     await server.serve_forever()
@@ -226,7 +232,11 @@ if __name__ == "__main__":
     ap.add_argument("--events", choices=("per-step", "per-request"), default="per-step",
                     help="one KV event batch per event-loop iteration, as vLLM per engine step (default), "
                          "or one per request")
+    ap.add_argument("--capacity", type=int, default=CAPACITY, help="blocks of KV cache (LRU beyond it)")
+    ap.add_argument("--removed", choices=("per-prompt", "per-block"), default="per-prompt",
+                    help="the blocks a prompt evicts in one BlockRemoved (default), or one BlockRemoved per "
+                         "block, as vLLM 0.32 sends them")
     import uvloop
 
     args = ap.parse_args()
-    uvloop.run(main(args.port, args.events == "per-step"))
+    uvloop.run(main(args.port, args.events == "per-step", args.capacity, args.removed == "per-block"))

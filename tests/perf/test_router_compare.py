@@ -32,7 +32,10 @@ which router uses less). ``make bench`` runs it; ``GPUHIT_BENCH_SCALE`` scales
 the request counts (default 1: a few minutes on 2 cores), ``GPUHIT_BENCH_ROUNDS`` repeats each
 configuration (median of rounds; default 1), ``GPUHIT_BENCH_ONLY=chat,2k`` picks workloads,
 ``GPUHIT_BENCH_MOCK_EVENTS=per-request`` makes the mock engines publish a KV event batch per request
-instead of one per event-loop iteration (vLLM publishes one per engine step).
+instead of one per event-loop iteration (vLLM publishes one per engine step),
+``GPUHIT_BENCH_MOCK_BLOCKS`` sizes their caches (default 1,000,000 blocks; smaller ones evict, and the
+index churns, from the first workloads on) and ``GPUHIT_BENCH_MOCK_REMOVED=per-block`` makes them
+announce each evicted block in a ``BlockRemoved`` of its own, as vLLM 0.32 does (default: one a prompt).
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ REQUESTS = {
 # How the mock engines publish KV events: one batch per event-loop iteration, as vLLM per engine
 # step (default), or one per request (this benchmark's mock before 2026-11-26).
 MOCK_EVENTS = os.environ.get("GPUHIT_BENCH_MOCK_EVENTS", "per-step")
+# The mock engines' KV cache in blocks (default 1,000,000: little is evicted before the 100k workloads),
+# and how they announce evictions: one BlockRemoved a prompt (default) or one a block, as vLLM does.
+MOCK_BLOCKS = os.environ.get("GPUHIT_BENCH_MOCK_BLOCKS", "1000000")
+MOCK_REMOVED = os.environ.get("GPUHIT_BENCH_MOCK_REMOVED", "per-prompt")
 ADDED_MIN = 0.02e-3  # seconds: an added p50 this small or negative is noise (see _print_table)
 CLK = os.sysconf("SC_CLK_TCK")
 VOCAB = 150_000
@@ -235,7 +242,8 @@ def test_router_compare():
         try:
             engines = []
             for _ in range(2):
-                p, u = await _spawn_url([str(HERE / "mock_engine.py"), "--events", MOCK_EVENTS], " on ")
+                p, u = await _spawn_url([str(HERE / "mock_engine.py"), "--events", MOCK_EVENTS, "--capacity",
+                                         MOCK_BLOCKS, "--removed", MOCK_REMOVED], " on ")
                 procs.append(p)
                 engines.append(u)
             eng_args = [a for u in engines for a in ("--engine", u)]
@@ -337,7 +345,8 @@ def _print_table(rows) -> None:
     routers = [t for t in rows[0][4] if t != "direct"] if rows else []
     print()
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-          f", scale {SCALE}, rounds {ROUNDS}, mock KV events {MOCK_EVENTS}")
+          f", scale {SCALE}, rounds {ROUNDS}, mock KV events {MOCK_EVENTS}, mock cache {MOCK_BLOCKS} blocks, "
+          f"evictions {MOCK_REMOVED}")
     head = "| workload | stream | c | n | direct p50 ms |"
     for t in routers:
         head += f" {t} added p50 ms | {t} CPU-ms/req | {t} req/s |"
