@@ -7,6 +7,14 @@ connects) are the gateway's circuit breakers' business (:mod:`gateway.breaker`):
 traffic while its health checks pass and its breaker is closed, so ``/health`` alone never
 re-admits an engine whose requests hang. :meth:`HealthMonitor.report_failure` (a passive ejection
 until the next successful check) is kept for callers without breakers.
+
+An answer is also a sign of life: :meth:`HealthMonitor.note_alive` (the gateway calls it for every
+answer an engine gives) clears the count of probes that got no answer in time. A busy engine whose
+``/health`` waits behind long prompts (a single-process server, or one saturated by 100k-token
+prompts) is then not ejected while it keeps answering requests; seen in the router benchmark, where
+two slow probes in a row ejected both busy mock engines and the gateway refused a third of the
+requests with 503. A probe answered with an explicit non-200 status still counts: that is the
+engine's own word.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class HealthMonitor:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.fail_threshold = fail_threshold
         self.failures = [0] * len(self.urls)
+        self.said_unhealthy = [False] * len(self.urls)  # the last failed probe got a non-200 answer
         self.healthy = [True] * len(self.urls)
         self._task: asyncio.Task | None = None
         self.rounds = 0
@@ -50,9 +59,18 @@ class HealthMonitor:
         try:
             async with self.session.get(self.urls[i], timeout=self.timeout) as resp:
                 await resp.read()
+                self.said_unhealthy[i] = resp.status != 200
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError):
+            self.said_unhealthy[i] = False
             return False
+
+    def note_alive(self, i: int) -> None:
+        """Instance ``i`` answered a request: forget its probes that got no answer in time (see the
+        module docstring). Does not re-admit an ejected instance (its next passed probe does), and
+        leaves a count that an explicit non-200 answer started."""
+        if self.failures[i] and not self.said_unhealthy[i]:
+            self.failures[i] = 0
 
     def report_failure(self, i: int) -> None:
         """A forwarded request could not reach instance ``i``: eject it now."""

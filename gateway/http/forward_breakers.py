@@ -49,6 +49,8 @@ class Breakers:
 
     def _engine_answered(self, i: int) -> None:
         self.breakers[i].success()
+        if self.health is not None:
+            self.health.note_alive(i)  # an answer outweighs probes that timed out (engines/vllm/health.py)
 
     def _engine_failed(self, i: int, kind: str, why: str) -> None:
         b = self.breakers[i]

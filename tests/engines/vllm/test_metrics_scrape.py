@@ -95,3 +95,46 @@ def test_health_ejects_after_k_failures_and_readmits():
         await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_an_answer_outweighs_probes_that_timed_out_but_not_an_explicit_no():
+    """A busy engine whose /health answers after the probe's timeout is not ejected while it keeps
+    answering requests (note_alive between probes); one that stops answering is, and so is one whose
+    /health says 503, answers or not."""
+    async def main():
+        never = asyncio.Event()
+        state = {"mode": "hang"}
+
+        async def health(request):
+            if state["mode"] == "hang":
+                await never.wait()  # busy: no answer within the probe's timeout
+            return web.Response(status=503 if state["mode"] == "503" else 200)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner, url = await _serve(app)
+        events = []
+        async with aiohttp.ClientSession() as session:
+            hm = HealthMonitor(session, [url], lambda i: events.append(("down", i)),
+                               lambda i: events.append(("up", i)), timeout=0.05, fail_threshold=2)
+            for _ in range(4):  # probes time out, but the engine answers requests between them
+                await hm.check_all()
+                hm.note_alive(0)
+            assert events == [] and hm.healthy == [True]
+            await hm.check_all()
+            await hm.check_all()  # no answer between these two: ejected
+            assert events == [("down", 0)]
+            hm.note_alive(0)  # an answer does not re-admit (a request in flight when it was ejected)
+            assert hm.healthy == [False]
+            state["mode"] = "ok"
+            await hm.check_all()
+            assert events == [("down", 0), ("up", 0)]
+            state["mode"] = "503"  # the engine's own word: answers do not outweigh it
+            for _ in range(2):
+                await hm.check_all()
+                hm.note_alive(0)
+            assert events == [("down", 0), ("up", 0), ("down", 0)]
+        never.set()
+        await runner.cleanup()
+
+    asyncio.run(main())
