@@ -430,10 +430,43 @@ def _from_fields(payload: bytes, fields: tuple) -> KVEventBatch:
 _RECORDS = (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared, RawTokenIds)
 
 
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode one published payload; raises :class:`KVEventDecodeError` on anything else."""
-    if _ACCEL is not None and (batch := _ACCEL.kv_batch(payload, _RECORDS)) is not None:
+def merge_removed(batch: KVEventBatch) -> KVEventBatch:
+    """``batch`` with each run of consecutive ``BlockRemoved`` events of one medium and group as one
+    event, their hashes in order. vLLM sends one ``BlockRemoved`` per evicted block, so once a cache
+    is full every stored block brings a removal event; a reader that treats removals as set
+    differences (the precise index; the hash check skips them) gets the same answer from one record
+    a run."""
+    out: list[KVEvent] = []
+    run: list[int] = []
+    head: BlockRemoved | None = None
+    for ev in batch.events:
+        if type(ev) is BlockRemoved:
+            if head is not None and ev.medium == head.medium and ev.group_idx == head.group_idx:
+                run.extend(ev.block_hashes)
+                continue
+            if head is not None:
+                out.append(BlockRemoved(tuple(run), head.medium, head.group_idx))
+            head, run = ev, list(ev.block_hashes)
+            continue
+        if head is not None:
+            out.append(BlockRemoved(tuple(run), head.medium, head.group_idx))
+            head = None
+        out.append(ev)
+    if head is not None:
+        out.append(BlockRemoved(tuple(run), head.medium, head.group_idx))
+    return KVEventBatch(batch.ts, tuple(out), batch.data_parallel_rank)
+
+
+def decode_batch(payload: bytes, merge: bool = False) -> KVEventBatch:
+    """Decode one published payload; raises :class:`KVEventDecodeError` on anything else. ``merge``:
+    runs of removals as one event (:func:`merge_removed`; the C decoder merges as it decodes)."""
+    if _ACCEL is not None and (batch := _ACCEL.kv_batch(payload, _RECORDS, merge)) is not None:
         return batch
+    batch = _decode(payload)
+    return merge_removed(batch) if merge else batch
+
+
+def _decode(payload: bytes) -> KVEventBatch:
     fast = _decode_current(payload)
     if fast is not None:
         return fast

@@ -184,7 +184,7 @@ class _ChainSet(_Tier):
     (:mod:`gpuhit.speedups`) the set is their ``BlockSet`` (``gpuhit/_blockset.c``): bare uint64
     keys, batches probed with their slots prefetched, no rehash while a full cache churns; it answers
     every operation used here as a Python set does (``tests/gateway/test_blockset.py``), 2x faster
-    for an event's 128 hashes in and out of a million-hash set, in a sixth of the memory.
+    for an event's 128 hashes in and out of a million-hash set, in a third to a sixth of the memory.
     """
 
     __slots__ = ()

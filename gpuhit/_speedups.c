@@ -478,12 +478,17 @@ static PyObject *call_positional(PyObject *cls, PyObject *const *args, size_t n)
     return PyObject_Vectorcall(cls, args, n, NULL);
 }
 
+/* A BlockRemoved's fields, handed back unbuilt when rd_events merges runs of removals. */
+typedef struct {
+    PyObject *hashes, *medium, *group;
+} Removed;
+
 /* One event map -> a tuple:
  *   (1, block_hashes, parent, (token_ids from, to), block_size, lora_id, medium, lora_name, group_idx)
  *   (2, block_hashes, medium, group_idx)
  *   (3, medium)
  * Absent optional fields are None (the defaults of vLLM's structs); extra_keys only when it holds no key. */
-static int rd_event(Rd *r, const unsigned char *base, const Build *b, PyObject **out) {
+static int rd_event(Rd *r, const unsigned char *base, const Build *b, PyObject **out, Removed *rem) {
     Py_ssize_t nkeys;
     if (rd_header(r, 1, &nkeys) != OK) return FALLBACK;
     PyObject *v[NF] = {NULL};
@@ -531,6 +536,14 @@ static int rd_event(Rd *r, const unsigned char *base, const Build *b, PyObject *
     if (kind == T_NONE || (seen & ~allowed) || (seen & required) != required) goto done;
     for (int j = 0; j < NF; j++)
         if (v[j] == NULL) v[j] = Py_NewRef(Py_None);
+    if (rem != NULL && kind == T_REMOVED) { /* merged by the caller: no record yet */
+        rem->hashes = Py_NewRef(v[F_HASHES]);
+        rem->medium = Py_NewRef(v[F_MEDIUM]);
+        rem->group = Py_NewRef(v[F_GROUP_IDX]);
+        *out = NULL;
+        rc = OK;
+        goto done;
+    }
     if (b != NULL) { /* the records, fields in their declared order */
         if (kind == T_STORED) {
             PyObject *ids = raw_token_ids(b, tok_from, tok_to);
@@ -587,39 +600,104 @@ static int rd_ts(Rd *r, double *ts) {
     return OK;
 }
 
-static int rd_events(Rd *r, const unsigned char *base, const Build *b, PyObject **out) {
-    Py_ssize_t k;
-    if (rd_header(r, 0, &k) != OK || r->end - r->p < k) return FALLBACK;
-    PyObject *t = PyTuple_New(k);
-    if (t == NULL) return FAIL;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        PyObject *e = NULL;
-        int rc = rd_event(r, base, b, &e);
-        if (rc != OK) {
-            Py_DECREF(t);
-            return rc;
-        }
-        PyTuple_SET_ITEM(t, i, e);
+/* The run of removals merged so far as one BlockRemoved appended to events; the run is emptied. */
+static int flush_removed(const Build *b, PyObject *events, PyObject **run, PyObject **medium, PyObject **group) {
+    if (*run == NULL) return OK;
+    PyObject *hashes = PyList_AsTuple(*run), *ev = NULL;
+    if (hashes != NULL) {
+        PyObject *args[3] = {hashes, *medium, *group};
+        ev = call_positional(b->cls[C_REMOVED], args, 3);
+        Py_DECREF(hashes);
     }
-    *out = t;
-    return OK;
+    Py_CLEAR(*run);
+    Py_CLEAR(*medium);
+    Py_CLEAR(*group);
+    if (ev == NULL) return FAIL;
+    int rc = PyList_Append(events, ev) < 0 ? FAIL : OK;
+    Py_DECREF(ev);
+    return rc;
 }
 
-/* kv_batch(payload[, classes]) -> (ts, events, data_parallel_rank) | None
+/* Events as a tuple. With merge (records only): each run of consecutive BlockRemoved events of one
+ * medium and group as one record, their hashes in order (vLLM sends one per evicted block: a full
+ * cache's evictions then cost a record a run, not a record a block). */
+static int rd_events(Rd *r, const unsigned char *base, const Build *b, int merge, PyObject **out) {
+    Py_ssize_t k;
+    if (rd_header(r, 0, &k) != OK || r->end - r->p < k) return FALLBACK;
+    if (!merge) {
+        PyObject *t = PyTuple_New(k);
+        if (t == NULL) return FAIL;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            PyObject *e = NULL;
+            int rc = rd_event(r, base, b, &e, NULL);
+            if (rc != OK) {
+                Py_DECREF(t);
+                return rc;
+            }
+            PyTuple_SET_ITEM(t, i, e);
+        }
+        *out = t;
+        return OK;
+    }
+    PyObject *events = PyList_New(0), *run = NULL, *medium = NULL, *group = NULL;
+    if (events == NULL) return FAIL;
+    int rc = OK;
+    for (Py_ssize_t i = 0; i < k && rc == OK; i++) {
+        PyObject *e = NULL;
+        Removed rem = {NULL, NULL, NULL};
+        if ((rc = rd_event(r, base, b, &e, &rem)) != OK) break;
+        if (e != NULL) { /* not a removal: the run so far, then it */
+            if ((rc = flush_removed(b, events, &run, &medium, &group)) == OK && PyList_Append(events, e) < 0) rc = FAIL;
+            Py_DECREF(e);
+            continue;
+        }
+        int same = 0;
+        if (run != NULL) {
+            int m = PyObject_RichCompareBool(rem.medium, medium, Py_EQ);
+            int g = m == 1 ? PyObject_RichCompareBool(rem.group, group, Py_EQ) : m;
+            if (m < 0 || g < 0) rc = FAIL;
+            same = m == 1 && g == 1;
+        }
+        if (rc == OK && !same && (rc = flush_removed(b, events, &run, &medium, &group)) == OK) {
+            if ((run = PyList_New(0)) == NULL) {
+                rc = FAIL;
+            } else {
+                medium = Py_NewRef(rem.medium);
+                group = Py_NewRef(rem.group);
+            }
+        }
+        if (rc == OK && PyList_SetSlice(run, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, rem.hashes) < 0) rc = FAIL;
+        Py_DECREF(rem.hashes);
+        Py_DECREF(rem.medium);
+        Py_DECREF(rem.group);
+    }
+    if (rc == OK) rc = flush_removed(b, events, &run, &medium, &group);
+    Py_XDECREF(run);
+    Py_XDECREF(medium);
+    Py_XDECREF(group);
+    if (rc == OK && (*out = PyList_AsTuple(events)) == NULL) rc = FAIL;
+    Py_DECREF(events);
+    return rc;
+}
+
+/* kv_batch(payload[, classes[, merge]]) -> (ts, events, data_parallel_rank) | KVEventBatch | None
  *
  * vLLM's current wire shape, [ts, [event maps], rank?] (what vLLM 0.32 sends) or
  * {"ts", "events", "data_parallel_rank"?} (each key once, no others), with plain non-negative int
  * block hashes, int token ids and nil extra_keys; None for anything else. Events as rd_event.
  * With classes, (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared, RawTokenIds): the
- * KVEventBatch itself, its events built as engines/kv_event_codec.py's decoders build them. */
+ * KVEventBatch itself, its events built as engines/kv_event_codec.py's decoders build them; with
+ * merge true too, runs of removals merged as engines/kv_event_codec.py merge_removed does. */
 static PyObject *kv_batch(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "kv_batch(payload[, classes])");
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "kv_batch(payload[, classes[, merge]])");
         return NULL;
     }
     PyObject *arg = args[0];
     Build build, *b = NULL;
-    if (nargs == 2) {
+    int merge = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
+    if (merge < 0) return NULL;
+    if (nargs >= 2) {
         if (!PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != N_CLASSES) {
             PyErr_SetString(PyExc_TypeError, "kv_batch's classes: (KVEventBatch, BlockStored, BlockRemoved, "
                                              "AllBlocksCleared, RawTokenIds)");
@@ -642,7 +720,7 @@ static PyObject *kv_batch(PyObject *Py_UNUSED(self), PyObject *const *args, Py_s
     Py_ssize_t n;
     if (need(&r, 1) && ((*r.p >= 0x90 && *r.p <= 0x9f) || *r.p == 0xdc || *r.p == 0xdd)) {
         if (rd_header(&r, 0, &n) != OK || n < 2 || n > 3) goto done;
-        if ((rc = rd_ts(&r, &ts)) != OK || (rc = rd_events(&r, base, b, &events)) != OK) goto done;
+        if ((rc = rd_ts(&r, &ts)) != OK || (rc = rd_events(&r, base, b, merge, &events)) != OK) goto done;
         if (n == 3 && (rc = rd_opt_int(&r, &rank, 1, 0, 0)) != OK) goto done;
     } else {
         if (rd_header(&r, 1, &n) != OK) goto done;
@@ -656,7 +734,7 @@ static PyObject *kv_batch(PyObject *Py_UNUSED(self), PyObject *const *args, Py_s
                 have_ts = 1;
                 rc = rd_ts(&r, &ts);
             } else if (key_is(k, klen, "events") && events == NULL) {
-                rc = rd_events(&r, base, b, &events);
+                rc = rd_events(&r, base, b, merge, &events);
             } else if (key_is(k, klen, "data_parallel_rank") && rank == NULL) {
                 rc = rd_opt_int(&r, &rank, 1, 0, 0);
             }
@@ -952,8 +1030,8 @@ static PyMethodDef methods[] = {
     {"parse_uint_array", (PyCFunction)(void (*)(void))parse_uint_array, METH_FASTCALL,
      "parse_uint_array(buf, start, stop) -> bytearray | None: a JSON array body's ids as native uint64."},
     {"kv_batch", (PyCFunction)(void (*)(void))kv_batch, METH_FASTCALL,
-     "kv_batch(payload[, classes]) -> (ts, events, data_parallel_rank) | KVEventBatch | None: a vLLM KV-event "
-     "batch's fields, or with classes its records."},
+     "kv_batch(payload[, classes[, merge]]) -> (ts, events, data_parallel_rank) | KVEventBatch | None: a vLLM "
+     "KV-event batch's fields, or with classes its records (merge: runs of removals as one)."},
     {"chunk_hashes", (PyCFunction)(void (*)(void))chunk_hashes, METH_FASTCALL,
      "chunk_hashes(data, step) -> list[int]: the approximate index's chained blake2b-64 hashes of full step-byte chunks."},
     {"usage_object", usage_object, METH_O,

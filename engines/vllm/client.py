@@ -159,9 +159,12 @@ class VLLMEngine:
         if self.kv_sources is None:
             self.kv_sources = await discover_kv_sources(self.session, self.base_url)
         for src in self.kv_sources:
+            # merge_removed: the gateway's readers (its index, the hash check) take a run of vLLM's
+            # one-block removal events as one set difference (engines/kv_event_codec.py merge_removed)
             sub = KVEventSubscriber(
                 src["endpoint"], self._fanout, replay_endpoint=src.get("replay_endpoint"),
                 topic=src.get("topic") or "", name=f"{self.name}/dp{src.get('data_parallel_rank', 0)}",
+                merge_removed=True,
             )
             sub.start()
             self.subscribers.append(sub)

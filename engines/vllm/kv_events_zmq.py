@@ -225,7 +225,8 @@ class KVEventSubscriber:
     ``replay_timeout`` bounds each replay round trip (seconds of loop time); a round trip that
     fails is tried ``replay_retries`` more times, ``retry_delay`` seconds apart, doubling.
     ``watch_reconnects`` makes a reconnection count as a restarted publisher (the sequence check is
-    always on).
+    always on). ``merge_removed`` delivers each run of one-block removal events as one event
+    (:func:`engines.kv_event_codec.merge_removed`), for readers that take removals as set differences.
     """
 
     def __init__(
@@ -239,8 +240,10 @@ class KVEventSubscriber:
         replay_retries: int = 3,
         retry_delay: float = 0.2,
         watch_reconnects: bool = True,
+        merge_removed: bool = False,
     ):
         self.endpoint = endpoint
+        self.merge_removed = merge_removed
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.name = name or endpoint
@@ -294,7 +297,7 @@ class KVEventSubscriber:
 
     def _deliver(self, seq: int, payload: bytes) -> None:
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, self.merge_removed)
         except KVEventDecodeError as exc:
             self.stats.decode_errors += 1
             log.warning("KV events from %s: batch %d undecodable (%s); clearing its index", self.name, seq, exc)

@@ -202,6 +202,8 @@ def test_c_kv_decoder_answers_as_the_python_decoders(c_speedups, monkeypatch):
             assert built == codec._from_fields(payload, fields) == want
             assert [type(e) for e in built.events] == [type(e) for e in want.events]
             assert all(type(e.token_ids) is codec.RawTokenIds for e in built.events if type(e) is BlockStored)
+            # merged as it decodes: what merge_removed makes of the unmerged batch
+            assert c_speedups.kv_batch(payload, codec._RECORDS, True) == codec.merge_removed(want)
     assert taken > 400
     for bad in ((), codec._RECORDS[:4], [*codec._RECORDS]):
         with pytest.raises(TypeError, match="classes"):
@@ -317,3 +319,22 @@ def test_a_build_from_another_source_is_refused(c_speedups, tmp_path):
                                               "compile` again"):
             speedups.verified(c_speedups, sources)
     assert speedups.verified(c_speedups) is c_speedups
+
+
+def test_runs_of_one_block_removals_merge_into_one_event_on_both_paths(c_speedups, monkeypatch):
+    """vLLM sends a BlockRemoved per evicted block; merged, each run of one medium and group is one
+    event with the hashes in order, a stored block or another medium ending the run."""
+    stored = BlockStored((9,), None, tuple(range(16)), 16, medium="GPU", group_idx=0)
+    events = (*(BlockRemoved((h,), "GPU", 0) for h in (1, 2, 3)), BlockRemoved((4,), "CPU", 0),
+              BlockRemoved((5, 6), "CPU", 0), BlockRemoved((7,), "CPU", 1), stored, BlockRemoved((8,), "GPU", 0),
+              AllBlocksCleared(), BlockRemoved((), "GPU", 0))
+    want = (BlockRemoved((1, 2, 3), "GPU", 0), BlockRemoved((4, 5, 6), "CPU", 0), BlockRemoved((7,), "CPU", 1),
+            stored, BlockRemoved((8,), "GPU", 0), AllBlocksCleared(), BlockRemoved((), "GPU", 0))
+    batch = KVEventBatch(2.5, events, 0)
+    assert codec.merge_removed(batch) == KVEventBatch(2.5, want, 0)
+    payload = encode_batch(batch, VLLM)
+    for accel in (None, c_speedups):
+        monkeypatch.setattr(codec, "_ACCEL", accel)
+        assert codec.decode_batch(payload) == batch  # unmerged unless asked
+        assert codec.decode_batch(payload, merge=True) == KVEventBatch(2.5, want, 0)
+    assert c_speedups.kv_batch(payload, codec._RECORDS, True) == KVEventBatch(2.5, want, 0)
