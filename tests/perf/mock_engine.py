@@ -12,8 +12,8 @@ engines hold and its lookups, lazy hashing included, do the work they do in prod
 token-id prompt's full blocks (vLLM's sha256 block hashes, :mod:`engines.hashing`) not stored yet
 are announced in one ``BlockStored`` event, with a ``BlockRemoved`` for the least recently used
 blocks beyond its capacity (``--capacity``, default 1,000,000 blocks; with ``--removed per-block``
-one ``BlockRemoved`` per evicted block, as vLLM 0.32's block pool sends them). As vLLM 0.32's scheduler does once per engine step
-(``Scheduler.update_from_output``: one ``KVEventBatch`` of the step's events, published before
+one ``BlockRemoved`` per evicted block, as vLLM 0.32's block pool sends them). As vLLM 0.32's
+scheduler does once per engine step (``Scheduler.update_from_output``: one ``KVEventBatch`` of the step's events, published before
 the step's outputs go out), the events of the requests answered in one event-loop iteration (this
 mock's "step") go out as one batch on the ZMQ PUB socket, and only then their answers
 (``--events per-request``: a batch per request, published before its answer, as earlier versions
