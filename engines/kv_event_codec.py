@@ -404,28 +404,6 @@ def _decode_current(payload: bytes) -> KVEventBatch | None:
 _ARRAY_HEADS = frozenset([bytes([0x90 + k]) for k in range(16)] + [b"\xdc", b"\xdd"])
 
 
-def _from_fields(payload: bytes, fields: tuple) -> KVEventBatch:
-    """The batch of the C decoder's tuples (``gpuhit/_speedups.c`` ``kv_batch(payload)``: events as
-    tuples, token ids as offsets into ``payload``), built as :func:`_decode_current` builds it: what
-    ``kv_batch(payload, _RECORDS)``, which builds the records in C, must equal (the tests hold it to that)."""
-    ts, events, rank = fields
-    view = memoryview(payload)
-    out: list[KVEvent] = []
-    for e in events:
-        kind = e[0]
-        if kind == 1:
-            _, hashes, parent, (a, b), block_size, lora_id, medium, lora_name, group_idx = e
-            out.append(BlockStored(
-                block_hashes=hashes, parent_block_hash=parent, token_ids=RawTokenIds(view[a:b]),
-                block_size=block_size, lora_id=lora_id, medium=medium, lora_name=lora_name, group_idx=group_idx,
-            ))
-        elif kind == 2:
-            out.append(BlockRemoved(block_hashes=e[1], medium=e[2], group_idx=e[3]))
-        else:
-            out.append(AllBlocksCleared(medium=e[1]))
-    return KVEventBatch(ts=ts, events=tuple(out), data_parallel_rank=rank)
-
-
 # The classes the C decoder builds its answer from (kv_batch's second argument, in its order).
 _RECORDS = (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared, RawTokenIds)
 

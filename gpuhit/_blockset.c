@@ -179,6 +179,23 @@ static inline int bs_delete(BlockSet *s, uint64_t k) {
     return 1;
 }
 
+/* The same for any key, 0 included (kept in a flag, not the table). */
+static inline int bs_has_key(const BlockSet *s, uint64_t k) { return k == 0 ? s->has_zero : bs_has(s, k); }
+
+static inline void bs_put_key(BlockSet *s, uint64_t k) { /* the table has room */
+    if (k == 0)
+        s->has_zero = 1;
+    else
+        bs_insert(s, k);
+}
+
+static inline int bs_drop_key(BlockSet *s, uint64_t k) {
+    if (k != 0) return bs_delete(s, k);
+    int had = s->has_zero;
+    s->has_zero = 0;
+    return had;
+}
+
 /* Rehash into a table of capacity slots (larger than used * 2). */
 static int bs_resize(BlockSet *s, Py_ssize_t capacity) {
     uint64_t *old = s->keys;
@@ -234,17 +251,6 @@ static int bs_batch(BlockSet *s, PyObject *items, int op) {
                 }
                 continue; /* BS_DISCARD: never a member */
             }
-            if (k == 0) { /* the flag, not the table */
-                if (op == BS_ADD)
-                    s->has_zero = 1;
-                else if (op == BS_DISCARD)
-                    s->has_zero = 0;
-                else if (!s->has_zero) {
-                    answer = 0;
-                    break;
-                }
-                continue;
-            }
             ks[got++] = k;
         }
         if (answer != 1) break;
@@ -258,10 +264,10 @@ static int bs_batch(BlockSet *s, PyObject *items, int op) {
             for (Py_ssize_t j = 0; j < got; j++) __builtin_prefetch(&s->keys[bs_home(s, ks[j])], 1);
         for (Py_ssize_t j = 0; j < got; j++) {
             if (op == BS_ADD)
-                bs_insert(s, ks[j]);
+                bs_put_key(s, ks[j]);
             else if (op == BS_DISCARD)
-                bs_delete(s, ks[j]);
-            else if (!bs_has(s, ks[j])) {
+                bs_drop_key(s, ks[j]);
+            else if (!bs_has_key(s, ks[j])) {
                 answer = 0;
                 break;
             }
@@ -300,30 +306,19 @@ static Py_ssize_t BlockSet_len(BlockSet *s) { return s->used + s->has_zero; }
 
 static int BlockSet_contains(BlockSet *s, PyObject *o) {
     uint64_t k;
-    if (!bs_key(o, &k)) return 0;
-    return k == 0 ? s->has_zero : bs_has(s, k);
+    return bs_key(o, &k) && bs_has_key(s, k);
 }
 
 static PyObject *BlockSet_add(BlockSet *s, PyObject *o) {
     uint64_t k;
-    if (bs_key_or_raise(o, &k) < 0) return NULL;
-    if (k == 0) {
-        s->has_zero = 1;
-        Py_RETURN_NONE;
-    }
-    if (bs_make_room(s, 1) < 0) return NULL;
-    bs_insert(s, k);
+    if (bs_key_or_raise(o, &k) < 0 || bs_make_room(s, 1) < 0) return NULL;
+    bs_put_key(s, k);
     Py_RETURN_NONE;
 }
 
 static PyObject *BlockSet_remove(BlockSet *s, PyObject *o) {
     uint64_t k;
-    int had = 0;
-    if (bs_key(o, &k)) {
-        had = k == 0 ? s->has_zero : bs_delete(s, k);
-        if (k == 0) s->has_zero = 0;
-    }
-    if (!had) {
+    if (!bs_key(o, &k) || !bs_drop_key(s, k)) {
         PyErr_SetObject(PyExc_KeyError, o);
         return NULL;
     }
@@ -332,12 +327,7 @@ static PyObject *BlockSet_remove(BlockSet *s, PyObject *o) {
 
 static PyObject *BlockSet_discard(BlockSet *s, PyObject *o) {
     uint64_t k;
-    if (bs_key(o, &k)) {
-        if (k == 0)
-            s->has_zero = 0;
-        else
-            bs_delete(s, k);
-    }
+    if (bs_key(o, &k)) bs_drop_key(s, k);
     Py_RETURN_NONE;
 }
 

@@ -6,8 +6,8 @@
  *   parse_uint_array  a completions body's token-id array, JSON text -> uint64 buffer, validated
  *                     in the same pass (numpy needs ~6 whole-array passes to validate, orjson makes
  *                     a Python int of every id);
- *   kv_batch          a vLLM KV-event batch (msgpack) -> its events' fields, skipping BlockStored's
- *                     token ids (msgspec walks them element by element to skip them);
+ *   kv_batch          a vLLM KV-event batch (msgpack) -> its records, BlockStored's token ids left
+ *                     as bytes (msgspec walks them element by element to skip them);
  *   usage_object      the usage object of an engine's JSON answer, from its tail (orjson builds
  *                     the whole answer, choices and message included, to read five numbers);
  *   chunk_hashes      the approximate index's chained text-chunk hashes (BLAKE2b-64 from RFC 7693:
@@ -451,9 +451,9 @@ static const unsigned CLEARED_ALLOWED = BIT(F_TYPE) | BIT(F_MEDIUM);
 
 enum { T_NONE, T_STORED, T_REMOVED, T_CLEARED };
 
-/* With kv_batch's classes: the records themselves (engines/kv_events.py), built here with their
- * fields in order, instead of tuples a Python loop turns into records (~0.4 us an event: vLLM sends
- * a BlockRemoved per evicted block, so a full cache takes as many events as blocks stored). */
+/* kv_batch's classes: the records (engines/kv_events.py) are built here with their fields in order,
+ * not by a Python loop (~0.4 us an event: vLLM sends a BlockRemoved per evicted block, so a full
+ * cache takes as many events as blocks stored). */
 enum { C_BATCH, C_STORED, C_REMOVED, C_CLEARED, C_RAW_IDS, N_CLASSES };
 typedef struct {
     PyObject *cls[N_CLASSES];
@@ -483,10 +483,8 @@ typedef struct {
     PyObject *hashes, *medium, *group;
 } Removed;
 
-/* One event map -> a tuple:
- *   (1, block_hashes, parent, (token_ids from, to), block_size, lora_id, medium, lora_name, group_idx)
- *   (2, block_hashes, medium, group_idx)
- *   (3, medium)
+/* One event map -> its record (b's classes, fields in their declared order; token ids as RawTokenIds
+ * over the payload), or with rem a BlockRemoved's fields unbuilt (rd_events merges runs of them).
  * Absent optional fields are None (the defaults of vLLM's structs); extra_keys only when it holds no key. */
 static int rd_event(Rd *r, const unsigned char *base, const Build *b, PyObject **out, Removed *rem) {
     Py_ssize_t nkeys;
@@ -544,30 +542,22 @@ static int rd_event(Rd *r, const unsigned char *base, const Build *b, PyObject *
         rc = OK;
         goto done;
     }
-    if (b != NULL) { /* the records, fields in their declared order */
-        if (kind == T_STORED) {
-            PyObject *ids = raw_token_ids(b, tok_from, tok_to);
-            if (ids == NULL) {
-                rc = FAIL;
-                goto done;
-            }
-            PyObject *args[8] = {v[F_HASHES], v[F_PARENT], ids, v[F_BLOCK_SIZE], v[F_LORA_ID], v[F_MEDIUM],
-                                 v[F_LORA_NAME], v[F_GROUP_IDX]};
-            *out = call_positional(b->cls[C_STORED], args, 8);
-            Py_DECREF(ids);
-        } else if (kind == T_REMOVED) {
-            PyObject *args[3] = {v[F_HASHES], v[F_MEDIUM], v[F_GROUP_IDX]};
-            *out = call_positional(b->cls[C_REMOVED], args, 3);
-        } else {
-            *out = call_positional(b->cls[C_CLEARED], &v[F_MEDIUM], 1);
+    if (kind == T_STORED) {
+        PyObject *ids = raw_token_ids(b, tok_from, tok_to);
+        if (ids == NULL) {
+            rc = FAIL;
+            goto done;
         }
-    } else if (kind == T_STORED)
-        *out = Py_BuildValue("(iOO(nn)OOOOO)", 1, v[F_HASHES], v[F_PARENT], tok_from, tok_to, v[F_BLOCK_SIZE],
-                             v[F_LORA_ID], v[F_MEDIUM], v[F_LORA_NAME], v[F_GROUP_IDX]);
-    else if (kind == T_REMOVED)
-        *out = Py_BuildValue("(iOOO)", 2, v[F_HASHES], v[F_MEDIUM], v[F_GROUP_IDX]);
-    else
-        *out = Py_BuildValue("(iO)", 3, v[F_MEDIUM]);
+        PyObject *args[8] = {v[F_HASHES], v[F_PARENT], ids, v[F_BLOCK_SIZE], v[F_LORA_ID], v[F_MEDIUM],
+                             v[F_LORA_NAME], v[F_GROUP_IDX]};
+        *out = call_positional(b->cls[C_STORED], args, 8);
+        Py_DECREF(ids);
+    } else if (kind == T_REMOVED) {
+        PyObject *args[3] = {v[F_HASHES], v[F_MEDIUM], v[F_GROUP_IDX]};
+        *out = call_positional(b->cls[C_REMOVED], args, 3);
+    } else {
+        *out = call_positional(b->cls[C_CLEARED], &v[F_MEDIUM], 1);
+    }
     rc = *out == NULL ? FAIL : OK;
 done:
     for (int j = 0; j < NF; j++) Py_XDECREF(v[j]);
@@ -618,7 +608,7 @@ static int flush_removed(const Build *b, PyObject *events, PyObject **run, PyObj
     return rc;
 }
 
-/* Events as a tuple. With merge (records only): each run of consecutive BlockRemoved events of one
+/* Events as a tuple of records. With merge: each run of consecutive BlockRemoved events of one
  * medium and group as one record, their hashes in order (vLLM sends one per evicted block: a full
  * cache's evictions then cost a record a run, not a record a block). */
 static int rd_events(Rd *r, const unsigned char *base, const Build *b, int merge, PyObject **out) {
@@ -680,36 +670,33 @@ static int rd_events(Rd *r, const unsigned char *base, const Build *b, int merge
     return rc;
 }
 
-/* kv_batch(payload[, classes[, merge]]) -> (ts, events, data_parallel_rank) | KVEventBatch | None
+/* kv_batch(payload, classes[, merge]) -> KVEventBatch | None
  *
  * vLLM's current wire shape, [ts, [event maps], rank?] (what vLLM 0.32 sends) or
  * {"ts", "events", "data_parallel_rank"?} (each key once, no others), with plain non-negative int
- * block hashes, int token ids and nil extra_keys; None for anything else. Events as rd_event.
- * With classes, (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared, RawTokenIds): the
- * KVEventBatch itself, its events built as engines/kv_event_codec.py's decoders build them; with
- * merge true too, runs of removals merged as engines/kv_event_codec.py merge_removed does. */
+ * block hashes, int token ids and nil extra_keys; None for anything else. classes: (KVEventBatch,
+ * BlockStored, BlockRemoved, AllBlocksCleared, RawTokenIds), the records built as
+ * engines/kv_event_codec.py's decoders build them (rd_event); merge: runs of removals merged as
+ * engines/kv_event_codec.py merge_removed does. */
 static PyObject *kv_batch(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 3) {
-        PyErr_SetString(PyExc_TypeError, "kv_batch(payload[, classes[, merge]])");
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "kv_batch(payload, classes[, merge])");
         return NULL;
     }
     PyObject *arg = args[0];
-    Build build, *b = NULL;
     int merge = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
     if (merge < 0) return NULL;
-    if (nargs >= 2) {
-        if (!PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != N_CLASSES) {
-            PyErr_SetString(PyExc_TypeError, "kv_batch's classes: (KVEventBatch, BlockStored, BlockRemoved, "
-                                             "AllBlocksCleared, RawTokenIds)");
-            return NULL;
-        }
-        for (int i = 0; i < N_CLASSES; i++) build.cls[i] = PyTuple_GET_ITEM(args[1], i);
-        if ((build.view = PyMemoryView_FromObject(arg)) == NULL) return NULL;
-        b = &build;
+    if (!PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != N_CLASSES) {
+        PyErr_SetString(PyExc_TypeError, "kv_batch's classes: (KVEventBatch, BlockStored, BlockRemoved, "
+                                         "AllBlocksCleared, RawTokenIds)");
+        return NULL;
     }
+    Build build, *b = &build;
+    for (int i = 0; i < N_CLASSES; i++) build.cls[i] = PyTuple_GET_ITEM(args[1], i);
+    if ((build.view = PyMemoryView_FromObject(arg)) == NULL) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
-        if (b != NULL) Py_DECREF(build.view);
+        Py_DECREF(build.view);
         return NULL;
     }
     const unsigned char *base = (const unsigned char *)view.buf;
@@ -745,22 +732,18 @@ static PyObject *kv_batch(PyObject *Py_UNUSED(self), PyObject *const *args, Py_s
     }
     rc = FALLBACK;
     if (r.p != r.end) goto done; /* trailing bytes */
-    if (b != NULL) {
+    {
         PyObject *fts = PyFloat_FromDouble(ts);
-        if (fts == NULL) {
-            rc = FAIL;
-            goto done;
+        if (fts != NULL) {
+            PyObject *bargs[3] = {fts, events, rank == NULL ? Py_None : rank};
+            out = call_positional(build.cls[C_BATCH], bargs, 3);
+            Py_DECREF(fts);
         }
-        PyObject *bargs[3] = {fts, events, rank == NULL ? Py_None : rank};
-        out = call_positional(build.cls[C_BATCH], bargs, 3);
-        Py_DECREF(fts);
-    } else {
-        out = Py_BuildValue("(dOO)", ts, events, rank == NULL ? Py_None : rank);
     }
     rc = out == NULL ? FAIL : OK;
 done:
     PyBuffer_Release(&view);
-    if (b != NULL) Py_DECREF(build.view);
+    Py_DECREF(build.view);
     Py_XDECREF(events);
     Py_XDECREF(rank);
     if (rc == FAIL) return NULL;
@@ -1030,8 +1013,8 @@ static PyMethodDef methods[] = {
     {"parse_uint_array", (PyCFunction)(void (*)(void))parse_uint_array, METH_FASTCALL,
      "parse_uint_array(buf, start, stop) -> bytearray | None: a JSON array body's ids as native uint64."},
     {"kv_batch", (PyCFunction)(void (*)(void))kv_batch, METH_FASTCALL,
-     "kv_batch(payload[, classes[, merge]]) -> (ts, events, data_parallel_rank) | KVEventBatch | None: a vLLM "
-     "KV-event batch's fields, or with classes its records (merge: runs of removals as one)."},
+     "kv_batch(payload, classes[, merge]) -> KVEventBatch | None: a vLLM KV-event batch's records "
+     "(merge: runs of removals as one)."},
     {"chunk_hashes", (PyCFunction)(void (*)(void))chunk_hashes, METH_FASTCALL,
      "chunk_hashes(data, step) -> list[int]: the approximate index's chained blake2b-64 hashes of full step-byte chunks."},
     {"usage_object", usage_object, METH_O,

@@ -194,12 +194,11 @@ def test_c_kv_decoder_answers_as_the_python_decoders(c_speedups, monkeypatch):
         assert got == want, (trial, payload[:80])
         if not trial % 2:
             assert want == batch
-        if (fields := c_speedups.kv_batch(payload)) is not None:
+        if (built := c_speedups.kv_batch(payload, codec._RECORDS)) is not None:
             taken += 1
             assert not isinstance(want, str)
-            # the records built in C are those the Python loop builds from the tuples
-            built = c_speedups.kv_batch(payload, codec._RECORDS)
-            assert built == codec._from_fields(payload, fields) == want
+            # the records built in C are those the Python decoders build, of the same types
+            assert built == want
             assert [type(e) for e in built.events] == [type(e) for e in want.events]
             assert all(type(e.token_ids) is codec.RawTokenIds for e in built.events if type(e) is BlockStored)
             # merged as it decodes: what merge_removed makes of the unmerged batch
@@ -208,6 +207,8 @@ def test_c_kv_decoder_answers_as_the_python_decoders(c_speedups, monkeypatch):
     for bad in ((), codec._RECORDS[:4], [*codec._RECORDS]):
         with pytest.raises(TypeError, match="classes"):
             c_speedups.kv_batch(payload, bad)
+    with pytest.raises(TypeError, match="classes"):
+        c_speedups.kv_batch(payload)
 
 
 def test_c_kv_decoder_leaves_token_ids_raw_and_odd_shapes_to_python(c_speedups, monkeypatch):
@@ -224,7 +225,7 @@ def test_c_kv_decoder_leaves_token_ids_raw_and_odd_shapes_to_python(c_speedups, 
                 {"locality": [1]},
                 {"block_hashes": [b"\x00" * 31 + b"\x05"]}, {"block_hashes": [-1]}):
         payload = msgpack.packb([1.0, [{**stored, **odd}]])
-        assert c_speedups.kv_batch(payload) is None, odd
+        assert c_speedups.kv_batch(payload, codec._RECORDS) is None, odd
         assert codec.decode_batch(payload) == _decoded(payload, None, monkeypatch)
 
 
