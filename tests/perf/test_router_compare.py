@@ -22,13 +22,14 @@ one configuration helps the next). Each router's CPU time is read from its threa
 ``/proc/<pid>/task/*/schedstat`` (ns) around its measured pass (the warm-up pass excluded).
 
 Prints per configuration: p50 latency, added p50 over direct, router CPU-ms per request,
-throughput, the latency's mean and p99 (a router can have the lower p50 and the higher mean: in a
-closed loop the mean is concurrency / throughput, the p50 says how evenly requests are served),
+throughput, the latency's p10, mean and p99 (a router can have the lower p50 and the higher mean: in
+a closed loop the mean is concurrency / throughput, the p50 says how evenly requests are served),
 and gpuhit / vllm-router ratios (of the medians, and per round: each round runs every
 target back to back, so a round's ratio is a paired comparison; its median and range over the
 rounds are printed with them, and the geometric mean of the rounds' ratios with its 95% t-interval
 over their logs: with ``GPUHIT_BENCH_ROUNDS`` of 5 or more, an interval that excludes 1 says
-which router uses less). ``make bench`` runs it; ``GPUHIT_BENCH_SCALE`` scales
+which router uses less; the added p50s are compared the same way, as gpuhit's p50 minus
+vllm-router's in each round, with the mean's 95% t-interval in ms). ``make bench`` runs it; ``GPUHIT_BENCH_SCALE`` scales
 the request counts (default 1: a few minutes on 2 cores), ``GPUHIT_BENCH_ROUNDS`` repeats each
 configuration (median of rounds; default 1), ``GPUHIT_BENCH_ONLY=chat,2k`` picks workloads,
 ``GPUHIT_BENCH_MOCK_EVENTS=per-request`` makes the mock engines publish a KV event batch per request
@@ -50,6 +51,7 @@ import sys
 import time
 
 import aiohttp
+import numpy as np
 import orjson
 import pytest
 import scipy.stats
@@ -67,8 +69,11 @@ REQUESTS = {
     "chat": {1: 300, 16: 800, 64: 1280},
     "2k": {1: 200, 16: 480, 64: 640},
     "2k-new": {1: 200, 16: 480, 64: 640},
-    "100k": {1: 16, 16: 48, 64: 128},
-    "100k+512": {1: 16, 16: 48, 64: 128},
+    # 100k at c=16/64: eight requests a worker, so that the pass is mostly steady state, not the first
+    # wave (every worker sending at once) and the last (a draining queue); before 2026-11-26 (stop 33)
+    # 48 and 128, two or three a worker
+    "100k": {1: 16, 16: 128, 64: 512},
+    "100k+512": {1: 16, 16: 128, 64: 512},
 }
 # How the mock engines publish KV events: one batch per event-loop iteration, as vLLM per engine
 # step (default), or one per request (this benchmark's mock before 2026-11-26).
@@ -110,6 +115,29 @@ def _ids(seed: int, n: int) -> list[int]:
     return out
 
 
+def _ids_many(seeds: list[int], n: int) -> list[list[int]]:
+    """``[_ids(s, n) for s in seeds]``, the same numbers, 10x faster for a pass of 100k-token prompts
+    (what keeps a pass long enough for steady state affordable): the generator jumps ahead, for every
+    seed at once, by each of ``_JUMP`` steps from the last value of the previous jump (x_{k+j} =
+    A_j x_k + C_j mod 2**31). Products stay below 2**62, so uint64 computes them exactly."""
+    mask = (1 << 31) - 1
+    mul, add = np.empty(_JUMP, dtype=np.uint64), np.empty(_JUMP, dtype=np.uint64)
+    a, c = 1, 0
+    for j in range(_JUMP):
+        a, c = a * 1103515245 & mask, (c * 1103515245 + 12345) & mask
+        mul[j], add[j] = a, c
+    x = np.array([s * 2654435761 % (1 << 32) | 1 for s in seeds], dtype=np.uint64) & np.uint64(mask)
+    out = np.empty((len(seeds), n), dtype=np.uint64)
+    for k in range(0, n, _JUMP):
+        block = (x[:, None] * mul[None, :] + add[None, :]) & np.uint64(mask)
+        out[:, k:k + _JUMP] = block[:, :n - k] % np.uint64(VOCAB)
+        x = block[:, -1]
+    return out.tolist()
+
+
+_JUMP = 1024
+
+
 def bodies(workload: str, conf: int, concurrency: int, total: int, stream: bool) -> list[tuple[bytes, dict]]:
     """(body bytes, headers) of every request, in the order workers take them. ``conf`` makes the
     prompts of each configuration distinct from every other's."""
@@ -125,13 +153,10 @@ def bodies(workload: str, conf: int, concurrency: int, total: int, stream: bool)
         return out
     if workload in ("2k", "2k-new", "100k"):
         n = 100_000 if workload == "100k" else 2048
-        cache: dict[int, list[int]] = {}
-        for k in range(total):
-            # 2k: 16 distinct prompts per configuration, reused (repeats); 2k-new and 100k: all distinct
-            key = k % 16 if workload == "2k" else k
-            ids = cache.setdefault(key, _ids(conf * 100_003 + key, n))
-            out.append((orjson.dumps({"model": "m", "prompt": ids, **extra}), {}))
-        return out
+        # 2k: 16 distinct prompts per configuration, reused (repeats); 2k-new and 100k: all distinct
+        keys = [k % 16 if workload == "2k" else k for k in range(total)]
+        prompts = dict(zip(sorted(set(keys)), _ids_many([conf * 100_003 + key for key in sorted(set(keys))], n)))
+        return [(orjson.dumps({"model": "m", "prompt": prompts[key], **extra}), {}) for key in keys]
     # agentic: worker w's session grows by 512 tokens a turn from a 100k-token start
     turns = -(-total // concurrency)
     per_worker = []
@@ -288,12 +313,13 @@ def test_router_compare():
                                 cpu = (cpu_seconds(pid) - c0) * 1e3 / n if pid else 0.0
                                 nan = float("nan")
                                 got[t].append((pct(lat, .5) if lat else nan, cpu, len(lat) / wall,
-                                               statistics.fmean(lat) if lat else nan, pct(lat, .99) if lat else nan))
+                                               statistics.fmean(lat) if lat else nan, pct(lat, .99) if lat else nan,
+                                               pct(lat, .1) if lat else nan))
                                 if errors:
                                     failed.append(f"{t} {workload} stream={stream} c={c}: {len(errors)} errors, "
                                                   f"first: {errors[0]}")
                                     print("  " + failed[-1], flush=True)
-                        med = {t: tuple(statistics.median(v[i] for v in got[t]) for i in range(5)) for t in got}
+                        med = {t: tuple(statistics.median(v[i] for v in got[t]) for i in range(6)) for t in got}
                         rows.append((workload, stream, c, n, med, got))
                         _print_row(rows[-1])
         finally:
@@ -313,7 +339,8 @@ def test_router_compare():
 
 def _print_row(row) -> None:
     workload, stream, c, n, med, _ = row
-    cells = " ".join(f"{t}={v[0]*1e3:.2f}ms/{v[1]:.3f}cpu/{v[2]:.0f}rps(mean {v[3]*1e3:.2f} p99 {v[4]*1e3:.2f})"
+    cells = " ".join(f"{t}={v[0]*1e3:.2f}ms/{v[1]:.3f}cpu/{v[2]:.0f}rps(p10 {v[5]*1e3:.2f} mean {v[3]*1e3:.2f} "
+                     f"p99 {v[4]*1e3:.2f})"
                      for t, v in med.items())
     print(f"  {workload} stream={stream} c={c} n={n}: {cells}", flush=True)
 
@@ -331,6 +358,17 @@ def _ratio_interval(ratios: list[float]) -> str:
     sem = scipy.stats.sem(logs)
     lo, hi = scipy.stats.t.interval(0.95, len(logs) - 1, loc=m, scale=sem) if sem > 0 else (m, m)
     return f"gm {math.exp(m):.2f} ({math.exp(lo):.2f}-{math.exp(hi):.2f})"
+
+
+def _diff_interval(diffs: list[float]) -> str:
+    """The paired per-round differences' mean and its 95% t-interval in ms, e.g. ``+3.1 (-1.2 to
+    +7.4)``; only the mean with one round."""
+    m = statistics.fmean(diffs) * 1e3
+    if len(diffs) < 2:
+        return f"{m:+.2f}"
+    sem = scipy.stats.sem(diffs) * 1e3
+    lo, hi = scipy.stats.t.interval(0.95, len(diffs) - 1, loc=m, scale=sem) if sem > 0 else (m, m)
+    return f"{m:+.2f} ({lo:+.2f} to {hi:+.2f})"
 
 
 def _added_ratio(g: tuple, v: tuple, direct: tuple, i: int) -> str:
@@ -351,7 +389,7 @@ def _print_table(rows) -> None:
     for t in routers:
         head += f" {t} added p50 ms | {t} CPU-ms/req | {t} req/s |"
     head += (" added ratio | CPU ratio | req/s ratio | CPU ratio per round | req/s ratio per round |"
-             " added mean ratio | added p99 ratio |")
+             " added p50 difference per round ms | added mean ratio | added p99 ratio |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for workload, stream, c, n, med, got in rows:
@@ -367,10 +405,15 @@ def _print_table(rows) -> None:
         for i in (1, 2):
             paired = [a[i] / max(b[i], 1e-9) for a, b in zip(got["gpuhit"], got["vllm-router"])]
             line += f" {statistics.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] {_ratio_interval(paired)} |"
+        # Within a round both routers' added p50s are over the same direct pass, which cancels from
+        # their difference: gpuhit's p50 minus vllm-router's, round by round.
+        line += f" {_diff_interval([a[0] - b[0] for a, b in zip(got['gpuhit'], got['vllm-router'])])} |"
         line += f" {_added_ratio(g, v, direct, 3)} | {_added_ratio(g, v, direct, 4)} |"
         print(line)
     print("(ratios are gpuhit / vllm-router: added p50 and CPU lower is better, req/s higher is better; "
           "added mean and p99: the latency's mean and 99th percentile over direct's, the same way; "
           f"an added ratio is n/a where either added latency is at most {ADDED_MIN * 1e3:.2f} ms, within the direct "
           f"run's noise; per round: the median [min-max] of the {ROUNDS} rounds' paired ratios, then their "
-          f"geometric mean and its 95% t-interval, n={ROUNDS})")
+          f"geometric mean and its 95% t-interval, n={ROUNDS}; added p50 difference: gpuhit's p50 minus "
+          f"vllm-router's in the same round (the round's direct p50 cancels), mean and 95% t-interval over the "
+          f"{ROUNDS} rounds: an interval below 0 says gpuhit adds less)")
