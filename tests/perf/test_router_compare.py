@@ -115,8 +115,11 @@ def _ids(seed: int, n: int) -> list[int]:
     return out
 
 
+_JUMP = 1024  # steps _ids_many computes at once
+
+
 def _ids_many(seeds: list[int], n: int) -> list[list[int]]:
-    """``[_ids(s, n) for s in seeds]``, the same numbers, 10x faster for a pass of 100k-token prompts
+    """``[_ids(s, n) for s in seeds]``, the same numbers, ~4x faster for a pass of 100k-token prompts
     (what keeps a pass long enough for steady state affordable): the generator jumps ahead, for every
     seed at once, by each of ``_JUMP`` steps from the last value of the previous jump (x_{k+j} =
     A_j x_k + C_j mod 2**31). Products stay below 2**62, so uint64 computes them exactly."""
@@ -133,9 +136,6 @@ def _ids_many(seeds: list[int], n: int) -> list[list[int]]:
         out[:, k:k + _JUMP] = block[:, :n - k] % np.uint64(VOCAB)
         x = block[:, -1]
     return out.tolist()
-
-
-_JUMP = 1024
 
 
 def bodies(workload: str, conf: int, concurrency: int, total: int, stream: bool) -> list[tuple[bytes, dict]]:
