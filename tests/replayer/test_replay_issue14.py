@@ -61,16 +61,26 @@ def test_summary_counts_rejected_failed_and_instances(tmp_path, capsys):
 def _cmd(out: pathlib.Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "gpuhit.cli", "replay", "--trace", CONV, "--policies",
             "round_robin,lpwl,least_request", "--instances", "2", "--max-requests", "100", "--no-plots",
-            "--jobs", "1", "--seeds", "0,1,2", *(["--out", str(out)] if out else []), *extra]
+            "--jobs", "1", "--seeds", "0", *(["--out", str(out)] if out else []), *extra]
 
 
 def _table(out: pathlib.Path) -> str:
     return (out / "comparison.txt").read_text().split("\n\n")[0]
 
 
-def test_ctrl_c_then_resume_gives_the_same_table(tmp_path):
-    # Nine runs of ~0.2 s: Ctrl-C goes at the first saved run and must land while runs remain. With
-    # three (one seed), the other two once finished before it landed (a clean-clone CI run, 2026-11-26).
+@pytest.fixture
+def ctrl_c_reaches_children():
+    """SIGINT handled (not ignored) in this process while the test runs, so that the replay it starts
+    starts with SIGINT's default disposition. A suite started in the background of a non-interactive
+    shell (``cmd &``, as a CI runner may start it) inherits SIGINT ignored, an ignored signal stays
+    ignored across fork and exec, and the replay would never see the Ctrl-C this test sends (it ran
+    to its end and exited 0). A handler, unlike SIG_IGN, is reset to the default by exec."""
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, prev)
+
+
+def test_ctrl_c_then_resume_gives_the_same_table(tmp_path, ctrl_c_reaches_children):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     ref = tmp_path / "ref"
     subprocess.run(_cmd(ref), env=env, check=True, capture_output=True, timeout=600)
@@ -94,7 +104,7 @@ def test_ctrl_c_then_resume_gives_the_same_table(tmp_path):
     assert proc.returncode == 130, err
     assert b"Finish with: gpuhit replay --resume" in err
     saved = {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
-    assert 1 <= len(saved) < 9  # the first finished run is kept, the last one never ran
+    assert 1 <= len(saved) < 3  # the first finished run is kept, the last one never ran
     assert not (out / "summary.json").exists()
 
     again = subprocess.run(_cmd(out), env=env, capture_output=True, timeout=600, check=False)
@@ -102,12 +112,12 @@ def test_ctrl_c_then_resume_gives_the_same_table(tmp_path):
 
     res = subprocess.run(_cmd(None, "--resume", str(out)), env=env, capture_output=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr
-    assert f"{len(saved)} of 9 runs saved".encode() in res.stderr
+    assert f"{len(saved)} of 3 runs saved".encode() in res.stderr
     for name, mtime in saved.items():  # no finished run redone
         assert (out / "runs" / name).stat().st_mtime_ns == mtime
     assert _table(out) == _table(ref)  # none lost, same numbers
     doc = json.loads((out / "summary.json").read_text())
-    assert len(doc["runs"]) == 9 and doc["meta"]["resumed"] is True
+    assert len(doc["runs"]) == 3 and doc["meta"]["resumed"] is True
 
 
 def test_busy_seconds_integrates_each_sample_over_its_own_interval():
