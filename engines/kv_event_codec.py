@@ -27,6 +27,7 @@ to the same int (last 8 bytes, big-endian) so that one index serves both.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Annotated, Any
 
@@ -415,24 +416,17 @@ def merge_removed(batch: KVEventBatch) -> KVEventBatch:
     differences (the precise index; the hash check skips them) gets the same answer from one record
     a run."""
     out: list[KVEvent] = []
-    run: list[int] = []
-    head: BlockRemoved | None = None
-    for ev in batch.events:
-        if type(ev) is BlockRemoved:
-            if head is not None and ev.medium == head.medium and ev.group_idx == head.group_idx:
-                run.extend(ev.block_hashes)
-                continue
-            if head is not None:
-                out.append(BlockRemoved(tuple(run), head.medium, head.group_idx))
-            head, run = ev, list(ev.block_hashes)
-            continue
-        if head is not None:
-            out.append(BlockRemoved(tuple(run), head.medium, head.group_idx))
-            head = None
-        out.append(ev)
-    if head is not None:
-        out.append(BlockRemoved(tuple(run), head.medium, head.group_idx))
+    for key, run in itertools.groupby(batch.events, _removal_run):
+        if key is None:
+            out.extend(run)
+        else:
+            out.append(BlockRemoved(tuple(h for ev in run for h in ev.block_hashes), *key))
     return KVEventBatch(batch.ts, tuple(out), batch.data_parallel_rank)
+
+
+def _removal_run(ev: KVEvent) -> tuple[str | None, int | None] | None:
+    """What makes consecutive removals one run (their medium and group); None for other events."""
+    return (ev.medium, ev.group_idx) if type(ev) is BlockRemoved else None
 
 
 def decode_batch(payload: bytes, merge: bool = False) -> KVEventBatch:
