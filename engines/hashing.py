@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from gpuhit.errors import ConfigError
+from gpuhit.speedups import ACCEL
 
 HashFn = Callable[[Any], bytes]
 
@@ -227,6 +228,9 @@ class BlockHasher:
                 or int(tokens[: nb * bs].max()) >= 1 << 31:
             return self.hash_blocks(tokens[: nb * bs].tolist(), parent)
         h = parent or self.root
+        if self.hash_name == "sha256" and ACCEL is not None and len(h) == 32:
+            # the C speedups write each pickle and hash it in one pass (gpuhit/_sha256.c)
+            return ACCEL.sha256_blocks(np.ascontiguousarray(tokens[: nb * bs], dtype=np.uint64), bs, h)
         plen = len(self.root)
         buf, starts = pickled_blocks(tokens, bs, plen)
         mv = memoryview(buf)

@@ -15,7 +15,7 @@
  *                     hashlib costs a Python call and an object per 64-byte chunk).
  *
  * And one type, in _blockset.c (built into this extension): BlockSet, the precise KV index's set of
- * block hashes.
+ * block hashes; and vLLM's sha256 block-hash chain, in _sha256.c.
  *
  * The parsers accept a strict subset of their input and answer None for anything outside it, so the
  * pure-Python path (which they only speed up) keeps deciding every error and every unusual shape:
@@ -1107,11 +1107,13 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuhit._speedups", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 int blockset_add_type(PyObject *module); /* _blockset.c */
+int sha256_add_functions(PyObject *module); /* _sha256.c */
 
 PyMODINIT_FUNC PyInit__speedups(void) {
     init_int_size();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 || blockset_add_type(m) < 0)) {
+    if (m != NULL && (PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 || blockset_add_type(m) < 0
+                      || sha256_add_functions(m) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

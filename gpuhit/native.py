@@ -52,8 +52,8 @@ MODULES = (
 RUNTIME_DIR = "gateway/http"  # mypyc's shared runtime, gateway/http/compiled__mypyc*.so, and the stamp
 GROUP = "compiled"
 STAMP = "native.sha256.json"
-SPEEDUPS = "_speedups"  # gpuhit/_speedups.c and _blockset.c -> gpuhit/_speedups.*.so
-SPEEDUPS_SOURCES = ("gpuhit/_speedups.c", "gpuhit/_blockset.c")  # one extension (its module init in the first)
+SPEEDUPS = "_speedups"  # gpuhit/_speedups.c, _blockset.c and _sha256.c -> gpuhit/_speedups.*.so
+SPEEDUPS_SOURCES = ("gpuhit/_speedups.c", "gpuhit/_blockset.c", "gpuhit/_sha256.c")  # one extension (its module init in the first)
 
 
 def sha256_of(path: Path) -> str:

@@ -1,4 +1,4 @@
-"""The optional C speedups (``gpuhit/_speedups.c`` and ``_blockset.c``, one extension) and the guard
+"""The optional C speedups (``gpuhit/_speedups.c``, ``_blockset.c`` and ``_sha256.c``, one extension) and the guard
 against a stale build.
 
 Three parsers in C that the gateway otherwise runs with numpy, orjson and msgspec
@@ -11,7 +11,10 @@ answers only the common, strict shape of its input and None for anything else, w
 path then decides as it always did: the answers are the same with or without the build (the
 differential tests in ``tests/gateway/test_speedups.py`` hold the two to that). And one hash:
 ``chunk_hashes``, the approximate index's chained BLAKE2b-64 text-chunk hashes
-(:func:`gateway.http.prompt.text_chunk_hashes`), equal to hashlib's (tested likewise). And one
+(:func:`gateway.http.prompt.text_chunk_hashes`), equal to hashlib's (tested likewise); and vLLM's
+sha256 block-hash chain, ``sha256_blocks`` (:meth:`engines.hashing.BlockHasher.hash_array`: each
+block's pickle written and hashed in one pass, on the CPU's SHA extensions where it has them; held
+to hashlib and the Python chain by ``tests/engines/test_hashing_accel.py``). And one
 type: ``BlockSet``, the precise KV index's set of block hashes (:class:`gateway.kv_index._ChainSet`;
 bare uint64 keys, batches probed with their slots prefetched), which answers as a Python set of ints
 does (``tests/gateway/test_blockset.py``).
