@@ -18,6 +18,12 @@ the step's outputs go out), the events of the requests answered in one event-loo
 mock's "step") go out as one batch on the ZMQ PUB socket, and only then their answers
 (``--events per-request``: a batch per request, published before its answer, as earlier versions
 of this mock did). Prints ``mock engine on http://127.0.0.1:<port>`` once listening.
+
+It is kept cheap, because on the benchmark's machine it shares the cores with the routers it
+measures (an engine in production runs on its own host): a new 100k-token prompt costs it ~6.5 ms of
+CPU in process (its sha256 block hashes in C with ``make compile``, a lazily kept LRU, the event's
+token ids packed in numpy), where it cost ~19 ms, which at c=64 made the 100k rows a measure of the
+mock's own throughput. The benchmark prints the engines' CPU per request with each row.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections import OrderedDict
+from collections import deque
+from itertools import repeat
 
 import httptools
 import numpy as np
@@ -96,10 +103,55 @@ def _answers(kv_port: int, capacity: int = CAPACITY) -> dict[bytes, bytes]:
 NOT_FOUND = _whole(b"404 Not Found", b"application/json", b'{"error":"not found"}')
 
 
+# A BlockStored's token ids spliced into the encoded batch: the events are encoded with an empty
+# ``token_ids`` (this map key then an empty array, bytes that nothing else in a batch holds: no key
+# or string ends in "token_ids" and a hash's 8 bytes are too few) and each is replaced by its ids.
+_EMPTY_TOKENS = b"\xa9token_ids\x90"
+_TOKENS_KEY = b"\xa9token_ids"
+
+
+_LIMITS = (128, 256, 1 << 16, 1 << 32)  # the smallest ids of uint8, uint16, uint32, uint64
+_TYPE_BYTE = np.array([0, 0xCC, 0xCD, 0xCE, 0xCF], dtype=np.uint8)
+_WIDTH = np.array([0, 1, 2, 4, 8], dtype=np.uint8)  # bytes after the type byte, by type code
+
+
+def msgpack_uints(ids: np.ndarray) -> bytes:
+    """``msgpack.packb(ids.tolist())`` for unsigned integers, in whole-array passes: each id in its
+    smallest form (positive fixint, uint8/16/32/64 with a type byte and big-endian bytes), as msgpack
+    packs a Python int (100k ids below 2**32 in ~2 ms, against ~4.5 ms to make and pack their Python ints)."""
+    v = np.asarray(ids, dtype=np.uint64)
+    n = len(v)
+    head = bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
+                                              else b"\xdd" + n.to_bytes(4, "big"))
+    if n == 0:
+        return head
+    # every id in a row of a type byte and its big-endian bytes (4, or 8 if any id needs them), then
+    # one compress keeps the type byte (the value itself for a fixint) and the id's last 0/1/2/4/8
+    code = sum((v >= limit).view(np.uint8) for limit in _LIMITS)  # 0 fixint, 1 uint8 ... 4 uint64
+    nbytes = 8 if code.max() == 4 else 4
+    rows = np.empty((n, 1 + nbytes), dtype=np.uint8)
+    rows[:, 1:] = v.astype(f">u{nbytes}").view(np.uint8).reshape(n, nbytes)
+    rows[:, 0] = np.where(code == 0, rows[:, nbytes], _TYPE_BYTE[code])
+    width = _WIDTH[code]
+    keep = np.empty((n, 1 + nbytes), dtype=bool)
+    keep[:, 0] = True
+    for col in range(1, 1 + nbytes):  # big-endian: column col holds the id's (nbytes + 1 - col)th last byte
+        np.greater_equal(width, nbytes + 1 - col, out=keep[:, col])
+    out = np.compress(keep.ravel(), rows.ravel())
+    return head + out.tobytes()
+
+
 class _Store:
     """What this engine has cached (LRU, ``capacity`` blocks), and the PUB socket it announces
     stored and evicted blocks on (the evicted in one ``BlockRemoved`` a prompt, or with
-    ``removed_per_block`` one each, as vLLM)."""
+    ``removed_per_block`` one each, as vLLM).
+
+    The LRU is kept lazily, for speed (this mock shares the machine's cores with the routers it
+    measures): each prompt is one *use* that stamps all its blocks, hits and new ones, in order; the
+    uses are queued oldest first, and eviction walks them from the front, taking a block only where
+    the use it is listed under is still its latest. That is the order an OrderedDict gives with
+    every hit moved to the end and the new blocks appended (tests/engines/test_bench_mock_engine.py
+    holds the two to each other), at a dict store a block instead of a linked-list node."""
 
     def __init__(self, pub, per_step: bool = True, capacity: int = CAPACITY, removed_per_block: bool = False) -> None:
         self.pub = pub
@@ -108,11 +160,15 @@ class _Store:
         self.capacity = capacity
         self.removed_per_block = removed_per_block
         self.events: list = []  # this step's events, not published yet
+        self.token_ids: list[np.ndarray] = []  # this step's BlockStored token ids, in event order
         self.answers: list[tuple[asyncio.Transport, bytes]] = []  # this step's answers, not written yet
         self._flush: asyncio.Handle | None = None
         # few sessions kept: a kept 100k-token prompt costs ~1.4 MB, and every prompt is kept once
         self.hashes = SessionHashCache(BlockHasher(BLOCK_SIZE), max_sessions=128, max_tokens=4 << 20)
-        self.cached: OrderedDict[int, None] = OrderedDict()
+        self.stamp: dict[int, int] = {}  # cached block -> the latest use of it
+        self.uses: deque[tuple[int, list[int]]] = deque()  # (use, its blocks), oldest first
+        self.listed = 0  # blocks listed in self.uses, stale ones included
+        self.use = 0
 
     def on_prompt(self, body: bytes, session: str | None) -> None:
         """Queue for this step's batch the prompt's full blocks that are not cached yet (token-id
@@ -128,23 +184,50 @@ class _Store:
                 return
             ids = np.array(prompt, dtype=np.uint64)
         hs = list(self.hashes.hashes_array(ids, session))
-        cached = self.cached
-        k = next((j for j, h in enumerate(hs) if h not in cached), len(hs))
-        for h in hs[:k]:  # a hit refreshes its blocks
-            cached.move_to_end(h)
-        if k == len(hs):
+        if not hs:
             return
-        new = hs[k:]
-        cached.update(dict.fromkeys(new))
-        evicted = [cached.popitem(last=False)[0] for _ in range(max(0, len(cached) - self.capacity))]
-        tokens = np.asarray(ids[k * BLOCK_SIZE : len(hs) * BLOCK_SIZE]).tolist()
+        stamp = self.stamp
+        k = next((j for j, h in enumerate(hs) if h not in stamp), len(hs))
+        self.use += 1
+        stamp.update(zip(hs, repeat(self.use)))  # a hit refreshes its blocks; the new are added after
+        self.uses.append((self.use, hs))
+        self.listed += len(hs)
+        if k == len(hs):
+            if self.listed > 2 * len(stamp) + 65536:
+                self._compact()
+            return
+        evicted = self._evict(len(stamp) - self.capacity)
         # as vLLM 0.32 fills them (medium, group 0, data-parallel rank 0) and encodes them (VLLM)
-        self.events.append(BlockStored(tuple(new), hs[k - 1] if k else None, tuple(tokens), BLOCK_SIZE,
+        self.events.append(BlockStored(tuple(hs[k:]), hs[k - 1] if k else None, (), BLOCK_SIZE,
                                        medium="GPU", group_idx=0))
+        self.token_ids.append(ids[k * BLOCK_SIZE : len(hs) * BLOCK_SIZE])
         if evicted and self.removed_per_block:
             self.events.extend(BlockRemoved((h,), medium="GPU", group_idx=0) for h in evicted)
         elif evicted:
             self.events.append(BlockRemoved(tuple(evicted), medium="GPU", group_idx=0))
+
+    def _evict(self, n: int) -> list[int]:
+        """The ``n`` least recently used blocks, taken out of the cache."""
+        out: list[int] = []
+        stamp, uses = self.stamp, self.uses
+        while len(out) < n:
+            use, hs = uses.popleft()
+            self.listed -= len(hs)
+            for j, h in enumerate(hs):
+                if stamp.get(h) == use:
+                    if len(out) == n:  # the rest of this use stays, oldest still
+                        uses.appendleft((use, hs[j:]))
+                        self.listed += len(hs) - j
+                        break
+                    del stamp[h]
+                    out.append(h)
+        return out
+
+    def _compact(self) -> None:
+        """Drop the listings of blocks used again since (hit-only prompts add listings, no blocks)."""
+        stamp = self.stamp
+        self.uses = deque((use, live) for use, hs in self.uses if (live := [h for h in hs if stamp.get(h) == use]))
+        self.listed = len(stamp)
 
     def answer(self, transport: asyncio.Transport, data: bytes) -> None:
         """Write ``data`` after this step's events are published (at once when per request)."""
@@ -166,10 +249,20 @@ class _Store:
 
     def publish(self) -> None:
         if self.events:
-            batch = KVEventBatch(time.time(), tuple(self.events), 0)
-            self.events = []
-            self.pub.send_multipart([b"kv-events", encode_seq(self.seq), encode_batch(batch, VLLM)])
+            self.pub.send_multipart([b"kv-events", encode_seq(self.seq), self.payload()])
             self.seq += 1
+
+    def payload(self) -> bytes:
+        """This step's events as vLLM 0.32 encodes them (:func:`encode_batch`, shape VLLM), taken."""
+        batch = KVEventBatch(time.time(), tuple(self.events), 0)
+        token_ids, self.events, self.token_ids = self.token_ids, [], []
+        parts = encode_batch(batch, VLLM).split(_EMPTY_TOKENS)
+        if len(parts) != len(token_ids) + 1:
+            raise RuntimeError(f"{len(parts) - 1} empty token-id arrays in a batch of {len(token_ids)} BlockStored")
+        out = [parts[0]]
+        for ids, rest in zip(token_ids, parts[1:]):
+            out += (_TOKENS_KEY, msgpack_uints(ids), rest)
+        return b"".join(out)
 
 
 class _Conn(asyncio.Protocol):

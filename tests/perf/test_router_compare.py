@@ -272,6 +272,8 @@ def test_router_compare():
                 procs.append(p)
                 engines.append(u)
             eng_args = [a for u in engines for a in ("--engine", u)]
+            # the mock engines share the cores with the routers: their CPU per request is printed too
+            engine_pids = [p.proc.pid for p in procs]
             targets: dict[str, tuple[int | None, list[str]]] = {"direct": (None, engines)}
             gw, url = await _spawn_url(["-m", "gpuhit.cli", "serve", "--port", "0", *eng_args, "--policy", "lpwl",
                                         "--index", "precise", "--model", "m", "--max-prompt-tokens", "0"], " on ")
@@ -309,17 +311,19 @@ def test_router_compare():
                                 await load(urls, path, c, warm)
                                 assert reqs
                                 c0 = cpu_seconds(pid) if pid else 0.0
+                                e0 = sum(cpu_seconds(p) for p in engine_pids)
                                 lat, wall, errors = await load(urls, path, c, reqs)
                                 cpu = (cpu_seconds(pid) - c0) * 1e3 / n if pid else 0.0
+                                engine_cpu = (sum(cpu_seconds(p) for p in engine_pids) - e0) * 1e3 / n
                                 nan = float("nan")
                                 got[t].append((pct(lat, .5) if lat else nan, cpu, len(lat) / wall,
                                                statistics.fmean(lat) if lat else nan, pct(lat, .99) if lat else nan,
-                                               pct(lat, .1) if lat else nan))
+                                               pct(lat, .1) if lat else nan, engine_cpu))
                                 if errors:
                                     failed.append(f"{t} {workload} stream={stream} c={c}: {len(errors)} errors, "
                                                   f"first: {errors[0]}")
                                     print("  " + failed[-1], flush=True)
-                        med = {t: tuple(statistics.median(v[i] for v in got[t]) for i in range(6)) for t in got}
+                        med = {t: tuple(statistics.median(v[i] for v in got[t]) for i in range(7)) for t in got}
                         rows.append((workload, stream, c, n, med, got))
                         _print_row(rows[-1])
         finally:
@@ -340,7 +344,7 @@ def test_router_compare():
 def _print_row(row) -> None:
     workload, stream, c, n, med, _ = row
     cells = " ".join(f"{t}={v[0]*1e3:.2f}ms/{v[1]:.3f}cpu/{v[2]:.0f}rps(p10 {v[5]*1e3:.2f} mean {v[3]*1e3:.2f} "
-                     f"p99 {v[4]*1e3:.2f})"
+                     f"p99 {v[4]*1e3:.2f} engines {v[6]:.2f}cpu)"
                      for t, v in med.items())
     print(f"  {workload} stream={stream} c={c} n={n}: {cells}", flush=True)
 
