@@ -219,7 +219,8 @@ class BlockHasher:
     def hash_array(self, tokens: np.ndarray, parent: bytes | None = None) -> list[bytes]:
         """``hash_blocks`` of a 1-D integer array, bit-identical, 3-4x faster for sha256 / xxhash
         with ids below 2**31: the blocks' pickles are built at once (:func:`pickled_blocks`) and
-        only the chain runs per block. Other cases (cbor algorithms, huge ids) take ``hash_blocks``."""
+        only the chain runs per block; for sha256 with the C speedups built, ~5x faster again (the
+        whole chain in C). Other cases (cbor algorithms, huge ids) take ``hash_blocks``."""
         bs = self.block_size
         nb = len(tokens) // bs
         if nb == 0:
@@ -229,8 +230,11 @@ class BlockHasher:
             return self.hash_blocks(tokens[: nb * bs].tolist(), parent)
         h = parent or self.root
         if self.hash_name == "sha256" and ACCEL is not None and len(h) == 32:
-            # the C speedups write each pickle and hash it in one pass (gpuhit/_sha256.c)
-            return ACCEL.sha256_blocks(np.ascontiguousarray(tokens[: nb * bs], dtype=np.uint64), bs, h)
+            # the C speedups write each pickle and hash it in one pass (gpuhit/_sha256.c); None
+            # where pickle's layout is not the one it writes (excluded above, decided here anyway)
+            out = ACCEL.sha256_blocks(np.ascontiguousarray(tokens[: nb * bs], dtype=np.uint64), bs, h)
+            if out is not None:
+                return out
         plen = len(self.root)
         buf, starts = pickled_blocks(tokens, bs, plen)
         mv = memoryview(buf)
