@@ -110,10 +110,10 @@ static int cpu_has_sha(void) {
 }
 #endif
 
-static compress_fn compress = compress_generic;
+static compress_fn best = compress_generic; /* set at import (sha256_add_functions) */
 
-/* SHA-256 of data[0:n] into out[32]. */
-static void sha256(const uint8_t *data, size_t n, uint8_t out[32]) {
+/* SHA-256 of data[0:n] into out[32], with the compression function ``compress``. */
+static void sha256(compress_fn compress, const uint8_t *data, size_t n, uint8_t out[32]) {
     uint32_t st[8];
     memcpy(st, H0, sizeof st);
     size_t full = n / 64;
@@ -205,7 +205,7 @@ static PyObject *sha256_blocks(PyObject *Py_UNUSED(self), PyObject *const *args,
         uint64_t frame = size - 11;
         for (int i = 0; i < 8; i++) msg[3 + i] = (uint8_t)(frame >> (8 * i));
         uint8_t digest[32];
-        sha256(msg, size, digest);
+        sha256(best, msg, size, digest);
         memcpy(msg + 13, digest, 32); /* the next block's parent */
         PyObject *d = PyBytes_FromStringAndSize((const char *)digest, 32);
         if (d == NULL) {
@@ -232,11 +232,8 @@ static PyObject *sha256_digest(PyObject *Py_UNUSED(self), PyObject *const *args,
     if (portable < 0) return NULL;
     Py_buffer data;
     if (PyObject_GetBuffer(args[0], &data, PyBUF_SIMPLE) < 0) return NULL;
-    compress_fn keep = compress;
-    if (portable) compress = compress_generic;
     uint8_t digest[32];
-    sha256((const uint8_t *)data.buf, (size_t)data.len, digest);
-    compress = keep;
+    sha256(portable ? compress_generic : best, (const uint8_t *)data.buf, (size_t)data.len, digest);
     PyBuffer_Release(&data);
     return PyBytes_FromStringAndSize((const char *)digest, 32);
 }
@@ -253,8 +250,8 @@ static PyMethodDef sha256_methods[] = {
 /* Adds the functions and SHA256_ACCELERATED (whether the SHA extensions are in use) to module. */
 int sha256_add_functions(PyObject *module) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (cpu_has_sha()) compress = compress_shani;
+    if (cpu_has_sha()) best = compress_shani;
 #endif
     if (PyModule_AddFunctions(module, sha256_methods) < 0) return -1;
-    return PyModule_AddIntConstant(module, "SHA256_ACCELERATED", compress != compress_generic);
+    return PyModule_AddIntConstant(module, "SHA256_ACCELERATED", best != compress_generic);
 }
