@@ -14,6 +14,7 @@ import orjson
 from engines.hashing import BlockHasher
 from engines.kv_event_codec import VLLM, decode_batch, encode_batch
 from engines.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from tests.perf import mock_engine
 from tests.perf.mock_engine import BLOCK_SIZE, _Store, msgpack_uints
 
 
@@ -87,3 +88,22 @@ def test_hit_only_prompts_do_not_grow_the_listing_without_bound():
         store.on_prompt(body, None)
     assert len(store.stamp) == 50
     assert store.listed <= 2 * 50 + 65536 + 50
+
+
+def test_a_large_body_takes_the_fast_parse_and_publishes_its_ids():
+    """Bodies of 64 KiB and more are parsed by gateway.http.prompt.fast_completion_ids (lazily in
+    pure Python): the published token ids are still the prompt's, behind a cached prefix too."""
+    rng = np.random.default_rng(9)
+    ids = rng.integers(100_000, 1 << 20, 12_000).tolist()
+    body = _body(ids)
+    assert len(body) >= mock_engine.FAST_PARSE_MIN_BYTES
+    pub = _Pub()
+    store = _Store(pub)
+    store.on_prompt(_body(ids[:4_000]), None)
+    store.on_prompt(body, None)
+    store.publish()
+    (first, second), = [decode_batch(parts[2]).events for parts in pub.sent]  # one step, two prompts
+    assert type(first) is type(second) is BlockStored
+    assert first.token_ids == tuple(ids[:4_000])
+    assert second.parent_block_hash == first.block_hashes[-1]  # the first prompt's blocks were hits
+    assert second.token_ids == tuple(ids[4_000:12_000 // BLOCK_SIZE * BLOCK_SIZE])
