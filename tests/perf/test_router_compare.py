@@ -56,6 +56,7 @@ import orjson
 import pytest
 import scipy.stats
 
+from gpuhit import speedups
 from tests.e2e.helpers import Proc, spawn
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -388,7 +389,8 @@ def _print_table(rows) -> None:
     print()
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
           f", scale {SCALE}, rounds {ROUNDS}, mock KV events {MOCK_EVENTS}, mock cache {MOCK_BLOCKS} blocks, "
-          f"evictions {MOCK_REMOVED}")
+          f"evictions {MOCK_REMOVED}, {'C speedups built' if speedups.ACCEL is not None else 'pure Python'} (gateway and "
+          "mock engines)")
     head = "| workload | stream | c | n | direct p50 ms |"
     for t in routers:
         head += f" {t} added p50 ms | {t} CPU-ms/req | {t} req/s |"
