@@ -232,9 +232,9 @@ class BlockHasher:
         if self.hash_name == "sha256" and ACCEL is not None and len(h) == 32:
             # the C speedups write each pickle and hash it in one pass (gpuhit/_sha256.c); None
             # where pickle's layout is not the one it writes (excluded above, decided here anyway)
-            out = ACCEL.sha256_blocks(np.ascontiguousarray(tokens[: nb * bs], dtype=np.uint64), bs, h)
-            if out is not None:
-                return out
+            chain = ACCEL.sha256_blocks(np.ascontiguousarray(tokens[: nb * bs], dtype=np.uint64), bs, h)
+            if chain is not None:
+                return chain
         plen = len(self.root)
         buf, starts = pickled_blocks(tokens, bs, plen)
         mv = memoryview(buf)
