@@ -225,16 +225,17 @@ class BlockHasher:
         nb = len(tokens) // bs
         if nb == 0:
             return []
-        if self.hash_name not in _PICKLED or bs <= 3 or self.extra_keys is not None \
-                or int(tokens[: nb * bs].max()) >= 1 << 31:
-            return self.hash_blocks(tokens[: nb * bs].tolist(), parent)
         h = parent or self.root
-        if self.hash_name == "sha256" and ACCEL is not None and len(h) == 32:
-            # the C speedups write each pickle and hash it in one pass (gpuhit/_sha256.c); None
-            # where pickle's layout is not the one it writes (excluded above, decided here anyway)
+        if self.hash_name == "sha256" and ACCEL is not None and self.extra_keys is None and len(h) == 32:
+            # the C speedups write each pickle and hash it in one pass (gpuhit/_sha256.c); they
+            # answer None where pickle writes another layout (an id >= 2**31, blocks of <= 3
+            # tokens), and the checks below decide as without them
             chain = ACCEL.sha256_blocks(np.ascontiguousarray(tokens[: nb * bs], dtype=np.uint64), bs, h)
             if chain is not None:
                 return chain
+        if self.hash_name not in _PICKLED or bs <= 3 or self.extra_keys is not None \
+                or int(tokens[: nb * bs].max()) >= 1 << 31:
+            return self.hash_blocks(tokens[: nb * bs].tolist(), parent)
         plen = len(self.root)
         buf, starts = pickled_blocks(tokens, bs, plen)
         mv = memoryview(buf)

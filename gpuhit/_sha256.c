@@ -4,9 +4,9 @@
  * Why C: engines.hashing.BlockHasher.hash_array in Python lays out every block's pickle with numpy
  * (~0.5 us a block in whole-array passes) and runs the chain per block (a memoryview store, a
  * hashlib object, a digest: ~1 us), ~9 ms for a 100k-token prompt's 6,250 blocks, for ~120 bytes of
- * SHA-256 work a block. Here each pickle is written as the chain reaches it. Here the compression runs on the CPU's
- * SHA extensions where it has them (x86-64 SHA-NI, detected at run time) and in portable C
- * otherwise (FIPS 180-4, section 6.2). tests/engines/test_hashing_accel.py holds both against
+ * SHA-256 work a block. Here each pickle is written as the chain reaches it, and the compression
+ * runs on the CPU's SHA extensions where it has them (x86-64 SHA-NI, detected at run time) and in
+ * portable C otherwise (FIPS 180-4, section 6.2). tests/engines/test_hashing_accel.py holds both against
  * hashlib on every length around the block boundaries and against BlockHasher's Python chain.
  */
 #define PY_SSIZE_T_CLEAN

@@ -85,3 +85,8 @@ def test_hash_array_takes_the_c_chain_and_agrees(c_speedups, monkeypatch):
     assert [hasher.hash_blocks(ids.tolist(), p) for ids, p in cases] == want
     # the rest of a prompt from its tenth block on, chained from the ninth (a view into the array)
     assert hasher.hash_array(cases[6][0][160:], want[6][9]) == want[6][10:]
+    # an id of 2**31: the C chain declines, the Python path hashes it as vLLM does
+    big = cases[4][0].copy()
+    big[100] = 1 << 31
+    assert hasher.hash_array(big) == hasher.hash_blocks(big.tolist())
+    assert calls[-1] == 1600
