@@ -328,12 +328,29 @@ def format_table(doc: Mapping[str, Any], columns: Sequence[tuple[str, str, str, 
     kinds = doc.get("error_kinds") or {}
     if kinds:
         lines.append("rejected/failed requests by reason (summed over seeds):")
-        for p, ks in kinds.items():
-            for k, v in ks.items():
-                lines.append(f"  {p}: {v} x {k}")
+        lines += [f"  {line}" for line in folded_error_kinds(kinds, doc["policies"])]
     if legend:
         lines += legend_lines(doc, columns)
     return "\n".join(lines)
+
+
+def folded_error_kinds(kinds: Mapping[str, Mapping[str, int]], policies: Sequence[str]) -> list[str]:
+    """Each reason once: ``N x reason (every policy)`` when all policies counted the same N (a prompt
+    too long is refused under any routing), else the reason with each policy's count."""
+    by_kind: dict[str, dict[str, int]] = {}
+    for p, ks in kinds.items():
+        for k, v in ks.items():
+            by_kind.setdefault(str(k), {})[p] = int(v)
+    out = []
+    for k, per in by_kind.items():
+        if len(per) == 1:
+            (p, v), = per.items()
+            out.append(f"{p}: {v} x {k}")
+        elif len(per) == len(policies) and len(set(per.values())) == 1:
+            out.append(f"{next(iter(per.values()))} x {k} (every policy)")
+        else:
+            out.append(f"{k}: " + ", ".join(f"{p} {v}" for p, v in per.items()))
+    return out
 
 
 def _clean(o: Any) -> Any:

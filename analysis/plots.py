@@ -1,5 +1,7 @@
 """Comparison plots as PNG files (matplotlib, Agg backend: no display needed).
 
+- :func:`plot_p90_intervals`: the answer at a glance: latency p90 and TTFT p90 of every policy, mean
+  over seeds with its t interval, the reference marked (the report opens with it).
 - :func:`plot_latency_cdfs`: request latency CDF, one line per policy.
 - :func:`plot_worker_ttft`: TTFT p90 of every worker, grouped bars per policy (hot-pinning shows as
   one tall bar).
@@ -28,6 +30,36 @@ def _save(fig, path: str | os.PathLike[str]) -> pathlib.Path:
     fig.savefig(p, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return p
+
+
+def plot_p90_intervals(doc: Mapping, path: str | os.PathLike[str], *,
+                       metrics: Sequence[tuple[str, str]] = (("latency_p90", "request latency p90 (s)"),
+                                                             ("ttft_p90", "TTFT p90 (s)"))) -> pathlib.Path:
+    """``doc``: an :func:`analysis.compare.compare` document. One panel per metric: each policy's
+    mean over seeds as a dot with its t interval as a bar, lowest first; the reference in bold."""
+    ref = doc.get("reference")
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 0.45 * len(doc["policies"]) + 1.4),
+                             squeeze=False)
+    pct = round(doc.get("level", 0.95) * 100)
+    for ax, (key, label) in zip(axes[0], metrics):
+        rows = [(doc["table"][p][key], p) for p in doc["policies"] if key in doc["table"][p]]
+        rows = [(st, p) for st, p in rows if not math.isnan(st.get("mean", math.nan))]
+        rows.sort(key=lambda r: -r[0]["mean"])  # lowest (best) at the top
+        y = np.arange(len(rows))
+        means = np.array([st["mean"] for st, _ in rows])
+        lo = np.array([st["lo"] if not math.isnan(st.get("lo", math.nan)) else st["mean"] for st, _ in rows])
+        hi = np.array([st["hi"] if not math.isnan(st.get("hi", math.nan)) else st["mean"] for st, _ in rows])
+        colors = ["#c0392b" if p == ref else "#2c3e50" for _, p in rows]
+        ax.errorbar(means, y, xerr=[means - lo, hi - means], fmt="none", ecolor="#95a5a6", elinewidth=3, capsize=0)
+        ax.scatter(means, y, c=colors, zorder=3, s=28)
+        ax.set_yticks(y, [p for _, p in rows], fontsize=9)
+        for tick, (_, p) in zip(ax.get_yticklabels(), rows):
+            if p == ref:
+                tick.set_fontweight("bold")
+        ax.set_xlabel(f"{label}, mean over seeds, {pct}% t interval")
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.suptitle("lower is better" + (f"; reference (bold, red): {ref}" if ref else ""), fontsize=9)
+    return _save(fig, path)
 
 
 def plot_latency_cdfs(latencies: Mapping[str, Sequence[float]], path: str | os.PathLike[str], *,

@@ -13,7 +13,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from analysis.compare import LEGEND, TABLE_COLUMNS, derive
+from analysis.compare import LEGEND, TABLE_COLUMNS, derive, folded_error_kinds
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em;color:#222}
@@ -26,6 +26,9 @@ td.worse{background:#f8e3e3}
 dl.legend dt{font-weight:bold;margin-top:0.3em}
 pre{background:#f6f6f6;padding:8px;font-size:12px;overflow-x:auto}
 img{max-width:100%;border:1px solid #eee;margin:0.5em 0}
+p.headline{font-size:15px;margin:0.3em 0;max-width:70em}
+details{margin:1em 0}
+summary{cursor:pointer;font-weight:bold}
 """
 
 _SCALE = {k: (head, fmt, scale) for k, head, fmt, scale in TABLE_COLUMNS}
@@ -91,9 +94,7 @@ def comparison_html(doc: Mapping[str, Any]) -> str:
     kinds = doc.get("error_kinds") or {}
     if kinds:
         out.append("<h3>Rejected and failed requests by reason (summed over seeds)</h3><ul>")
-        for p, ks in kinds.items():
-            for k, v in ks.items():
-                out.append(f"<li>{html.escape(p)}: {int(v)} x <code>{html.escape(str(k))}</code></li>")
+        out += [f"<li><code>{html.escape(line)}</code></li>" for line in folded_error_kinds(kinds, doc["policies"])]
         out.append("</ul>")
     return "\n".join(out)
 
@@ -138,27 +139,38 @@ def _run_cell(key: str, v: Any) -> str:
     return str(v)
 
 
+def _img(path: str | os.PathLike[str]) -> str:
+    data = base64.b64encode(pathlib.Path(path).read_bytes()).decode("ascii")
+    return f"<img alt='{html.escape(pathlib.Path(path).name)}' src='data:image/png;base64,{data}'>"
+
+
 def write_report(path: str | os.PathLike[str], *, title: str, comparison: Mapping[str, Any],
                  table_text: str, plots: Sequence[str | os.PathLike[str]] = (),
                  meta: Mapping[str, Any] | None = None, runs: Sequence[Mapping[str, Any]] = (),
-                 sections: Sequence[tuple[str, str]] = ()) -> pathlib.Path:
-    """Write the HTML report to ``path``. ``runs``: per-run summaries (policy, seed, ...) for the
-    per-run table; ``meta``: command line, trace, timing - shown as a definition list; ``sections``:
-    further ``(title, preformatted text)`` sections (e.g. the lost-hit analysis)."""
+                 sections: Sequence[tuple[str, str]] = (), headline: Sequence[str] = (),
+                 answer_plot: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """Write the HTML report to ``path``. It opens with the answer: the ``headline`` lines
+    (:func:`analysis.headline.headline`) and the ``answer_plot`` (latency / TTFT p90 per policy with
+    intervals, :func:`analysis.plots.plot_p90_intervals`); then the comparison tables, the plots and
+    the run parameters (``meta``: command line, trace, timing), folded. ``runs``: per-run summaries
+    (policy, seed, ...) for the per-run table; ``sections``: further ``(title, preformatted text)``
+    sections (e.g. the lost-hit analysis)."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
-    if meta:
-        parts.append("<dl>" + "".join(f"<dt><b>{html.escape(str(k))}</b></dt><dd>{html.escape(_value(v))}</dd>"
-                                      for k, v in meta.items()) + "</dl>")
+    parts += [f"<p class='headline'>{html.escape(line)}</p>" for line in headline]
+    if answer_plot is not None:
+        parts.append(_img(answer_plot))
     pct = round(comparison.get("level", 0.95) * 100)
     parts.append(f"<h2>Comparison (mean over seeds, [{pct}% t interval])</h2>")
     parts.append(comparison_html(comparison))
     parts.append(legend_html(comparison))
     parts.append(f"<pre>{html.escape(table_text)}</pre>")
     for p in plots:
-        data = base64.b64encode(pathlib.Path(p).read_bytes()).decode("ascii")
-        parts.append(f"<h3>{html.escape(pathlib.Path(p).stem.replace('_', ' '))}</h3>"
-                     f"<img alt='{html.escape(pathlib.Path(p).name)}' src='data:image/png;base64,{data}'>")
+        parts.append(f"<h3>{html.escape(pathlib.Path(p).stem.replace('_', ' '))}</h3>" + _img(p))
+    if meta:
+        parts.append("<details><summary>Run parameters</summary><dl>"
+                     + "".join(f"<dt><b>{html.escape(str(k))}</b></dt><dd>{html.escape(_value(v))}</dd>"
+                               for k, v in meta.items()) + "</dl></details>")
     if runs:
         parts.append("<h2>Runs</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for _, h in _RUN_KEYS) + "</tr>")
         for r in runs:

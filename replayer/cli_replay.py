@@ -1,8 +1,13 @@
 """``gpuhit replay``: replay an agentic trace under every routing policy and compare them.
 
 With no arguments it replays the bundled real WEKA Claude Code slice (20 conversations, 39 sessions
-with sub-agents, 2,357 requests) on 8 emulated instances under every registered policy (pd_disagg as
-4P+4D), in virtual time, prints the comparison table and writes ``results/<UTC timestamp>/``:
+with sub-agents, 2,357 requests) on 8 emulated instances under the policies that tell the story
+(:data:`DEMO_POLICIES`: GPU-hit-first, its parts, the strongest published baselines, round-robin),
+with GPU-hit-first as the reference of the paired differences, in virtual time. It opens with three
+lines (:mod:`analysis.headline`: what was replayed, who won on latency p90 and TTFT p90 by how much,
+where the report is), then a short table; ``--full-table`` prints every column, the legend, the
+per-instance routing and every run's timing, and ``--all-policies`` compares every registered
+policy (pd_disagg as 4P+4D). It writes ``results/<UTC timestamp>/``:
 ``records/<run>.csv`` (one row per request), ``summary.json`` (every run), ``comparison.json`` /
 ``comparison.txt``, the plots (PNG) and a self-contained ``report.html``.
 
@@ -63,6 +68,12 @@ DEFAULT_INSTANCES = 8
 DEFAULT_SESSION_RATE = 1.0 / 60.0  # sessions per second (one new conversation a minute on average)
 DEFAULT_MAX_THINK = 60.0  # seconds
 DEFAULT_PD = "pd_disagg"
+#: the policies compared when none are named, the reference first: GPU-hit-first (lpwl_resident_prio),
+#: its parts (lpwl: least prefill work; lpwl_resident: plus the resident sessions' KV), the strongest
+#: published baselines (lmetric, linear: cache-aware + load; least_request: load only) and round-robin
+DEMO_POLICIES = ("lpwl_resident_prio", "lpwl", "lpwl_resident", "lmetric", "linear", "least_request", "round_robin")
+#: the columns of the short table (``--full-table``: all of analysis.compare.TABLE_COLUMNS)
+SHORT_COLUMNS = ("latency_p90", "ttft_p90", "latency_p50", "apc_realized", "tps_per_busy_gpu", "gpu_util_median")
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -83,7 +94,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--format", default=None, help="force the trace format (default: detect)")
     p.add_argument("--policies", default=None, metavar="A,B,C|FILE",
                    help="comma-separated policy names, or a JSON/TOML file of {name, type, params} entries "
-                        "(default: every registered policy)")
+                        f"(default: {','.join(DEMO_POLICIES)}; --all-policies: every registered one)")
+    p.add_argument("--all-policies", action="store_true",
+                   help="compare every registered policy (pd_disagg as an even P/D split) instead of the default set")
+    p.add_argument("--reference", default=None, metavar="NAME",
+                   help="the policy every paired difference is taken against (default: lpwl_resident_prio when "
+                        "compared without --policies, else the first policy)")
+    p.add_argument("--full-table", action="store_true",
+                   help="print every column with its legend, the per-instance routing and each run's timing "
+                        "(default: the headline and a short table; the files always hold everything)")
     p.add_argument("--instances", type=int, default=DEFAULT_INSTANCES, help="emulated instances (default 8)")
     p.add_argument("--profile", default=None, help="emulated engine profile (default qwen3-coder-30b-a3b@h20)")
     p.add_argument("--arrival", choices=("trace", "poisson", "concurrent"), default=None,
@@ -222,8 +241,10 @@ def plan_runs(args: argparse.Namespace) -> list[RunSpec]:
     n = args.instances
     if n <= 0:
         raise ConfigError("--instances must be positive")
+    if args.policies is not None and getattr(args, "all_policies", False):
+        raise ConfigError("--all-policies and --policies are exclusive")
     if args.policies is None:
-        configs: list[Any] = list(available())
+        configs: list[Any] = list(available()) if getattr(args, "all_policies", False) else list(DEMO_POLICIES)
     elif os.path.isfile(args.policies) or args.policies.lower().endswith((".json", ".toml")):
         configs = _load_policy_file(pathlib.Path(args.policies))
     else:
@@ -327,13 +348,14 @@ def _plan_doc(args: argparse.Namespace, specs: Sequence[RunSpec]) -> dict[str, A
 
 
 def _simulated(args: argparse.Namespace) -> int:
-    from analysis.compare import compare, format_table, to_json
+    from analysis.compare import TABLE_COLUMNS, compare, format_table, to_json
     from replayer.driver import count_requests
     from replayer.executors import execute
     from replayer.simulate import DEFAULT_PROFILE
 
     out, resuming = start_folder(args, "replay")
     specs = plan_runs(args)
+    _reference(args, specs)  # an unknown --reference fails before any run
     if args.max_requests is not None and args.max_requests <= 0:
         raise ConfigError("--max-requests must be positive")
     if args.block_size <= 0:
@@ -388,7 +410,7 @@ def _simulated(args: argparse.Namespace) -> int:
     n_jobs = args.jobs or max(1, min(2, os.cpu_count() or 1, len(jobs)))
     wall0 = time.perf_counter()
     runs = execute(jobs, {"": trace}, ray=getattr(args, "ray", None), n_jobs=n_jobs, totals=[total_one] * len(specs),
-                   show=args.progress or sys.stderr.isatty(), force_progress=args.progress)
+                   show=True, force_progress=args.progress)
     try:
         with contextlib.closing(runs):
             for idx, r in runs:
@@ -403,7 +425,7 @@ def _simulated(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - wall0
 
     summaries = [dict(r["summary"], policy=r["summary"]["label"]) for r in results if r is not None]
-    doc = compare(summaries)
+    doc = compare(summaries, reference=_reference(args, specs))
     table = format_table(doc)
     meta = {
         "command": "gpuhit replay " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["replay"] else sys.argv[1:]),
@@ -429,22 +451,53 @@ def _simulated(args: argparse.Namespace) -> int:
     from analysis.lost_hits import write_folder_section
     from analysis.report import write_report
 
+    from analysis.headline import headline
+
     lost_text, lost_plots = write_folder_section(out, plots=not args.no_plots, profile=args.profile)
+    answer = None
+    if not args.no_plots:
+        from analysis.plots import plot_p90_intervals
+
+        answer = plot_p90_intervals(doc, out / "p90_by_policy.png")
+    opening = headline(summaries, meta, str(out))
     write_report(out / "report.html", title=f"gpuhit replay: {trace.name} on {args.instances} instances",
                  comparison=doc, table_text=table, plots=plots + lost_plots, meta=meta, runs=summaries,
-                 sections=[("Lost hits (gpuhit lost-hits)", lost_text)])
+                 sections=[("Lost hits (gpuhit lost-hits)", lost_text)], headline=opening, answer_plot=answer)
     if args.json:
         print(to_json({"meta": meta, "comparison": doc, "runs": summaries, "out": str(out)}))
-    else:
+        return 0
+    print("\n".join(opening))
+    print()
+    if args.full_table:
         print(replay_report.header(meta))
         print(table)
         print()
         print("\n".join(per_inst))
         print()
         print("\n".join(timing))
-        print(f"results: {out}/ (report.html, comparison.txt/.json, summary.json, records/"
-              f"{', plots' if plots else ''})")
+    else:
+        cols = {c[0]: c for c in TABLE_COLUMNS}
+        print(format_table(doc, [cols[k] for k in SHORT_COLUMNS], legend=False))
+        print()
+        print(replay_report.timing_summary(summaries, wall))
+        print("every column with its legend, per-instance routing and each run's timing: --full-table "
+              "(or comparison.txt); every registered policy: --all-policies")
+    print(f"results: {out}/ (report.html, comparison.txt/.json, summary.json, records/"
+          f"{', plots' if plots else ''})")
     return 0
+
+
+def _reference(args: argparse.Namespace, specs: Sequence[RunSpec]) -> str | None:
+    """The policy the paired differences are taken against (None: compare's default, the first)."""
+    labels = list(dict.fromkeys(s.label for s in specs))
+    ref = getattr(args, "reference", None)
+    if ref is not None:
+        if ref not in labels:
+            raise ConfigError(f"--reference {ref!r} is not among the compared policies: {', '.join(labels)}")
+        return ref
+    if args.policies is None and DEMO_POLICIES[0] in labels:
+        return DEMO_POLICIES[0]
+    return None
 
 
 # ---------------------------------------------------------------------------------------- live

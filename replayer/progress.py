@@ -1,8 +1,10 @@
-"""A one-line progress display on stderr: requests done/total, replay clock, sim/wall ratio, ETA.
+"""A one-line progress display on stderr: runs and requests done/total, replay clock, sim/wall, ETA.
 
 Redrawn at most ``max_hz`` times per second (the check is one wall-clock read per update, so it is
-cheap enough to call per request). Off when stderr is not a TTY unless ``force=True``, so logs and
-test output stay clean. No dependency beyond the standard library.
+cheap enough to call per request). On a terminal it is one line rewritten in place (``\\r``); when
+stderr is not a TTY (a log, a pipe, a test) there is no redrawn line unless ``force=True``, and a
+many-run replay prints one plain line per finished run instead (:func:`note_done`). No dependency
+beyond the standard library.
 
 This is the one place in the replayer that reads the wall clock on purpose: the display is about
 real elapsed time, and nothing it computes feeds back into the simulation.
@@ -44,6 +46,8 @@ class Progress:
         self._done = 0
         self._sim = 0.0
         self._width = 0
+        self.runs_total = 0  # > 0: the line also counts finished runs (set by progress_thread)
+        self.runs_done = 0
 
     def line(self, done: int, sim_time: float, wall: float) -> str:
         """The text of the progress line (pure: exposed for tests)."""
@@ -52,6 +56,8 @@ class Progress:
         eta = wall * (self.total - done) / done if done else float("nan")
         ratio_s = f"{ratio:,.0f}x" if ratio != float("inf") else "-"
         head = f"{self.label}: " if self.label else ""
+        if self.runs_total > 1:
+            head += f"{self.runs_done}/{self.runs_total} runs, "
         return (f"{head}{done}/{self.total} requests ({pct:5.1f}%)  sim {_fmt_secs(sim_time)}  "
                 f"wall {_fmt_secs(wall)}  sim/wall {ratio_s}  ETA {_fmt_secs(eta)}")
 
@@ -85,6 +91,7 @@ def progress_thread(q: Any, totals: list[int], stop: threading.Event, force: boo
     sim_time)`` from ``q`` (runs report from worker processes or Ray through it), until ``stop`` is
     set or an ``(None, ...)`` item arrives. ``totals[index]``: run ``index``'s request count."""
     bar = Progress(sum(totals), label=label, force=force)
+    bar.runs_total = len(totals)
     done = [0] * len(totals)
     sims = [0.0] * len(totals)
 
@@ -99,6 +106,7 @@ def progress_thread(q: Any, totals: list[int], stop: threading.Event, force: boo
             if idx is None:
                 break
             done[idx], sims[idx] = d, sim
+            bar.runs_done = sum(d_ >= t for d_, t in zip(done, totals) if t)
             bar.update(sum(done), sum(sims))
         bar.close()
 
@@ -108,10 +116,11 @@ def progress_thread(q: Any, totals: list[int], stop: threading.Event, force: boo
 
 
 def note_done(r: dict[str, Any] | None, show: bool, tool: str = "replay") -> None:
-    """One line on stderr for a finished run (when the progress line is shown)."""
-    if r is None or not show:
+    """One plain line on stderr for a finished run, when progress is shown and stderr is not a
+    terminal (on a terminal the progress line counts the runs in place)."""
+    if r is None or not show or sys.stderr.isatty():
         return
     s = r["summary"]
-    print(f"\r\033[Kgpuhit {tool}: {s['label']} seed {s['seed']}: {s['n_sent']} requests, {s['n_ok']} ok, "
+    print(f"gpuhit {tool}: {s['label']} seed {s['seed']}: {s['n_sent']} requests, {s['n_ok']} ok, "
           f"{s['n_rejected']} rejected, {s['n_failed']} failed, "
           f"{s['wall_s']:.1f} s wall, sim/wall {s['sim_wall_ratio']:,.0f}x", file=sys.stderr)

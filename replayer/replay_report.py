@@ -62,15 +62,42 @@ def header(meta: Mapping[str, Any]) -> str:
 
 
 def timing_lines(summaries: Sequence[Mapping[str, Any]], wall: float) -> list[str]:
+    """One line per run, then each rejection/failure reason once (the same reason in many runs is
+    one line saying in how many, not one line per run)."""
     lines = ["run timings (simulated makespan / wall seconds = sim/wall):"]
     for s in summaries:
         lines.append(f"  {s['policy']:<22} seed {s['seed']}: makespan {s['makespan']:,.0f} s, wall {s['wall_s']:.1f} s, "
                      f"sim/wall {s['sim_wall_ratio']:,.0f}x, {s['n_ok']} ok, {s['n_rejected']} rejected, "
                      f"{s['n_failed']} failed")
-        for kind, n in s.get("error_kinds", {}).items():
-            lines.append(f"      {n} x {kind}")
+    lines += folded_kinds(summaries)
     lines.append(f"total wall {wall:.1f} s")
     return lines
+
+
+def folded_kinds(summaries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each error reason once: ``N x reason`` when every run that had it counted N, else the counts."""
+    by_kind: dict[str, list[int]] = {}
+    for s in summaries:
+        for kind, n in s.get("error_kinds", {}).items():
+            by_kind.setdefault(str(kind), []).append(int(n))
+    out = []
+    for kind, counts in by_kind.items():
+        runs = f"{len(counts)} of {len(summaries)} runs" if len(counts) < len(summaries) else f"all {len(counts)} runs"
+        many = f"{counts[0]} x" if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)} x"
+        out.append(f"  {many} {kind} (per run, in {runs})")
+    return out
+
+
+def timing_summary(summaries: Sequence[Mapping[str, Any]], wall: float) -> str:
+    """One line for all runs: how many, total wall, the median run's wall and sim/wall, then the folded
+    rejection/failure reasons."""
+    walls = sorted(s["wall_s"] for s in summaries)
+    ratios = sorted(s["sim_wall_ratio"] for s in summaries)
+    mid = len(walls) // 2
+    line = (f"{len(summaries)} runs in {wall:.1f} s wall; a run: {walls[mid]:.1f} s wall, "
+            f"sim/wall {ratios[mid]:,.0f}x (median)") if summaries else f"no runs ({wall:.1f} s)"
+    kinds = folded_kinds(summaries)
+    return "\n".join([line] + (["rejected/failed requests:"] + kinds if kinds else []))
 
 
 def plots(out: pathlib.Path, results: Sequence[dict[str, Any] | None]) -> list[pathlib.Path]:
@@ -97,4 +124,4 @@ def plots(out: pathlib.Path, results: Sequence[dict[str, Any] | None]) -> list[p
     ]
 
 
-__all__ = ["header", "per_instance_lines", "plots", "session_counts", "timing_lines"]
+__all__ = ["folded_kinds", "header", "per_instance_lines", "plots", "session_counts", "timing_lines", "timing_summary"]

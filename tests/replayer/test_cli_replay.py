@@ -41,11 +41,11 @@ def test_replay_text_output_with_plots_and_pd(tmp_path, capsys):
     assert "pd_disagg[1P+1D]" in text and "results:" in text
     for png in ("latency_cdf.png", "worker_ttft_p90.png", "gpu_utilization.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
-    # the three comparison plots, then one lost-hit timeline per policy (its first seed)
+    # the answer chart (p90 by policy), the three comparison plots, then one lost-hit timeline per policy
     for run in ("lpwl-seed0", "pd_disagg_1P_1D_-seed0"):  # records/ file stems
         assert (out / f"lost-hits-{run}.png").read_bytes()[:4] == b"\x89PNG"
     report = (out / "report.html").read_text()
-    assert report.count("data:image/png;base64,") == 5 and "Lost hits (gpuhit lost-hits)" in report
+    assert report.count("data:image/png;base64,") == 6 and "Lost hits (gpuhit lost-hits)" in report
 
 
 def test_unknown_policy_is_a_clear_error(tmp_path, capsys):
