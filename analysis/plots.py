@@ -38,8 +38,8 @@ def plot_p90_intervals(doc: Mapping, path: str | os.PathLike[str], *,
     """``doc``: an :func:`analysis.compare.compare` document. One panel per metric: each policy's
     mean over seeds as a dot with its t interval as a bar, lowest first; the reference in bold."""
     ref = doc.get("reference")
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 0.45 * len(doc["policies"]) + 1.4),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.6 * len(metrics), 0.45 * len(doc["policies"]) + 1.4),
+                             squeeze=False, layout="constrained")  # room for each panel's policy names
     pct = round(doc.get("level", 0.95) * 100)
     for ax, (key, label) in zip(axes[0], metrics):
         rows = [(doc["table"][p][key], p) for p in doc["policies"] if key in doc["table"][p]]

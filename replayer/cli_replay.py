@@ -462,7 +462,7 @@ def _simulated(args: argparse.Namespace) -> int:
     opening = headline(summaries, meta, str(out))
     write_report(out / "report.html", title=f"gpuhit replay: {trace.name} on {args.instances} instances",
                  comparison=doc, table_text=table, plots=plots + lost_plots, meta=meta, runs=summaries,
-                 sections=[("Lost hits (gpuhit lost-hits)", lost_text)], headline=opening, answer_plot=answer)
+                 sections=[("Lost hits (gpuhit lost-hits)", lost_text)], headline=opening[:2], answer_plot=answer)
     if args.json:
         print(to_json({"meta": meta, "comparison": doc, "runs": summaries, "out": str(out)}))
         return 0
