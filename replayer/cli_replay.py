@@ -348,7 +348,7 @@ def _plan_doc(args: argparse.Namespace, specs: Sequence[RunSpec]) -> dict[str, A
 
 
 def _simulated(args: argparse.Namespace) -> int:
-    from analysis.compare import TABLE_COLUMNS, compare, format_table, to_json
+    from analysis.compare import compare, format_table
     from replayer.driver import count_requests
     from replayer.executors import execute
     from replayer.simulate import DEFAULT_PROFILE
@@ -439,51 +439,10 @@ def _simulated(args: argparse.Namespace) -> int:
         "resumed": resuming,
         "utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
-    (out / "summary.json").write_text(to_json({"meta": meta, "runs": summaries}, indent=1), encoding="utf-8")
-    (out / "comparison.json").write_text(to_json(dict(doc, meta=meta), indent=1), encoding="utf-8")
-    timing = replay_report.timing_lines(summaries, wall)
-    per_inst = replay_report.per_instance_lines(summaries)
-    (out / "comparison.txt").write_text(table + "\n\n" + "\n".join(per_inst + [""] + timing) + "\n",
-                                        encoding="utf-8")
-    plots: list[pathlib.Path] = []
-    if not args.no_plots:
-        plots = replay_report.plots(out, results)
-    from analysis.lost_hits import write_folder_section
-    from analysis.report import write_report
-
-    from analysis.headline import headline
-
-    lost_text, lost_plots = write_folder_section(out, plots=not args.no_plots, profile=args.profile)
-    answer = None
-    if not args.no_plots:
-        from analysis.plots import plot_p90_intervals
-
-        answer = plot_p90_intervals(doc, out / "p90_by_policy.png")
-    opening = headline(summaries, meta, str(out))
-    write_report(out / "report.html", title=f"gpuhit replay: {trace.name} on {args.instances} instances",
-                 comparison=doc, table_text=table, plots=plots + lost_plots, meta=meta, runs=summaries,
-                 sections=[("Lost hits (gpuhit lost-hits)", lost_text)], headline=opening[:2], answer_plot=answer)
-    if args.json:
-        print(to_json({"meta": meta, "comparison": doc, "runs": summaries, "out": str(out)}))
-        return 0
-    print("\n".join(opening))
-    print()
-    if args.full_table:
-        print(replay_report.header(meta))
-        print(table)
-        print()
-        print("\n".join(per_inst))
-        print()
-        print("\n".join(timing))
-    else:
-        cols = {c[0]: c for c in TABLE_COLUMNS}
-        print(format_table(doc, [cols[k] for k in SHORT_COLUMNS], legend=False))
-        print()
-        print(replay_report.timing_summary(summaries, wall))
-        print("every column with its legend, per-instance routing and each run's timing: --full-table "
-              "(or comparison.txt); every registered policy: --all-policies")
-    print(f"results: {out}/ (report.html, comparison.txt/.json, summary.json, records/"
-          f"{', plots' if plots else ''})")
+    replay_report.finish(out, doc=doc, table=table, meta=meta, summaries=summaries, results=results,
+                         wall=wall, title=f"gpuhit replay: {trace.name} on {args.instances} instances",
+                         with_plots=not args.no_plots, profile=args.profile, as_json=args.json,
+                         full_table=args.full_table, short_columns=SHORT_COLUMNS)
     return 0
 
 

@@ -124,4 +124,57 @@ def plots(out: pathlib.Path, results: Sequence[dict[str, Any] | None]) -> list[p
     ]
 
 
-__all__ = ["folded_kinds", "header", "per_instance_lines", "plots", "session_counts", "timing_lines", "timing_summary"]
+def finish(out: pathlib.Path, *, doc: Mapping[str, Any], table: str, meta: Mapping[str, Any],
+           summaries: Sequence[Mapping[str, Any]], results: Sequence[dict[str, Any] | None], wall: float,
+           title: str, with_plots: bool, profile: str | None, as_json: bool, full_table: bool,
+           short_columns: Sequence[str]) -> None:
+    """Write a finished comparison's files (``summary.json``, ``comparison.json/.txt``, the plots,
+    the lost-hit section, ``report.html``) and print it: the headline, then the short table (or
+    with ``full_table`` every column, the legend, per-instance routing and each run's timing), or
+    one JSON document with ``as_json``. ``with_plots``: the PNG figures (and the report's images)."""
+    from analysis.compare import TABLE_COLUMNS, format_table, to_json
+    from analysis.headline import headline
+    from analysis.lost_hits import write_folder_section
+    from analysis.report import write_report
+
+    (out / "summary.json").write_text(to_json({"meta": meta, "runs": summaries}, indent=1), encoding="utf-8")
+    (out / "comparison.json").write_text(to_json(dict(doc, meta=meta), indent=1), encoding="utf-8")
+    timing = timing_lines(summaries, wall)
+    per_inst = per_instance_lines(summaries)
+    (out / "comparison.txt").write_text(table + "\n\n" + "\n".join(per_inst + [""] + timing) + "\n",
+                                        encoding="utf-8")
+    pngs: list[pathlib.Path] = []
+    answer = None
+    if with_plots:
+        from analysis.plots import plot_p90_intervals
+
+        pngs = plots(out, results)
+        answer = plot_p90_intervals(doc, out / "p90_by_policy.png")
+    lost_text, lost_plots = write_folder_section(out, plots=with_plots, profile=profile)
+    opening = headline(summaries, meta, str(out))
+    write_report(out / "report.html", title=title, comparison=doc, table_text=table, plots=pngs + lost_plots,
+                 meta=meta, runs=summaries, sections=[("Lost hits (gpuhit lost-hits)", lost_text)],
+                 headline=opening[:2], answer_plot=answer)
+    if as_json:
+        print(to_json({"meta": meta, "comparison": doc, "runs": summaries, "out": str(out)}))
+        return
+    print("\n".join(opening))
+    print()
+    if full_table:
+        print(header(meta))
+        print(table)
+        print()
+        print("\n".join(per_inst))
+        print()
+        print("\n".join(timing))
+    else:
+        cols = {c[0]: c for c in TABLE_COLUMNS}
+        print(format_table(doc, [cols[k] for k in short_columns], legend=False))
+        print()
+        print(timing_summary(summaries, wall))
+        print("every column with its legend, per-instance routing and each run's timing: --full-table "
+              "(or comparison.txt); every registered policy: --all-policies")
+    print(f"results: {out}/ (report.html, comparison.txt/.json, summary.json, records/{', plots' if pngs else ''})")
+
+
+__all__ = ["finish", "folded_kinds", "header", "per_instance_lines", "plots", "session_counts", "timing_lines", "timing_summary"]
