@@ -199,8 +199,10 @@ def _engine_series(engine: Any, now: float, t0: float) -> tuple[list[float], lis
 
 
 def emulated_factory(profile: str, engine_kwargs: Mapping[str, Any] | None = None,
-                     util_bin_s: float | None = None) -> EngineFactory:
-    """Factory of :class:`engines.emulated.EmulatedEngine` instances sharing one transfer registry."""
+                     util_bin_s: float | None = None, block_ids: str = "vllm") -> EngineFactory:
+    """Factory of :class:`engines.emulated.EmulatedEngine` instances sharing one transfer registry.
+    ``block_ids``: the identity of the block hashes the engines will be sent ("chain": the
+    synthesizer's chain ids, which the engines' block pools keep in numpy pages)."""
     from engines.emulated.engine import EmulatedEngine as Engine
     from engines.emulated.profile import load_profile
 
@@ -212,6 +214,8 @@ def emulated_factory(profile: str, engine_kwargs: Mapping[str, Any] | None = Non
         kwargs.setdefault("emit_token_ids", False)
     if util_bin_s is not None and "util_bin_s" in params:
         kwargs.setdefault("util_bin_s", util_bin_s)
+    if block_ids != "vllm":
+        kwargs.setdefault("block_ids", block_ids)
 
     def make(name: str, index: int, registry: Any) -> EngineClient:
         kw = dict(kwargs)
@@ -326,7 +330,6 @@ def simulate(
         if given != sched:
             raise ConfigError(f"policy {pol_name!r} needs scheduling_policy {sched!r}, engines given {given!r}")
         engine_kwargs = {**(engine_kwargs or {}), "scheduling_policy": sched}
-    factory = engine_factory or emulated_factory(profile, engine_kwargs, util_interval)
     if synth is None:
         # in virtual time the block hashes reach only these engines and this router: the cheap
         # chain identity gives them the same equalities as vLLM's hashes (replayer.synth)
@@ -334,6 +337,8 @@ def simulate(
     elif synth.seed != seed or synth.engine_block_size != block_size:
         raise ConfigError(f"the synthesizer given is for seed {synth.seed}, block size {synth.engine_block_size}; "
                           f"this run has seed {seed}, block size {block_size}")
+    factory = engine_factory or emulated_factory(profile, engine_kwargs, util_interval,
+                                                 block_ids=getattr(synth, "identity", "vllm"))
 
     async def main() -> tuple[ReplayOutcome, dict[str, float], dict[str, tuple[list[float], list[float]]], Any]:
         registry = _new_registry() if engine_factory is None else None

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from engines.emulated.hash_map import ChainIdMap, HashMap
 from engines.kv_events import GPU, BlockRemoved, BlockStored, KVEvent
 
 #: dtype of block-id arrays
@@ -248,7 +249,8 @@ class BlockPool:
     (the 64-bit event int while cached, else None) and ``parent_hash[id]`` (kept only when a CPU
     tier reads it). ``on_evict(block_hash, parent_hash)`` is called when a cached block is evicted
     for reuse, so a CPU offload tier can take it (vLLM's offloading connector is fed the same way
-    in this model).
+    in this model). ``hash_map``: the map class of the hashes (:mod:`engines.emulated.hash_map`:
+    ``HashMap`` for any hashes, ``ChainIdMap`` for the replayer's chain ids).
     """
 
     def __init__(
@@ -258,6 +260,7 @@ class BlockPool:
         *,
         enable_events: bool = True,
         on_evict: Callable[[int, int | None], None] | None = None,
+        hash_map: Callable[[], HashMap | ChainIdMap] = HashMap,
     ):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
@@ -272,7 +275,7 @@ class BlockPool:
         self.parent_hash = np.full(num_blocks, None, object)
         self.free_queue = FreeBlockQueue(num_blocks, np.arange(num_blocks, dtype=BLOCK_ID))
         self.null_block = int(self.free_queue.popleft_many(1)[0])  # block 0, as vLLM does
-        self._cached: dict[int, int] = {}  # hash -> block id
+        self._cached = hash_map()  # hash -> block id (a dict, or numpy pages for chain ids)
         # further blocks holding an already-cached hash, in caching order (vLLM keeps them all)
         self._dups: dict[int, list[int]] = {}
         self.enable_events = enable_events
@@ -362,7 +365,7 @@ class BlockPool:
                     self._evict(b)
         else:
             # no duplicates anywhere: each hash maps to the block being evicted
-            deque(map(self._cached.pop, hs), 0)  # pop: a fast call, unlike the __delitem__ wrapper
+            self._cached.pop_all(hs)
             self.block_hash[ids] = None  # parent_hash is left stale: read only while cached
             self.has_hash[ids] = False
         if self.enable_events:
@@ -479,7 +482,7 @@ class BlockPool:
         # One C-level pass maps each new hash to its block; ``setdefault`` hands back the block
         # already cached under a hash, so a duplicate (a recomputed last block, a hash twice in
         # the run) shows up as a mismatch with ``ids``.
-        got = list(map(self._cached.setdefault, hs, ids))
+        got = self._cached.setdefault_all(hs, ids)
         if got != ids:
             dups = self._dups
             for b, h, c in zip(ids, hs, got):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from engines.base import EngineStats, GenerateRequest, GenerateResult
 from engines.emulated.block_pool import BlockPool
 from engines.emulated.decode_jump import DecodeJumpMixin
+from engines.emulated.hash_map import ChainIdMap, HashMap
 from engines.emulated.kv_manager import KVCacheManager, cdiv
 from engines.emulated.kv_transfer import TransferRegistry
 from engines.emulated.metrics import EngineMetrics
@@ -74,8 +75,14 @@ class EmulatedEngine(DecodeJumpMixin):
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
         reserve_full_isl: bool = True,
+        block_ids: str = "vllm",
     ):
         self.name = name
+        # what the requests' block hashes are: vLLM's hashes, or the replayer's chain ids (virtual
+        # time: replayer.synth), which the block pool then keeps in numpy pages (hash_map.py)
+        if block_ids not in ("vllm", "chain"):
+            raise ConfigError(f"block_ids must be 'vllm' or 'chain', got {block_ids!r}")
+        self.block_ids = block_ids
         # vLLM's scheduler_reserve_full_isl (on by default in 0.32): admit a waiting request only
         # if blocks for all its tokens fit, not just for its first chunk
         self.reserve_full_isl = reserve_full_isl
@@ -135,6 +142,7 @@ class EmulatedEngine(DecodeJumpMixin):
         self.pool = BlockPool(
             self._num_gpu_blocks, self.block_size, enable_events=bool(self._subscribers),
             on_evict=self.cpu.on_gpu_evict if self.cpu is not None else None,
+            hash_map=ChainIdMap if self.block_ids == "chain" else HashMap,
         )
         self.kv = KVCacheManager(
             self.pool, emit_token_ids=self.emit_token_ids,

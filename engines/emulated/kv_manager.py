@@ -121,11 +121,11 @@ class KVCacheManager:
             blocks = self._from_run(hs, cached[hs[-1]])
             if blocks is not None:
                 return blocks
-        try:
-            return np.fromiter(map(cached.get, hs), BLOCK_ID, k)
-        except TypeError:  # a None: a hole below k
+        blocks = cached.get_all(hs)
+        if blocks is None:  # a hole below k
             out = list(map(cached.get, hs))
             return np.array(out[: out.index(None)], BLOCK_ID)
+        return blocks
 
     def _from_run(self, hs: Sequence[int], last: int) -> np.ndarray | None:
         """The blocks of ``hs`` read off a finished run, or None (caller: no duplicates anywhere;

@@ -1,0 +1,58 @@
+"""The block pool's two hash maps answer alike: the dict (any hashes) and numpy pages (chain ids)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engines.emulated.hash_map import ChainIdMap, HashMap
+from gpuhit.errors import ConfigError
+
+# chain ids near page boundaries (4096) and far apart, so batches span one page or several
+IDS = st.one_of(st.integers(0, 40), st.integers(4090, 4100), st.integers(1 << 20, (1 << 20) + 5000))
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("cache"), st.lists(IDS, min_size=1, max_size=12)),
+    st.tuples(st.just("evict"), st.integers(0, 30)),
+    st.tuples(st.just("one"), IDS),
+), max_size=40)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(OPS)
+def test_chain_id_map_answers_as_the_dict(ops):
+    ref, fast = HashMap(), ChainIdMap()
+    next_block = 0
+    for op, arg in ops:
+        if op == "cache":  # setdefault a batch (duplicates allowed: the first cached one stays)
+            blocks = list(range(next_block, next_block + len(arg)))
+            next_block += len(arg)
+            assert fast.setdefault_all(tuple(arg), blocks) == ref.setdefault_all(tuple(arg), blocks)
+        elif op == "evict" and len(ref):  # remove present hashes, in insertion order from some point
+            keys = list(ref)[arg % len(ref):][:7]
+            ref.pop_all(tuple(keys))
+            fast.pop_all(tuple(keys))
+        elif op == "one":
+            assert (arg in fast) == (arg in ref) and fast.get(arg) == ref.get(arg)
+        assert len(fast) == len(ref) and set(fast) == set(ref)
+        probe = tuple(list(ref)[:9])
+        got, want = fast.get_all(probe), ref.get_all(probe)
+        assert np.array_equal(got, want)
+        assert fast.get_all(probe + (99_999_999,)) is None and ref.get_all(probe + (99_999_999,)) is None
+    assert fast._pages.keys() == {h >> 12 for h in ref}  # emptied pages are dropped
+
+
+def test_scalar_operations_and_bad_hashes():
+    m = ChainIdMap()
+    m[5] = 1
+    assert m.setdefault(5, 2) == 1 and m.setdefault(4096, 3) == 3 and m[4096] == 3
+    del m[5]
+    assert 5 not in m and m.pop(4096) == 3 and len(m) == 0 and not m._pages
+    with pytest.raises(KeyError):
+        del m[5]
+    with pytest.raises(ConfigError, match="not chain ids"):
+        m.setdefault_all(((1 << 63) + 5,), [0])
+    with pytest.raises(ConfigError, match="not chain ids"):
+        m.pop_all((-1,))
