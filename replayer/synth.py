@@ -58,6 +58,7 @@ import numpy as np
 
 from engines.hashing import BlockHasher, common_prefix_len
 from gpuhit.errors import ConfigError
+from replayer.chain_ids import ChainIds
 from replayer.trace import Session
 
 #: block identities: vLLM's exact hashes, or the simulator's chain ids (see the module docstring)
@@ -127,13 +128,7 @@ class TokenSynthesizer:
         # session id) -> (root key, hash ids walked, trie node after each of them (path[0] =
         # root), their engine-block hashes as one tuple).
         self._resume: dict[tuple[str, str], tuple[tuple, tuple[int, ...], list[int], tuple[int, ...]]] = {}
-        # chain identity only (see "Identity" in the module docstring): the next fresh block id, the
-        # ids of system-prompt blocks per (model, block index), the ids past the memoized trace
-        # blocks per turn, and each namespace's trace block size
-        self._next_id = 1
-        self._system_ids: dict[tuple[str, int], int] = {}
-        self._tail_ids: dict[tuple[str, str, int], tuple[int, ...]] = {}
-        self._ns_block_size: dict[str, int] = {}
+        self._chain_ids = ChainIds(engine_block_size)  # used with identity="chain" only
 
     # ---------------------------------------------------------------- tokens
 
@@ -252,10 +247,8 @@ class TokenSynthesizer:
         # Resume from this session's previous walk where the ids agree: the trie maps equal id
         # prefixes to equal nodes, so the first c blocks' node and hashes are the recorded ones.
         chain = self.identity == "chain"
-        if chain and self._ns_block_size.setdefault(session.namespace, bs) != bs:
-            raise ConfigError(f"namespace {session.namespace!r} has sessions of trace block sizes "
-                              f"{self._ns_block_size[session.namespace]} and {bs}: the chain identity needs one "
-                              "block size per namespace (use identity='vllm')")
+        if chain:
+            self._chain_ids.check_namespace(session.namespace, bs)
         skey = (session.namespace, session.session_id)
         prev = self._resume.get(skey)
         k = 0
@@ -295,7 +288,7 @@ class TokenSynthesizer:
             stop = (m * bs) // es
             first = len(self._store)
             if chain:
-                new, digests = self._chain_ids(done, stop, session.model, s_len), None
+                new, digests = self._fresh_ids(done, stop, session.model, s_len), None
             else:
                 new, digests = self._sha_ids(session, turn_index, digest, done, stop)
             j = done
@@ -344,27 +337,9 @@ class TokenSynthesizer:
         self.hashed_blocks += hi - lo
         return ints, digests
 
-    def _chain_ids(self, lo: int, hi: int, model: str, s_len: int) -> list[int]:
-        """Fresh chain ids for engine blocks ``lo..hi-1`` of one chain; a block wholly inside the
-        system prompt takes its model's shared id instead (its whole chain is that prompt)."""
-        es = self.engine_block_size
-        out: list[int] = []
-        sys_hi = min(hi, s_len // es)
-        if lo < sys_hi:
-            ids = self._system_ids
-            for j in range(lo, sys_hi):
-                i = ids.get((model, j))
-                if i is None:
-                    i = ids[(model, j)] = self._next_id
-                    self._next_id += 1
-                out.append(i)
-        first = max(lo, sys_hi)
-        if first < hi:
-            n = self._next_id
-            out.extend(range(n, n + hi - first))
-            self._next_id = n + hi - first
+    def _fresh_ids(self, lo: int, hi: int, model: str, s_len: int) -> list[int]:
         self.hashed_blocks += hi - lo
-        return out
+        return self._chain_ids.fresh(lo, hi, model, s_len)
 
     def _chain_remainder(self, session: Session, turn_index: int, node: int, m: int, done: int, total: int,
                          s_len: int) -> tuple[int, ...]:
@@ -381,15 +356,15 @@ class TokenSynthesizer:
             if child is None:
                 bs, es = session.block_size, self.engine_block_size
                 lo = len(self._store)
-                self._store.extend(self._chain_ids(done, ((m + 1) * bs) // es, session.model, s_len))
+                self._store.extend(self._fresh_ids(done, ((m + 1) * bs) // es, session.model, s_len))
                 child = self._new_node(lo, len(self._store), None)
                 self._children[(node, ids[m])] = child
             lo = self._node_start[child]
             return tuple(self._store[lo : lo + total - done])
-        key = (session.namespace, session.session_id, turn_index)
-        tail = self._tail_ids.get(key)
-        if tail is None:
-            tail = self._tail_ids[key] = tuple(self._chain_ids(done, total, session.model, s_len))
+        before = self._chain_ids.issued
+        tail = self._chain_ids.tail((session.namespace, session.session_id, turn_index), done, total, session.model,
+                                    s_len)
+        self.hashed_blocks += self._chain_ids.issued - before  # new ids only: a turn asked again costs none
         return tail
 
     def _new_node(self, start: int, end: int, digest: bytes | None) -> int:
@@ -412,7 +387,4 @@ class TokenSynthesizer:
         self._node_digest.clear()
         self._store.clear()
         self._resume.clear()
-        self._next_id = 1
-        self._system_ids.clear()
-        self._tail_ids.clear()
-        self._ns_block_size.clear()
+        self._chain_ids.clear()
