@@ -80,7 +80,7 @@ def replayed_line(meta: Mapping[str, Any], n_policies: int, n_seeds: int) -> str
     def many(n: int, what: str) -> str:
         return f"{n:,} {what}{'' if n == 1 else 's'}"
 
-    sessions = (f"{many(meta['root_sessions'], 'conversation')} (+{many(meta['subagent_sessions'], 'sub-agent session')})"
+    sessions = (f"{many(meta['root_sessions'], 'session')} (+{many(meta['subagent_sessions'], 'sub-agent session')})"
                 if "root_sessions" in meta else many(meta["sessions"], "session"))
     return (f"Replayed {meta['trace']}: {sessions}, {meta['requests_per_run']:,} requests per run, on "
             f"{meta['instances']} emulated {meta['profile']} instances (block {meta['block_size']}); "

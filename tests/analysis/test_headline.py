@@ -22,7 +22,7 @@ def test_winner_is_the_lowest_mean_with_its_paired_margin_to_the_runner_up():
 def test_three_lines_say_what_who_and_where():
     lines = headline(_runs({"a": [10.0, 11.0, 12.0], "b": [12.0, 13.5, 14.0]}), META, "results/x")
     assert len(lines) == 3
-    assert lines[0].startswith("Replayed weka_cc: 20 conversations (+19 sub-agent sessions), 2,357 requests")
+    assert lines[0].startswith("Replayed weka_cc: 20 sessions (+19 sub-agent sessions), 2,357 requests")
     assert "latency p90: a 11.0 s, ahead of b 13.2 s by 2.17 s (16%; 95% CI" in lines[1]
     assert "n=3 paired seeds" in lines[1] and "TTFT p90: a" in lines[1]
     assert lines[2] == "Report: results/x/report.html (plots beside it, *.png); full table: results/x/comparison.txt."

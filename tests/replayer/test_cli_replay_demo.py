@@ -46,7 +46,7 @@ def test_text_output_opens_with_the_answer_and_folds_repeats(tmp_path, capsys):
     assert rc == 0
     cap = capsys.readouterr()
     lines = cap.out.splitlines()
-    assert lines[0].startswith("Replayed trace_0008: 1 conversation (+0 sub-agent sessions), 12 requests per run")
+    assert lines[0].startswith("Replayed trace_0008: 1 session (+0 sub-agent sessions), 12 requests per run")
     assert lines[1].startswith("latency p90: ") and "; TTFT p90: " in lines[1]
     assert lines[2].startswith(f"Report: {out}/report.html")
     assert "paired difference to lpwl_resident_prio" in cap.out and "--full-table" in cap.out

@@ -28,10 +28,10 @@ def test_bundled_traces_print_their_table(tmp_path, capsys, trace, extra):
     from replayer.loaders import bundled_path
 
     rc = main(["replay", "--trace", str(bundled_path(trace)), "--policies", "lpwl,round_robin", "--instances", "2",
-               "--max-requests", "40", "--out", str(tmp_path / "r"), "--no-plots", "--jobs", "1", *extra])
+               "--max-requests", "40", "--out", str(tmp_path / "r"), "--no-plots", "--jobs", "1", "--full-table", *extra])
     out, err = capsys.readouterr()
     assert rc == 0 and "Traceback" not in err
-    head = out.splitlines()[0]
+    head = out.splitlines()[0]  # the headline: "Replayed <trace>: <n> sessions (+<m> sub-agent sessions), ..."
     n = int(extra[extra.index("--max-sessions") + 1])
     assert f": {n} sessions (+" in head, head  # the sessions replayed, not the trace's
     assert "lpwl" in out and "round_robin" in out and "per instance" in out
