@@ -290,6 +290,7 @@ def main(args: argparse.Namespace) -> int:
     from analysis.compare import compare, format_table, to_json
     from replayer import cli_replay
     from replayer.driver import count_requests
+    from replayer.replay_options import arrival_options, load_replay_trace
     from replayer.simulate import DEFAULT_PROFILE
 
     out, resuming = start_folder(args, "sweep")
@@ -307,7 +308,7 @@ def main(args: argparse.Namespace) -> int:
     policies = args.policies or BASELINES
     if policies == "@migrate":
         policies = str(out / "policies.json")
-    base = cli_replay._load(_replay_namespace(args, points[0], "lpwl"))
+    base = load_replay_trace(_replay_namespace(args, points[0], "lpwl"))
     traces: dict[str, Any] = {"": base}
     for pt in points:
         if pt.zipf is not None and pt.trace_key not in traces:
@@ -327,7 +328,7 @@ def main(args: argparse.Namespace) -> int:
         ns = _replay_namespace(args, pt, policies)
         specs = cli_replay.plan_runs(ns)
         trace = traces[pt.trace_key]
-        arrival = cli_replay._arrival_options(ns, trace)
+        arrival = arrival_options(ns, trace)
         profile = ns.profile or DEFAULT_PROFILE
         rcfg = cli_replay.replica_config(ns)
         ekw, note = _engine_kwargs(pt, profile, ns.block_size)
