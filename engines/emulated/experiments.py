@@ -22,11 +22,10 @@ import math
 
 from engines.base import GenerateRequest
 from engines.emulated.engine import EmulatedEngine
-from engines.emulated.profile import Profile, load_profile
+from engines.emulated.profile import DEFAULT_PROFILE, Profile, load_profile
 from engines.emulated.tiers import RemoteStore
 from gpuhit import vtime
 
-DEFAULT_PROFILE = "qwen3-coder-30b-a3b@h20"
 TIERS = ("miss", "remote", "cpu", "gpu")
 TIER_LABELS = {"miss": "miss (recompute)", "remote": "remote RDMA store", "cpu": "CPU DRAM (PCIe)",
                "gpu": "GPU HBM"}

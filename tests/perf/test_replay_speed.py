@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from gpuhit.cli import main
+from replayer.cli import main
 
 
 def _run(argv: list[str], capsys) -> tuple[dict, float]:

@@ -42,7 +42,7 @@ def test_soak(tmp_path):
         engines = [await spawn_emulator("--num-gpu-blocks", "20000", "--max-num-seqs", "512") for _ in range(2)]
         toml = tmp_path / "gw.toml"
         toml.write_text(f"[gateway]\nupstream_idle_timeout = {IDLE_TIMEOUT}\n")
-        args = ["-m", "gpuhit.cli", "serve", "--config", str(toml), "--port", "0", "--policy", "lpwl", "--index",
+        args = ["-m", "replayer.cli", "serve", "--config", str(toml), "--port", "0", "--policy", "lpwl", "--index",
                 "precise", "--model", "m", "--transport", TRANSPORT]
         for _, u in engines:
             args += ["--engine", u]

@@ -1,5 +1,5 @@
 """``gpuhit experiment tiers|knee``: the seeds' calibration experiments on the emulated engine (and
-``ab``, the A/B protocol, registered from :mod:`analysis.experiment_ab`); ``gpuhit emulate-check``: the
+``ab``, the A/B protocol, registered from :mod:`replayer.experiment_ab`); ``gpuhit emulate-check``: the
 emulator against vLLM's own scheduler, step by step."""
 
 from __future__ import annotations
@@ -70,6 +70,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="GPU KV capacities to sweep, in GB (default: %(default)s)")
     t.set_defaults(func=_tiers)
     k.set_defaults(func=_knee)
-    from analysis import experiment_ab
+    from replayer import experiment_ab
 
-    experiment_ab.register(sub)  # gpuhit experiment ab: the A/B protocol (analysis/experiment_ab.py)
+    experiment_ab.register(sub)  # gpuhit experiment ab: the A/B protocol
