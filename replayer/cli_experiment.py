@@ -1,4 +1,4 @@
-"""``gpuhit experiment tiers|knee``: the seeds' calibration experiments on the emulated engine (and
+"""``gpuhit experiment tiers|knee``: the published calibration experiments on the emulated engine (and
 ``ab``, the A/B protocol, registered from :mod:`replayer.experiment_ab`); ``gpuhit emulate-check``: the
 emulator against vLLM's own scheduler, step by step."""
 
@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--json", action="store_true", help="print one JSON document")
     c.set_defaults(func=_check)
 
-    exp = subparsers.add_parser("experiment", help="replay the seeds' calibration experiments (virtual time)")
+    exp = subparsers.add_parser("experiment", help="replay the published calibration experiments (virtual time)")
     sub = exp.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
     profiles = ", ".join(available_profiles())
     t = sub.add_parser("tiers", help="TTFT per KV tier (miss / remote / CPU / GPU) at 8k-64k reused prefix")

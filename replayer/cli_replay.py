@@ -142,7 +142,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "default busy:URL for every engine the gateway's /debug/state lists")
     p.add_argument("--util-interval", type=float, default=1.0, metavar="S",
                    help="live mode: seconds between GPU utilization samples (default 1)")
-    # -- issue 17: gateway replicas (replayer/replicas.py)
+    # -- simulated gateway replicas (replayer/replicas.py)
     p.add_argument("--gateway-replicas", type=int, default=1, metavar="K",
                    help="simulate K gateway replicas, each with its own counters and bindings (default 1)")
     p.add_argument("--share", choices=SHARE_MODES, default="none",

@@ -25,7 +25,7 @@ Axes (each optional; an axis not given stays at ``gpuhit replay``'s default):
   uses its own fixed seed, so every policy and seed of a point replays the same sessions.
 - ``--policies`` (names or a JSON/TOML file of {name, type, params}) and ``--seeds K`` (0..K-1).
 
-Presets (``--preset``) are the seeds' sensitivity experiments (§4.5 of the design outline):
+Presets (``--preset``) are the sensitivity experiments of the *GPU-Hit-First* note (its §4.5):
 ``rate`` (arrival rate), ``kv`` (KV pool size), ``zipf`` (skew) over LPWL and its baselines, and
 ``migrate`` (``t_hot``/``t_cool`` of lpwl_migrate against plain lpwl), and ``replicas`` (1, 2, 4, 8
 gateway replicas, :mod:`replayer.replicas`; ``--share decisions`` for replicas that share their
@@ -56,7 +56,7 @@ GIB = 1 << 30
 BASELINES = "lpwl,lmetric,least_request"
 REPLICA_POLICIES = "lpwl,lmetric,lmetric_plus1,unified,least_request"
 ZIPF_DRAW_SEED = 0
-# The seeds' lpwl_migrate thresholds around its defaults (32768 tokens, 30 s): 4x lower and higher.
+# The *GPU-Hit-First* note's lpwl_migrate thresholds around its defaults (32768 tokens, 30 s): 4x lower and higher.
 MIGRATE_T_HOT = (8192, 32768, 131072)
 MIGRATE_T_COOL = (10.0, 30.0, 120.0)
 

@@ -7,7 +7,8 @@ Pieces:
   number of chunks).
 - A binary wire format (:func:`encode_request` / :func:`decode_request`, :func:`encode_partial` /
   :func:`decode_partial`): q rows in the wire dtype (bf16 by default: q = d_qk x 2 B per row and
-  head), the partial's o in the wire dtype and m, l in fp32 (p = d_v x 2 + 8 B), as seed 000 counts.
+  head), the partial's o in the wire dtype and m, l in fp32 (p = d_v x 2 + 8 B), as *Move the Query, Not the Cache*
+  counts.
 - Transports: :class:`InProcessTransport` (optionally through the byte codec, to test the bf16 wire),
   :class:`MooncakeQueryTransport` + :class:`MooncakeHolderService` (one-sided writes over Mooncake's
   transfer engine with a doorbell word, the put-with-signal pattern of NVSHMEM), and

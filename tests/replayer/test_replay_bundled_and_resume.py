@@ -1,4 +1,4 @@
-"""Issue 14: the replay prints its table for the bundled Mooncake and Azure traces (trace-timestamp
+"""The replay prints its table for the bundled Mooncake and Azure traces (trace-timestamp
 and concurrent arrivals), counts rejected and failed requests apart, shows every instance, and a
 Ctrl-C'd simulated comparison resumes to the same table with no run redone and none lost."""
 
