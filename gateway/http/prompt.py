@@ -300,7 +300,7 @@ def memo_key(session: str | None, raw: bytes, start: int, stop: int) -> str | by
 
 def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str | None = None,
                         parse: bool = True) -> tuple[dict[str, Any], np.ndarray | LazyIds] | None:
-    """(body without its prompt, token ids) of a completions body whose top-level ``prompt`` is a
+    """(body without its ``prompt`` key, token ids) of a completions body whose top-level ``prompt`` is a
     flat array of plain non-negative integers; None for any other body (parse it whole). With a
     ``memo``, a prompt that repeats or extends the previous one of its key (:func:`memo_key`) parses
     only its new ids (see :class:`PromptMemo`); otherwise a named session's ids are parsed now (the
@@ -334,20 +334,12 @@ def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str
     # the sentinel is where the prompt is. The rest of the body parsed the same as it would whole.
     if not isinstance(body, dict) or body.get("prompt") != _SENTINEL:
         return None
+    # The sentinel only marked the array's place for that check: the body handed on has no prompt
+    # (what is forwarded is the client's bytes, never this body).
+    del body["prompt"]
     if memo is not None:
         memo.remember(key, _text_of(raw, lb + 1, rb), ids)
     return body, ids
-
-
-def client_body(body: Mapping[str, Any], prompt_ids: Sequence[int] | None) -> dict[str, Any]:
-    """``body`` as the client sent it: a prompt that :func:`fast_completion_ids` left as its sentinel
-    gets the parsed ids back (for the few answers that re-serialize the body; the rest forward the
-    client's bytes unchanged)."""
-    if body.get("prompt") == _SENTINEL:
-        if prompt_ids is None:
-            raise ValueError("a fast-parsed body needs its prompt ids to be re-serialized")
-        return {**body, "prompt": list(prompt_ids)}
-    return dict(body)
 
 
 class PromptMemo:

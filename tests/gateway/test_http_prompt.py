@@ -89,7 +89,7 @@ def test_fast_ids_equal_orjson_or_step_aside(parser):
         assert isinstance(doc, dict) and doc["prompt"] == ids.tolist(), raw
         assert all(type(x) is int and 0 <= x < 1 << 63 for x in doc["prompt"]), raw
         doc.pop("prompt")
-        body.pop("prompt")
+        assert "prompt" not in body, raw
         assert body == doc, raw
     assert taken > 150  # the generator does reach the fast path
 
@@ -162,30 +162,30 @@ def test_session_cache_array_path_matches_reference():
     assert cache.hashes_array(prompt[:40], "s") == hasher.event_ints(prompt[:40].tolist())
 
 
-def _gateway(**kw):
-    from gateway.config import EngineEntry, GatewayConfig
-    from gateway.http.app import Gateway
+def _completions(fast_ids: bool, **kw):
+    from gateway.http.parse import Completions, Prompts
 
-    cfg = GatewayConfig(engines=(EngineEntry("http://127.0.0.1:9", "e0"),), model="m", block_size=16, **kw)
-    return Gateway(cfg.validate())
+    prompts = Prompts("m", SessionHashCache(BlockHasher(16)), 16, max_model_len=200_000, **kw)
+    return Completions(prompts, fast_ids=fast_ids)
 
 
-def _outcome(fn):
+def _outcome(dialect, raw):
+    from gateway.http.prompt import TokenIds
+
     try:
-        n, mt, stream, hashes, ids = fn()
+        r = dialect.parse(raw, "s")
     except GpuhitError as exc:
-        return type(exc).__name__, str(exc), getattr(exc, "param", None), int(exc.http_status)
-    return n, mt, stream, hashes, list(ids)
+        return (type(exc).__name__, str(exc), getattr(exc, "param", None), int(exc.http_status)), False
+    fast = type(r.prompt_ids) is TokenIds
+    return (r.prompt_tokens, r.max_tokens, r.stream, list(r.block_hashes), None if r.prompt_ids is None else list(r.prompt_ids)), fast
 
 
 def test_gateway_fast_and_full_parse_agree_on_large_bodies(parser):
     """Bodies past FAST_PARSE_MIN_BYTES: the fast path's answer or error is exactly the full
-    parse's, and where it steps aside (None) the gateway parses whole as before."""
+    parse's, and where it steps aside the dialect parses whole as before."""
     from gateway.http.prompt import FAST_PARSE_MIN_BYTES
-    from gateway.http.transport import COMPLETIONS
 
-    gw = _gateway(vocab_size=150_000)
-    gw.max_model_len = 200_000
+    fast, full = _completions(True, vocab_size=150_000), _completions(False, vocab_size=150_000)
     rng = random.Random(7)
     big = ",".join(str(rng.randrange(150_000)) for _ in range(20_000))
     bodies = [
@@ -205,24 +205,13 @@ def test_gateway_fast_and_full_parse_agree_on_large_bodies(parser):
     ]
     took = 0
     for template in bodies:
-        text = template.replace("IDS", big)
-        raw = text.encode()
+        raw = template.replace("IDS", big).encode()
         assert len(raw) >= FAST_PARSE_MIN_BYTES
-
-        def full(raw=raw):
-            return gw._parse(COMPLETIONS, {}, gw._parse_body({}, raw), "s")
-
-        try:
-            fast = gw._parse_fast(raw, "s")
-        except GpuhitError as exc:
-            took += 1
-            fast_out = type(exc).__name__, str(exc), getattr(exc, "param", None), int(exc.http_status)
-        else:
-            if fast is None:
-                continue
-            took += 1
-            fast_out = _outcome(lambda fast=fast: fast[1])
-        assert fast_out == _outcome(full), text[-60:]
+        got, _ = _outcome(fast, raw)
+        want, full_fast = _outcome(full, raw)
+        assert not full_fast
+        took += fast_completion_ids(raw) is not None  # the fast path answered (or raised) this one
+        assert got == want, template[-40:]
     assert took >= 5
 
 

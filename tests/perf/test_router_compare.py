@@ -60,7 +60,11 @@ from gpuhit import speedups
 from tests.e2e.helpers import Proc, spawn
 
 HERE = pathlib.Path(__file__).resolve().parent
-CONCURRENCY = (1, 16, 64)
+CONCURRENCY = tuple(int(c) for c in os.environ.get("GPUHIT_BENCH_CONCURRENCY", "1,16,64").split(",") if c)
+STREAMS = tuple(s == "yes" for s in os.environ.get("GPUHIT_BENCH_STREAM", "no,yes").split(",") if s)
+# The target the ratio columns compare gpuhit with (paired per round): vllm-router, or a
+# GPUHIT_BENCH_BEFORE label for before/after tables.
+VS = os.environ.get("GPUHIT_BENCH_VS", "vllm-router")
 SCALE = float(os.environ.get("GPUHIT_BENCH_SCALE", "1"))
 ROUNDS = int(os.environ.get("GPUHIT_BENCH_ROUNDS", "1"))
 WORKLOADS = ("chat", "2k", "2k-new", "100k", "100k+512")
@@ -280,16 +284,16 @@ def test_router_compare():
                                         "--index", "precise", "--model", "m", "--max-prompt-tokens", "0"], " on ")
             procs.append(gw)
             targets["gpuhit"] = (gw.proc.pid, [url])
-            before = os.environ.get("GPUHIT_BENCH_BEFORE")
-            if before:  # another gpuhit checkout (e.g. main before a change), same flags: before/after in one run
+            for label, before in _befores():  # other gpuhit checkouts, same flags: before/after in one run
                 # `python -m` would put this checkout (the cwd) first on sys.path: import from `before`
                 boot = f"import runpy, sys; sys.path.insert(0, {before!r}); runpy.run_module('gpuhit.cli', " \
                        "run_name='__main__', alter_sys=True)"
                 old = await spawn(["-c", boot, "serve", "--port", "0", *eng_args, "--policy", "lpwl", "--index",
-                                   "precise", "--model", "m", "--max-prompt-tokens", "0"])
+                                   "precise", "--model", "m", "--max-prompt-tokens", "0"],
+                                  env={"PYTHONPATH": before})
                 procs.append(old)
-                label = os.environ.get("GPUHIT_BENCH_BEFORE_LABEL", "gpuhit-before")
                 targets[label] = (old.proc.pid, [old.first_line.split(" on ", 1)[1].split(" ", 1)[0]])
+                print(f"{label}: {old.first_line}", flush=True)
             if os.environ.get("GPUHIT_BENCH_RR") == "1":
                 rr, url = await _spawn_url(["-m", "gpuhit.cli", "serve", "--port", "0", *eng_args, "--policy",
                                             "round_robin", "--index", "precise", "--model", "m",
@@ -301,7 +305,7 @@ def test_router_compare():
             conf = 0
             for workload in (w for w in WORKLOADS if w in ONLY):
                 path = "/v1/chat/completions" if workload == "chat" else "/v1/completions"
-                for stream in (False, True):
+                for stream in STREAMS:
                     for c in CONCURRENCY:
                         n = max(c, int(REQUESTS[workload][c] * SCALE))
                         got: dict[str, list[tuple[float, float, float]]] = {t: [] for t in targets}
@@ -340,6 +344,18 @@ def test_router_compare():
     import uvloop
 
     uvloop.run(main())
+
+
+def _befores() -> list[tuple[str, str]]:
+    """(label, checkout) of each other gpuhit to run beside this one: ``GPUHIT_BENCH_BEFORE`` is a
+    checkout (labelled ``$GPUHIT_BENCH_BEFORE_LABEL``, default ``gpuhit-before``) or a comma-separated
+    list of ``label=checkout``."""
+    spec = os.environ.get("GPUHIT_BENCH_BEFORE", "")
+    if not spec:
+        return []
+    if "=" not in spec:
+        return [(os.environ.get("GPUHIT_BENCH_BEFORE_LABEL", "gpuhit-before"), spec)]
+    return [tuple(part.split("=", 1)) for part in spec.split(",") if part]  # type: ignore[misc]
 
 
 def _print_row(row) -> None:
@@ -405,18 +421,18 @@ def _print_table(rows) -> None:
         for t in routers:
             p50, cpu, rps = med[t][:3]
             line += f" {(p50 - d)*1e3:.2f} | {cpu:.3f} | {rps:.0f} |"
-        g, v = med["gpuhit"], med["vllm-router"]
+        g, v = med["gpuhit"], med[VS]
         line += f" {_added_ratio(g, v, direct, 0)} | {g[1] / max(v[1], 1e-9):.2f} | {g[2] / v[2]:.2f} |"
         # Each round runs every target back to back: the ratio within a round is a paired comparison.
         for i in (1, 2):
-            paired = [a[i] / max(b[i], 1e-9) for a, b in zip(got["gpuhit"], got["vllm-router"])]
+            paired = [a[i] / max(b[i], 1e-9) for a, b in zip(got["gpuhit"], got[VS])]
             line += f" {statistics.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] {_ratio_interval(paired)} |"
         # Within a round both routers' added p50s are over the same direct pass, which cancels from
         # their difference: gpuhit's p50 minus vllm-router's, round by round.
-        line += f" {_diff_interval([a[0] - b[0] for a, b in zip(got['gpuhit'], got['vllm-router'])])} |"
+        line += f" {_diff_interval([a[0] - b[0] for a, b in zip(got['gpuhit'], got[VS])])} |"
         line += f" {_added_ratio(g, v, direct, 3)} | {_added_ratio(g, v, direct, 4)} |"
         print(line)
-    print("(ratios are gpuhit / vllm-router: added p50 and CPU lower is better, req/s higher is better; "
+    print(f"(ratios are gpuhit / {VS}: added p50 and CPU lower is better, req/s higher is better; "
           "added mean and p99: the latency's mean and 99th percentile over direct's, the same way; "
           f"an added ratio is n/a where either added latency is at most {ADDED_MIN * 1e3:.2f} ms, within the direct "
           f"run's noise; per round: the median [min-max] of the {ROUNDS} rounds' paired ratios, then their "
