@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
-from collections.abc import Callable, Mapping, MutableSequence, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,6 @@ from engines.kv_events import KVEventBatch
 from gateway.bindings import SessionBindings
 from gateway.kv_index import KVIndex
 from gateway.residency import SessionResidency
-from gateway.route_records import RouteRecord, RouteRequest  # re-exported: where callers import them
 from gateway.snapshot import (
     ACTIONS,
     FETCH,
@@ -58,6 +57,36 @@ from gpuhit.errors import ConfigError, NoInstanceError
 ROLES = ("both", "prefill", "decode")
 DEFAULT_KV_BYTES_PER_TOKEN = 98304
 _NO_STATS = EngineStats()  # what a snapshot shows of engines whose stats are not used
+
+
+class RouteRequest(msgspec.Struct, frozen=True):
+    """What the router needs to know about one request. ``block_hashes``: the prompt's full blocks'
+    hashes, a tuple or a lazily hashed :class:`engines.hashing.PromptHashes` (the router reads only
+    as far as the index's search goes)."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    block_hashes: Sequence[int]
+    prompt_token_ids: Sequence[int] | None = None
+    session_id: str | None = None
+    parent_session: str | None = None
+    turn: int = 0
+
+
+class RouteRecord(msgspec.Struct, frozen=True):
+    """One routing decision, as logged through ``decision_sink``."""
+
+    request_id: str
+    session: str | None
+    policy: str
+    action: str
+    target: int
+    source: int | None
+    reason: str
+    scores: tuple[tuple[int, float], ...]
+    predicted_hit_blocks: int
+    now: float
 
 
 @dataclass(slots=True)
@@ -341,13 +370,12 @@ class Router:
         self.now: Callable[[], float] = clock if clock is not None else self._loop_time
         self.bindings = SessionBindings()
         self.stats = RouterStats(decisions_by_instance=[0] * n, errors_by_instance=[0] * n)
-        # Per-instance counters. MutableSequence, not list: gateway/share.py swaps in list subclasses
-        # whose __setitem__ reports each change, which compiled code (mypyc) would bypass on a list.
-        self._in_flight: MutableSequence[int] = [0] * n
-        self._routed: MutableSequence[int] = [0] * n  # requests sent here so far, as target or as KV source (tie-break)
-        self._pending: MutableSequence[int] = [0] * n
-        self._decode: MutableSequence[int] = [0] * n
-        self._active_blocks: MutableSequence[int] = [0] * n
+        # Per-instance counters (gateway/share.py may swap in list subclasses that report each change).
+        self._in_flight: list[int] = [0] * n
+        self._routed: list[int] = [0] * n  # requests sent here so far, as target or as KV source (tie-break)
+        self._pending: list[int] = [0] * n
+        self._decode: list[int] = [0] * n
+        self._active_blocks: list[int] = [0] * n
         self._healthy = [True] * n
         self.unhealthy_reason: list[str | None] = [None] * n
         self._consecutive_errors = [0] * n

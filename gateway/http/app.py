@@ -66,7 +66,7 @@ from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router
 from gateway.tokenizer import PromptTokenizer, discover
-from gpuhit import native, tracing
+from gpuhit import speedups, tracing
 from gpuhit.errors import ConfigError, EngineError, GpuhitError
 from policies import registry
 
@@ -89,9 +89,12 @@ class Gateway:
         self.policy_name = str(getattr(self.policy, "name", cfg.policy))
         # Block size: the configured one, else what the engines report (set in start()).
         self.block_size: int = cfg.block_size or 0
+        # The C speedups, decided here once for every part that takes them (None: the reference
+        # implementations; a stale build is refused with the command that fixes it).
+        self.accel = speedups.load() if cfg.c_speedups else None
         # Built now to fail fast on a bad --hash / --hash-seed / --tokenizer; rebuilt in start()
         # once the engines' block size is known.
-        self.hasher = BlockHasher(cfg.block_size or 16, cfg.hash, cfg.hash_seed)
+        self.hasher = BlockHasher(cfg.block_size or 16, cfg.hash, cfg.hash_seed, accel=self.accel)
         self.hash_cache = SessionHashCache(self.hasher)
         self.prompt_memo = PromptMemo()  # per session or prompt start: the last token-id prompt's text and ids
         self.tokenizer: PromptTokenizer | None = PromptTokenizer(cfg.tokenizer) if cfg.tokenizer else None
@@ -246,7 +249,8 @@ class Gateway:
                                  cfg.timeout)
         self.handle = self.pipeline.handle
         self.admin = Admin(self.engines, router, session, metrics, breakers, kv_streams, prompts,
-                           {"policy": self.policy_name, "index": cfg.index, "transport": cfg.transport},
+                           {"policy": self.policy_name, "index": cfg.index, "transport": cfg.transport,
+                            "c_speedups": self.accel is not None},
                            share=self.share, verifier=self.verifier)
 
     def _build_router(self) -> Router:
@@ -255,7 +259,7 @@ class Gateway:
         syscall, per decision)."""
         cfg = self.cfg
         if cfg.index == "precise":
-            index: Any = PreciseKVIndex(len(self.engines))
+            index: Any = PreciseKVIndex(len(self.engines), None if self.accel is None else self.accel.BlockSet)
             index.reserve([e.stats().kv_capacity_blocks for e in self.engines])  # as the first scrape read them
         else:
             index = ApproximateKVIndex.from_engines(self.engines)
@@ -280,7 +284,7 @@ class Gateway:
             raise ConfigError("the engines do not report their KV block size (no vllm:cache_config_info in /metrics): "
                               "give --block-size")
         if size != self.hasher.block_size:
-            self.hasher = BlockHasher(size, self.cfg.hash, self.cfg.hash_seed)
+            self.hasher = BlockHasher(size, self.cfg.hash, self.cfg.hash_seed, accel=self.accel)
             self.hash_cache = SessionHashCache(self.hasher)
         self.block_size = size
 
@@ -374,7 +378,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         gc.freeze()
         print(f"gpuhit serve: listening on http://{cfg.host}:{port} ({len(cfg.engines)} engines, policy "
               f"{gw.policy_name}, {cfg.index} index, {cfg.transport} transport"
-              f"{native.describe(cfg.transport)})", flush=True)
+              f"{', C speedups' if gw.accel is not None else ''})", flush=True)
         if ready is not None:
             ready.set()
         await _until_signalled()

@@ -25,14 +25,13 @@ from engines.hashing import SessionHashCache
 from engines.vllm import protocol
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
-    MEMO_MIN_BYTES,
+    FAST_PARSE_MIN_BYTES,
     LazyIds,
     PromptMemo,
     TokenIds,
     chat_text,
     fast_completion_ids,
     pack_token_ids,
-    parses_fast,
     text_chunk_hashes,
 )
 from gateway.http.transport import CHAT, COMPLETIONS
@@ -173,9 +172,11 @@ class OpenAIDialect:
 
 class Completions(OpenAIDialect):
     """``POST /v1/completions``: a token-id prompt (routed exactly), or text (exactly with a
-    tokenizer, else approximately). A large body whose prompt is a flat id array is read without
-    building the ids as Python ints (:func:`gateway.http.prompt.fast_completion_ids`): from the
-    prompt memo when the prompt repeats or extends one it holds, else parsed into a uint64 buffer."""
+    tokenizer, else approximately). Token ids have one reference parse (orjson, the whole body) and
+    one fast path (``fast_ids``, for bodies of :data:`~gateway.http.prompt.FAST_PARSE_MIN_BYTES` and
+    more: :func:`gateway.http.prompt.fast_completion_ids`), which reads a flat id array without
+    building the ids as Python ints: from the prompt memo when the prompt repeats or extends one it
+    holds, else checked with numpy and parsed only as far as hashing reads."""
 
     path = COMPLETIONS
 
@@ -185,8 +186,8 @@ class Completions(OpenAIDialect):
 
     def parse(self, raw: bytes, session: str | None) -> ParsedRequest:
         p = self.prompts
-        if self.fast_ids and len(raw) >= MEMO_MIN_BYTES and (fast := fast_completion_ids(
-                raw, p.memo, session, parse=parses_fast(len(raw)))) is not None:
+        if self.fast_ids and len(raw) >= FAST_PARSE_MIN_BYTES and (
+                fast := fast_completion_ids(raw, p.memo, session)) is not None:
             body, arr = fast
             p.check_model(body)
             max_tokens, stream = p.options(body)
@@ -211,7 +212,7 @@ class Completions(OpenAIDialect):
             return ParsedRequest(self, body, raw, n, p.check_len(n, max_tokens), stream, hashes, ids, session)
         if isinstance(prompt, list) and prompt and (packed := pack_token_ids(prompt)) is not None:
             arr = np.frombuffer(packed, dtype=np.uint64)
-            if len(raw) >= MEMO_MIN_BYTES and prompt is body.get("prompt"):
+            if self.fast_ids and len(raw) >= FAST_PARSE_MIN_BYTES and prompt is body.get("prompt"):
                 p.memo.learn(raw, session, arr)  # the next repeat or extension skips the parse
             hashes = p.token_array(arr, session)
             n = len(arr)

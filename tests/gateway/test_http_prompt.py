@@ -14,16 +14,6 @@ from gateway.http.prompt import PromptMemo, chat_text, fast_completion_ids, pars
 from gpuhit.errors import GpuhitError
 
 
-@pytest.fixture(params=["numpy", "C"])
-def parser(request, monkeypatch):
-    """Each fast-path test runs with the pure-Python parser and with the C speedups
-    (gpuhit/_speedups.c, built for the test run): their answers must be the same."""
-    from gateway.http import prompt
-
-    monkeypatch.setattr(prompt, "_ACCEL", request.getfixturevalue("c_speedups") if request.param == "C" else None)
-    return request.param
-
-
 def test_reference_vector_and_incremental_reuse():
     hasher = BlockHasher(16)
     cache = SessionHashCache(hasher)
@@ -72,7 +62,7 @@ def _random_body(rng: random.Random) -> bytes:
     return (rng.choice(_PRE) + arr + rng.choice(_POST)).encode()
 
 
-def test_fast_ids_equal_orjson_or_step_aside(parser):
+def test_fast_ids_equal_orjson_or_step_aside():
     """The fast path returns exactly what orjson parses (prompt as ids, the rest of the body equal),
     or None, for random odd bodies: whitespace, signs, floats, nested arrays, leading zeros,
     64-bit overflow, escaped / nested / duplicate "prompt" keys, invalid JSON."""
@@ -94,7 +84,7 @@ def test_fast_ids_equal_orjson_or_step_aside(parser):
     assert taken > 150  # the generator does reach the fast path
 
 
-def test_parse_ids_large_and_rejects(parser):
+def test_parse_ids_large_and_rejects():
     rng = np.random.default_rng(18)
     ids = rng.integers(0, 10**18, 5000).tolist() + [0, 9, 10]
     for sep in (b",", b", ", b" ,\n"):
@@ -106,7 +96,7 @@ def test_parse_ids_large_and_rejects(parser):
         assert parse_ids(bad, 0, len(bad)) is None, bad
 
 
-def test_prompt_memo_parses_only_the_extension(parser):
+def test_prompt_memo_parses_only_the_extension():
     memo = PromptMemo()
     base = list(range(1000, 1300))
     for turn, (sep, more) in enumerate([(",", [5, 6]), (" , ", [7]), (",\n", list(range(40)))]):
@@ -180,7 +170,7 @@ def _outcome(dialect, raw):
     return (r.prompt_tokens, r.max_tokens, r.stream, list(r.block_hashes), None if r.prompt_ids is None else list(r.prompt_ids)), fast
 
 
-def test_gateway_fast_and_full_parse_agree_on_large_bodies(parser):
+def test_gateway_fast_and_full_parse_agree_on_large_bodies():
     """Bodies past FAST_PARSE_MIN_BYTES: the fast path's answer or error is exactly the full
     parse's, and where it steps aside the dialect parses whole as before."""
     from gateway.http.prompt import FAST_PARSE_MIN_BYTES
@@ -263,11 +253,8 @@ def test_the_index_search_over_lazy_hashes_answers_as_over_the_list_and_hashes_a
         assert lazy.computed <= min(300, 2 * max(hit, held) + 2)  # (a hole: searched to the held run's end)
 
 
-def test_ids_without_a_session_are_checked_whole_but_parsed_only_as_far_as_they_are_read(monkeypatch):
-    from gateway.http import prompt
+def test_ids_without_a_session_are_checked_whole_but_parsed_only_as_far_as_they_are_read():
     from gateway.http.prompt import LazyIds
-
-    monkeypatch.setattr(prompt, "_ACCEL", None)  # LazyIds is the numpy path's (C parses whole, faster)
 
     rng = random.Random(4)
     ids = [rng.randrange(0, 200_000) for _ in range(30_000)]
@@ -306,7 +293,7 @@ def test_completing_a_superseded_prompt_hashes_nothing():
     assert cache.blocks_hashed == 104 and list(second) == BlockHasher(16).event_ints(turn2.tolist())
 
 
-def test_the_prompt_memo_is_bounded_in_bytes(parser):
+def test_the_prompt_memo_is_bounded_in_bytes():
     memo = PromptMemo(max_sessions=100, max_bytes=1_000_000)
     for i in range(20):
         ids = np.arange(i, i + 20_000, dtype=np.uint64)
@@ -315,32 +302,35 @@ def test_the_prompt_memo_is_bounded_in_bytes(parser):
     assert len(memo._last) == 3
 
 
-def test_the_prompt_memo_serves_session_less_repeats_and_checks_what_it_learnt(parser):
+def test_the_prompt_memo_serves_session_less_repeats_and_checks_what_it_learnt():
     """Without a session the memo is keyed by how the array text starts: a repeated prompt reuses the
     ids, an extension parses only its new ids. An entry learnt from a body parsed whole is used only
     once its text is checked to be its ids' own: text with spaces, or a nested "prompt" array met
     before the top-level one, is forgotten at first use (the caller then parses whole, still right)."""
-    from gateway.http.prompt import MEMO_MIN_BYTES
+    from gateway.http.prompt import FAST_PARSE_MIN_BYTES
 
     memo = PromptMemo()
     ids = list(range(100_000, 100_000 + 1000))
     raw = orjson.dumps({"model": "m", "prompt": ids, "max_tokens": 4})
-    assert len(raw) >= MEMO_MIN_BYTES
-    assert fast_completion_ids(raw, memo, None, parse=False) is None  # nothing learnt yet: not parsed
-    memo.learn(raw, None, np.array(ids, dtype=np.uint64))
-    body, got = fast_completion_ids(raw, memo, None, parse=False)
-    assert got.tolist() == ids and body["max_tokens"] == 4 and memo.reused == 1
+    assert len(raw) >= FAST_PARSE_MIN_BYTES
+    body, got = fast_completion_ids(raw, memo, None)  # nothing learnt yet: parsed, then remembered
+    assert np.asarray(got).tolist() == ids and memo.reused == 0
+    body, got = fast_completion_ids(raw, memo, None)
+    assert np.asarray(got).tolist() == ids and body["max_tokens"] == 4 and memo.reused == 1
     longer = orjson.dumps({"model": "m", "prompt": ids + [5, 6, 7], "max_tokens": 4})
-    body, got = fast_completion_ids(longer, memo, None, parse=False)
+    body, got = fast_completion_ids(longer, memo, None)
     assert got.tolist() == ids + [5, 6, 7] and memo.reused == 2
-    # spaced text (json.dumps' default): learnt, refused at first use, forgotten
+    # spaced text (json.dumps' default), learnt from a body parsed whole: refused at first use,
+    # forgotten, and the body parsed anew
     spaced = json.dumps({"model": "m", "prompt": ids[::-1]}).encode()
     memo.learn(spaced, None, np.array(ids[::-1], dtype=np.uint64))
-    assert fast_completion_ids(spaced, memo, None, parse=False) is None and memo.reused == 2
+    body, got = fast_completion_ids(spaced, memo, None)
+    assert np.asarray(got).tolist() == ids[::-1] and memo.reused == 2
     assert all(t[2] for t in memo._last.values())
     # a nested "prompt" array before the top-level one: its text is not the learnt ids'
     nested = orjson.dumps({"x": {"prompt": ids[:500] * 2}, "prompt": ids[::-1]})
     memo.learn(nested, None, np.array(ids[::-1], dtype=np.uint64))
-    assert fast_completion_ids(nested, memo, None, parse=False) is None
+    assert fast_completion_ids(nested, memo, None) is None  # not the top-level prompt: parse it whole
     again = orjson.dumps({"model": "m", "prompt": ids[:500] * 2})
-    assert fast_completion_ids(again, memo, None, parse=False) is None and memo.reused == 2
+    body, got = fast_completion_ids(again, memo, None)
+    assert np.asarray(got).tolist() == ids[:500] * 2 and memo.reused == 2

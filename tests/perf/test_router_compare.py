@@ -65,6 +65,9 @@ STREAMS = tuple(s == "yes" for s in os.environ.get("GPUHIT_BENCH_STREAM", "no,ye
 # The target the ratio columns compare gpuhit with (paired per round): vllm-router, or a
 # GPUHIT_BENCH_BEFORE label for before/after tables.
 VS = os.environ.get("GPUHIT_BENCH_VS", "vllm-router")
+# Extra flags of this checkout's `gpuhit serve` (e.g. --no-c-speedups: its reference implementations
+# while the mock engines, from the same checkout, keep the C speedups).
+GPUHIT_ARGS = os.environ.get("GPUHIT_BENCH_GPUHIT_ARGS", "").split()
 SCALE = float(os.environ.get("GPUHIT_BENCH_SCALE", "1"))
 ROUNDS = int(os.environ.get("GPUHIT_BENCH_ROUNDS", "1"))
 WORKLOADS = ("chat", "2k", "2k-new", "100k", "100k+512")
@@ -281,7 +284,9 @@ def test_router_compare():
             engine_pids = [p.proc.pid for p in procs]
             targets: dict[str, tuple[int | None, list[str]]] = {"direct": (None, engines)}
             gw, url = await _spawn_url(["-m", "gpuhit.cli", "serve", "--port", "0", *eng_args, "--policy", "lpwl",
-                                        "--index", "precise", "--model", "m", "--max-prompt-tokens", "0"], " on ")
+                                        "--index", "precise", "--model", "m", "--max-prompt-tokens", "0",
+                                        *GPUHIT_ARGS], " on ")
+            print(f"gpuhit: {gw.first_line}", flush=True)
             procs.append(gw)
             targets["gpuhit"] = (gw.proc.pid, [url])
             for label, before in _befores():  # other gpuhit checkouts, same flags: before/after in one run
@@ -405,7 +410,7 @@ def _print_table(rows) -> None:
     print()
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
           f", scale {SCALE}, rounds {ROUNDS}, mock KV events {MOCK_EVENTS}, mock cache {MOCK_BLOCKS} blocks, "
-          f"evictions {MOCK_REMOVED}, {'C speedups built' if speedups.ACCEL is not None else 'pure Python'} (gateway and "
+          f"evictions {MOCK_REMOVED}, {'C speedups built' if speedups.load() is not None else 'pure Python'} (gateway and "
           "mock engines)")
     head = "| workload | stream | c | n | direct p50 ms |"
     for t in routers:
