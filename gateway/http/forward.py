@@ -31,8 +31,8 @@ from gateway.http.replies import Replies
 from gateway.http.settle import Settler
 from gateway.http.transport import Downstream, Upstream, UpstreamClosedError, UpstreamConnectError
 from gateway.router import Ticket
-from gateway.snapshot import FORWARD
 from gpuhit.errors import EngineError, GpuhitError
+from policies.snapshot import FORWARD
 
 _TAIL = 4096  # bytes of the stream end kept to find the usage chunk without parsing every chunk
 

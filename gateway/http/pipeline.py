@@ -28,9 +28,9 @@ from gateway.http.settle import Settler
 from gateway.http.transport import Downstream, HeaderLines
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router, RouteRequest
-from gateway.snapshot import FORWARD, Decision
 from gpuhit import tracing
 from gpuhit.errors import ConfigError, EngineError, GpuhitError
+from policies.snapshot import FORWARD, Decision
 
 
 class Pipeline:

@@ -17,7 +17,7 @@ from engines.base import GenerateResult
 from gateway.http.usage import Usage
 from gateway.metrics import GatewayMetrics
 from gateway.router import Ticket
-from gateway.snapshot import FORWARD
+from policies.snapshot import FORWARD
 
 
 class Settler:
