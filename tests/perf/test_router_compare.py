@@ -68,6 +68,8 @@ VS = os.environ.get("GPUHIT_BENCH_VS", "vllm-router")
 # Extra flags of this checkout's `gpuhit serve` (e.g. --no-c-speedups: its reference implementations
 # while the mock engines, from the same checkout, keep the C speedups).
 GPUHIT_ARGS = os.environ.get("GPUHIT_BENCH_GPUHIT_ARGS", "").split()
+# More paired comparisons, each "a/b" (target labels), printed after the main table.
+PAIRS = [p for p in os.environ.get("GPUHIT_BENCH_PAIRS", "").split(",") if p]
 SCALE = float(os.environ.get("GPUHIT_BENCH_SCALE", "1"))
 ROUNDS = int(os.environ.get("GPUHIT_BENCH_ROUNDS", "1"))
 WORKLOADS = ("chat", "2k", "2k-new", "100k", "100k+512")
@@ -289,12 +291,12 @@ def test_router_compare():
             print(f"gpuhit: {gw.first_line}", flush=True)
             procs.append(gw)
             targets["gpuhit"] = (gw.proc.pid, [url])
-            for label, before in _befores():  # other gpuhit checkouts, same flags: before/after in one run
+            for label, before, flags in _befores():  # other gpuhit checkouts: before/after in one run
                 # `python -m` would put this checkout (the cwd) first on sys.path: import from `before`
                 boot = f"import runpy, sys; sys.path.insert(0, {before!r}); runpy.run_module('gpuhit.cli', " \
                        "run_name='__main__', alter_sys=True)"
                 old = await spawn(["-c", boot, "serve", "--port", "0", *eng_args, "--policy", "lpwl", "--index",
-                                   "precise", "--model", "m", "--max-prompt-tokens", "0"],
+                                   "precise", "--model", "m", "--max-prompt-tokens", "0", *flags],
                                   env={"PYTHONPATH": before})
                 procs.append(old)
                 targets[label] = (old.proc.pid, [old.first_line.split(" on ", 1)[1].split(" ", 1)[0]])
@@ -343,6 +345,8 @@ def test_router_compare():
             for p in procs:
                 await p.stop()
         _print_table(rows)
+        for pair in PAIRS:
+            _print_pair(rows, *pair.split("/", 1))
         for line in failed:
             print("errors:", line)
 
@@ -351,16 +355,23 @@ def test_router_compare():
     uvloop.run(main())
 
 
-def _befores() -> list[tuple[str, str]]:
-    """(label, checkout) of each other gpuhit to run beside this one: ``GPUHIT_BENCH_BEFORE`` is a
-    checkout (labelled ``$GPUHIT_BENCH_BEFORE_LABEL``, default ``gpuhit-before``) or a comma-separated
-    list of ``label=checkout``."""
+def _befores() -> list[tuple[str, str, list[str]]]:
+    """(label, checkout, extra serve flags) of each other gpuhit to run beside this one:
+    ``GPUHIT_BENCH_BEFORE`` is a checkout (labelled ``$GPUHIT_BENCH_BEFORE_LABEL``, default
+    ``gpuhit-before``) or a comma-separated list of ``label=checkout[:flag...]`` (e.g.
+    ``after-pure=/src/gpuhit:--no-c-speedups``)."""
     spec = os.environ.get("GPUHIT_BENCH_BEFORE", "")
     if not spec:
         return []
     if "=" not in spec:
-        return [(os.environ.get("GPUHIT_BENCH_BEFORE_LABEL", "gpuhit-before"), spec)]
-    return [tuple(part.split("=", 1)) for part in spec.split(",") if part]  # type: ignore[misc]
+        return [(os.environ.get("GPUHIT_BENCH_BEFORE_LABEL", "gpuhit-before"), spec, [])]
+    out = []
+    for part in spec.split(","):
+        if part:
+            label, rest = part.split("=", 1)
+            path, *flags = rest.split(":")
+            out.append((label, path, flags))
+    return out
 
 
 def _print_row(row) -> None:
@@ -444,3 +455,20 @@ def _print_table(rows) -> None:
           f"geometric mean and its 95% t-interval, n={ROUNDS}; added p50 difference: gpuhit's p50 minus "
           f"vllm-router's in the same round (the round's direct p50 cancels), mean and 95% t-interval over the "
           f"{ROUNDS} rounds: an interval below 0 says gpuhit adds less)")
+
+
+def _print_pair(rows, a: str, b: str) -> None:
+    """Target ``a`` against target ``b``, paired per round: CPU and throughput ratios and the
+    difference of their p50s (each round's direct pass cancels from it)."""
+    print()
+    print(f"{a} / {b}, paired per round (median [min-max] of the rounds, geometric mean and its 95% t-interval):")
+    print(f"| workload | stream | c | {a} CPU-ms/req | {b} CPU-ms/req | CPU ratio per round | req/s ratio per round "
+          f"| p50 difference per round ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for workload, stream, c, n, med, got in rows:
+        line = f"| {workload} | {'yes' if stream else 'no'} | {c} | {med[a][1]:.3f} | {med[b][1]:.3f} |"
+        for i in (1, 2):
+            paired = [x[i] / max(y[i], 1e-9) for x, y in zip(got[a], got[b])]
+            line += f" {statistics.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] {_ratio_interval(paired)} |"
+        line += f" {_diff_interval([x[0] - y[0] for x, y in zip(got[a], got[b])])} |"
+        print(line)
