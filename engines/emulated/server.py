@@ -226,6 +226,10 @@ class EmulatedServer:
                 web.post("/reset_prefix_cache", self.reset_prefix_cache),
             ]
         )
+        from engines.emulated.dialect_routes import DialectRoutes  # it imports this module
+
+        self.dialects = DialectRoutes(self)  # /v1/messages, /v1/responses (+ stored responses)
+        self.dialects.mount(self.app)
         self.bootstrap = None
         self._advertise_host = advertise_host
         if kv_transfer is None:
