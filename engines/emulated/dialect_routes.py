@@ -32,7 +32,6 @@ from typing import Any
 from aiohttp import web
 
 from engines.base import GenerateRequest, GenerateResult
-from engines.emulated.server import TOKEN_TEXT, EmulatedServer, _Progress, chat_template, simple_tokenize
 from engines.vllm import protocol
 from engines.vllm.chat_messages import NotExact
 from engines.vllm.dialects import anthropic, responses
@@ -42,10 +41,15 @@ STORE_MAX = 4096  # stored responses kept per server (oldest dropped first)
 
 
 class DialectRoutes:
-    """Messages and Responses routes over one :class:`~engines.emulated.server.EmulatedServer`."""
+    """Messages and Responses routes over one :class:`~engines.emulated.server.EmulatedServer`
+    (``server``), which hands over what it shares with its chat route: the text of a generated
+    token, its progress counter type and its chat tokenization (``chat_ids``)."""
 
-    def __init__(self, server: EmulatedServer):
+    def __init__(self, server: Any, token_text: str, progress: Any, chat_ids: Any):
         self.server = server
+        self.token_text = token_text
+        self._progress = progress
+        self._chat_ids = chat_ids
         self.stored: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
 
     def mount(self, app: web.Application) -> None:
@@ -63,8 +67,7 @@ class DialectRoutes:
         messages = chat["messages"]
         if not messages:
             raise protocol.bad_request("Cannot apply chat template to an empty conversation.")
-        tok = self.server.tokenizer
-        return tok.encode_chat(messages) if tok is not None else simple_tokenize(chat_template(messages))
+        return self._chat_ids(messages)
 
     async def _body(self, request: web.Request) -> Mapping[str, Any]:
         body = protocol.parse_body(await request.read(), self.server.model, f" Valid aliases: {self.server.model}.")
@@ -94,7 +97,7 @@ class DialectRoutes:
         """Run ``greq``; ``on_token(k)`` is awaited for each output token as it is produced."""
         if on_token is None:
             return await self.server._run(greq, None)
-        progress = _Progress()
+        progress = self._progress()
         task = asyncio.ensure_future(self.server._run(greq, progress))
         sent = 0
         try:
@@ -154,7 +157,7 @@ class DialectRoutes:
             res = await self.server._run(greq, None)
             if res.error is not None:
                 return self._anthropic_error(GpuhitError(res.error))
-            msg["content"] = [{"type": "text", "text": TOKEN_TEXT * res.completion_tokens}]
+            msg["content"] = [{"type": "text", "text": self.token_text * res.completion_tokens}]
             return web.json_response({**msg, "stop_reason": "max_tokens", "usage": self._anthropic_usage(res)})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
@@ -167,7 +170,7 @@ class DialectRoutes:
                 await self._sse(resp, "content_block_start", {"type": "content_block_start",
                                                               "content_block": {"type": "text", "text": ""}, "index": 0})
             await self._sse(resp, "content_block_delta", {"type": "content_block_delta",
-                                                          "delta": {"type": "text_delta", "text": TOKEN_TEXT},
+                                                          "delta": {"type": "text_delta", "text": self.token_text},
                                                           "index": 0})
 
         res = await self._generate(greq, token)
@@ -239,7 +242,7 @@ class DialectRoutes:
                     "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []},
                     "sequence_number": next(seq), "type": "response.content_part.added"})
             await self._sse(resp, "response.output_text.delta", {
-                "content_index": 0, "delta": TOKEN_TEXT, "item_id": item, "logprobs": [], "output_index": 0,
+                "content_index": 0, "delta": self.token_text, "item_id": item, "logprobs": [], "output_index": 0,
                 "sequence_number": next(seq), "type": "response.output_text.delta"})
 
         res = await self._generate(greq, token)
@@ -249,7 +252,7 @@ class DialectRoutes:
         else:
             out = self._response(greq, body, created, res, item)
             if res.completion_tokens:
-                text = TOKEN_TEXT * res.completion_tokens
+                text = self.token_text * res.completion_tokens
                 part = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
                 await self._sse(resp, "response.output_text.done", {
                     "content_index": 0, "item_id": item, "logprobs": [], "output_index": 0,
@@ -275,7 +278,7 @@ class DialectRoutes:
         if res is not None:
             if res.completion_tokens:
                 output.append({"id": item or f"msg_{uuid.uuid4().hex[:16]}", "content": [
-                    {"annotations": [], "text": TOKEN_TEXT * res.completion_tokens, "type": "output_text",
+                    {"annotations": [], "text": self.token_text * res.completion_tokens, "type": "output_text",
                      "logprobs": None}], "role": "assistant", "status": "completed", "type": "message", "phase": None})
             cached = self.server._cached(res)
             usage = {"input_tokens": res.prompt_tokens,
