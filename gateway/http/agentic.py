@@ -133,8 +133,9 @@ class Responses(_Agentic):
         p = self.prompts
         body = p.body(raw)
         mot = body.get("max_output_tokens")
-        max_tokens, stream = p.options({"max_output_tokens": mot, "stream": body.get("stream", False)},
-                                       "max_output_tokens")
+        # Without max_output_tokens vLLM lets the answer fill the context (check_len clamps to it).
+        max_tokens, stream = p.options({"max_output_tokens": p.max_model_len or 16 if mot is None else mot,
+                                        "stream": body.get("stream", False)}, "max_output_tokens")
         h = self.history
         prev = body.get("previous_response_id")
         pin = None

@@ -50,6 +50,7 @@ def messages_conversation(rng: random.Random, cid: int) -> Iterator[dict[str, An
         tools = [{"name": f"tool_{i}", "input_schema": _schema(rng)} | ({"description": _text(rng, 2, 8)}
                  if rng.random() < 0.7 else {}) for i in range(rng.randint(1, 3))]
         body["tools"] = tools
+        body["tool_choice"] = {"type": "none"}  # the test engines run without a tool-call parser
     if rng.random() < 0.2:
         body["output_config"] = {"effort": rng.choice(["low", "high"])}
     r = rng.random()
@@ -119,6 +120,7 @@ def responses_conversation(rng: random.Random, cid: int) -> Iterator[dict[str, A
                 tools.append({"type": "namespace", "name": f"ns{i}", "description": "ns",
                               "tools": [{"type": "function", "name": "inner", "parameters": _schema(rng)}]})
         body["tools"] = tools
+        body["tool_choice"] = "none"  # the test engines run without a tool-call parser
     if rng.random() < 0.2:
         body["reasoning"] = {"effort": rng.choice(["low", "medium"])}
     if rng.random() < 0.2:
@@ -181,6 +183,7 @@ def chat_conversation(rng: random.Random, cid: int) -> Iterator[dict[str, Any]]:
         tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": _schema(rng)}
                   | ({"description": _text(rng, 2, 5)} if rng.random() < 0.5 else {})} for i in range(rng.randint(1, 2))]
         body["tools"] = tools
+        body["tool_choice"] = "none"  # the test engines run without a tool-call parser
     for turn in range(rng.randint(1, 4)):
         msgs.append({"role": "user", "content": _text(rng) if rng.random() < 0.6 else
                      [{"type": "text", "text": _text(rng)} for _ in range(2)]})

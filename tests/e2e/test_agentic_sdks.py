@@ -76,8 +76,9 @@ def test_anthropic_sdk_messages_streamed_with_tools(real_vllm_pair):
         hits = []
         render = DialectRenderer(gw.tokenizer)
         for turn in range(4):
-            kwargs = {"model": "tiny", "max_tokens": 4, "system": system, "tools": TOOLS, "messages": messages,
-                      "metadata": {"user_id": "sdk-session-1"}}
+            # tool_choice none: the pair runs without a tool-call parser (the tools are still rendered)
+            kwargs = {"model": "tiny", "max_tokens": 4, "system": system, "tools": TOOLS, "tool_choice": {"type": "none"},
+                      "messages": messages, "metadata": {"user_id": "sdk-session-1"}}
             if turn % 2 == 0:
                 with client.messages.stream(**kwargs) as stream:
                     predicted = int(stream.response.headers["x-gpuhit-predicted-hit"])
