@@ -127,6 +127,7 @@ class Gateway:
         self.pipeline: Pipeline | None = None
         self.admin: Admin | None = None
         self.passthrough: Passthrough | None = None  # every other vLLM route (built by start())
+        self.engine_cards: list[dict[str, Any]] = []  # the engines' /v1/models cards, read at start
         self._app: web.Application | None = None
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         self._server: Any = None  # the running transport (AppRunner or FastServer)
@@ -261,7 +262,7 @@ class Gateway:
         self.admin = Admin(self.engines, router, session, metrics, breakers, kv_streams, prompts,
                            {"policy": self.policy_name, "index": cfg.index, "transport": cfg.transport,
                             "c_speedups": self.accel is not None},
-                           share=self.share, verifier=self.verifier)
+                           share=self.share, verifier=self.verifier, cards=self.engine_cards)
 
     def _build_router(self) -> Router:
         """The router over the configured KV index (precise: the engines' KV events; approximate:
@@ -307,8 +308,11 @@ class Gateway:
         mm = root = None
         try:
             async with self.session.get(eng.base_url + "/v1/models") as r:  # type: ignore[union-attr]
-                card = (await r.json(content_type=None))["data"][0]
+                cards = (await r.json(content_type=None))["data"]
+                card = cards[0]
                 mm, root = card.get("max_model_len"), card.get("root")
+                # the gateway's /v1/models merges every engine's cards (its model, their adapters)
+                self.engine_cards.extend(c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str))
         except (aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError):
             pass
         if isinstance(mm, int) and (self.max_model_len is None or mm < self.max_model_len):

@@ -106,6 +106,10 @@ def test_agentic_dialects_through_the_gateway(transport):
                 async with http.get(url + "/v1/responses/resp_unknown") as r:
                     err = await r.json()
                 assert r.status == 404 and "no record" in err["error"]["message"]
+                async with http.get(url + "/v1/models") as r:  # the engines' cards, merged
+                    cards = (await r.json())["data"]
+                assert [c["id"] for c in cards] == ["tiny"] and cards[0]["max_model_len"] == 4096
+                assert cards[0]["root"] == (srvs[0].root or "tiny") and cards[0]["owned_by"] == "vllm"
                 async with http.post(url + "/reset_prefix_cache") as r:  # every engine
                     assert set((await r.json())["engines"]) == {"e0", "e1"}
                 # The engine holding the chain goes away: a clear error, not another engine's answer
