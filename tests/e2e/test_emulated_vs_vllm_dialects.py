@@ -4,7 +4,7 @@ see: JSON keys and value types, event sequences, token counts, each dialect's pr
 stored-response routes and their errors.
 
 Known differences, asserted as such: the emulator's text is " x" per token where the tiny model's
-random weights decode to "" (so vLLM sends no content block / output item for it), and the
+random weights decode to "" (so vLLM sends no content block, and an output message without text), and the
 emulator renders tools into no prompt tokens of their own (its chat template has no tools).
 """
 
@@ -95,9 +95,13 @@ def test_responses_match_and_chain(ref_and_emu):
     body = {"model": "tiny", "max_output_tokens": 3, "instructions": "responses " + SYSTEM, "input": "route it"}
     (sr, r), (se, e) = _json(ref, "POST", "/v1/responses", body), _json(emu, "POST", "/v1/responses", body)
     assert sr == se == 200
-    assert r["output"] == [] and e["output"][0]["content"][0]["text"] == " x x x"  # the known difference
-    assert shape({**e, "output": []}) == _defaults_filled(shape({**e, "output": []}), shape(r))
-    assert r["usage"] == e["usage"] and r["status"] == e["status"] == "incomplete"
+    # the known difference: vLLM's output message holds no text (the tiny model's tokens decode to "")
+    assert not [c for item in r["output"] for c in item.get("content", []) if c.get("text")]
+    assert e["output"][0]["content"][0]["text"] == " x x x"
+    assert shape({**e, "output": []}) == _defaults_filled(shape({**e, "output": []}), shape({**r, "output": []}))
+    # the emulator never ends on EOS; vLLM's random weights may (no ignore_eos in the Responses API)
+    assert r["usage"]["input_tokens"] == e["usage"]["input_tokens"] and e["status"] == "incomplete"
+    assert r["usage"]["input_tokens_details"] == e["usage"]["input_tokens_details"]
     nxt = {**body, "input": "and then", "previous_response_id": None, "stream": True}
     got = {}
     for name, url, prev in (("ref", ref, r["id"]), ("emu", emu, e["id"])):
