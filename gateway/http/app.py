@@ -57,7 +57,7 @@ from gateway.http.forward import Forwarder
 from gateway.http.forward_breakers import Breakers
 from gateway.http.forward_deadlines import Deadlines
 from gateway.http.kv_streams import KVStreams
-from gateway.http.parse import DIALECTS, Prompts, RequestParser
+from gateway.http.parse import DIALECTS, PROMPT_PATHS, Prompts, RequestParser
 from gateway.http.passthrough import Passthrough
 from gateway.http.pipeline import Pipeline
 from gateway.http.producer import ProducerStep
@@ -87,7 +87,7 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig, tracer: Any = None):
         self.cfg = cfg
         self.tracer = tracer
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(endpoints=PROMPT_PATHS)
         self.policy = registry.build(cfg.policy)
         self.policy_name = str(getattr(self.policy, "name", cfg.policy))
         # Block size: the configured one, else what the engines report (set in start()).

@@ -95,7 +95,8 @@ def test_histograms_render_as_prometheus_clients_own():
 
     from gateway.metrics import LATENCY_BUCKETS, ROUTING_BUCKETS
 
-    ours = GatewayMetrics(wall=lambda: 1234.5)
+    eps = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+    ours = GatewayMetrics(wall=lambda: 1234.5, endpoints=eps)
     reg = CollectorRegistry(auto_describe=False)
     routing = Histogram("gpuhit_gateway_routing_seconds", "Time to route one request (parse, hash, snapshot, decide).",
                         buckets=ROUTING_BUCKETS, registry=reg)
@@ -104,7 +105,6 @@ def test_histograms_render_as_prometheus_clients_own():
                         buckets=LATENCY_BUCKETS, registry=reg)
     ttft = Histogram("gpuhit_gateway_ttft_seconds", "Routed requests: arrival to the engine's first answer byte.",
                      ("endpoint",), buckets=LATENCY_BUCKETS, registry=reg)
-    eps = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
     for e in eps:
         latency.labels(e)
         ttft.labels(e)
