@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from gateway.snapshot import FORWARD, Decision, Snapshot
 from policies.common import Param, fmt, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
+from policies.snapshot import FORWARD, Decision, Snapshot
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.base import max_cached_tokens
-from gateway.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
+from policies.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
 
 # vLLM priority of a migration's KV export under --scheduling-policy priority: smaller runs first, and
 # every other request keeps vLLM's default 0, so the export goes ahead of the host's whole backlog.

@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from gateway.snapshot import FETCH, FORWARD, Decision, Snapshot
 from policies.common import Param, healthy, parse_params, tie_key
 from policies.costmodel import FABRICS, OptionCost, PrefillProfile, ServingCostModel, get_fabric
 from policies.registry import register
+from policies.snapshot import FETCH, FORWARD, Decision, Snapshot
 
 _RANK = {"stay": 0, "recompute": 0, "fetch": 1}
 
