@@ -55,7 +55,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.snapshot import FORWARD, Decision, InstanceState, Snapshot
+from policies.snapshot import FORWARD, Decision, InstanceState, Snapshot
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
 

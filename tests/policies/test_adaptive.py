@@ -10,7 +10,7 @@ from engines.fake import FakeEngine
 from gateway.kv_index import PreciseKVIndex
 from gateway.residency import SessionResidency
 from gateway.router import Router, RouteRequest
-from gateway.snapshot import InstanceState, RequestView, Snapshot
+from policies.snapshot import InstanceState, RequestView, Snapshot
 from gpuhit.errors import ConfigError
 from policies import registry
 
