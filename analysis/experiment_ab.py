@@ -18,8 +18,9 @@
    knee, at the knee and at ``--high-factor`` (1.3) x the knee (past it: overload; 0 leaves that
    point out), with ``--seeds`` paired seeds (default 5): paired differences against
    ``--reference`` (default lpwl) with t intervals (:mod:`analysis.compare`).
-4. **Write one report**: ``OUT/report.html`` (sweep, knee, both comparisons with legends, the
-   plots of both points), ``OUT/comparison-<point>.txt/.json``, ``OUT/knee.json``,
+4. **Write one report**: ``OUT/report.html`` (sweep, knee, each point's comparison with its legend,
+   its first-turn and session-start-quintile view (:mod:`analysis.fairness`) and its plots),
+   ``OUT/comparison-<point>.txt/.json``, ``OUT/knee.json``,
    ``OUT/experiment.json`` (the command and every replay it ran), and one ``gpuhit replay``
    results folder per run set under ``OUT/sweep/`` and ``OUT/points/``.
 
@@ -218,6 +219,8 @@ def _rates(args: argparse.Namespace) -> list[float]:
 
 def main(args: argparse.Namespace) -> int:
     from analysis.compare import compare, format_table, to_json
+    from analysis.fairness import analyze_folder as analyze_fairness
+    from analysis.fairness import report_markdown as fairness_markdown
     from policies.registry import available
 
     if args.seeds < 2:
@@ -281,10 +284,11 @@ def main(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(f"{label}: {exc}") from None
         table = format_table(cmp)
+        fair = fairness_markdown(analyze_fairness(folder))
         comparisons[label] = {"rate": rate, "folder": str(folder), "comparison": cmp, "table": table,
-                              "meta": doc.get("meta", {})}
+                              "fairness": fair, "meta": doc.get("meta", {})}
         (out / f"comparison-{label}.txt").write_text(
-            f"{label}: {rate:.6g} sessions/s\n\n{table}\n", encoding="utf-8")
+            f"{label}: {rate:.6g} sessions/s\n\n{table}\n\n{fair}\n", encoding="utf-8")
         (out / f"comparison-{label}.json").write_text(to_json(dict(cmp, rate=rate), indent=1), encoding="utf-8")
 
     command = "gpuhit experiment ab " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["experiment", "ab"] else sys.argv[1:])
@@ -336,6 +340,8 @@ def write_ab_report(path: pathlib.Path, *, knee: Mapping[str, Any], comparisons:
         parts.append(f"<h2>{html.escape(label)}: {c['rate']:.4g} sessions/s</h2>")
         parts.append(comparison_html(c["comparison"]))
         parts.append(legend_html(c["comparison"]))
+        if c.get("fairness"):
+            parts.append(f"<pre>{html.escape(c['fairness'])}</pre>")
         for png in sorted(pathlib.Path(c["folder"]).glob("*.png")):
             data = base64.b64encode(png.read_bytes()).decode("ascii")
             parts.append(f"<h3>{html.escape(png.stem.replace('_', ' '))}</h3>"

@@ -67,7 +67,8 @@ def test_experiment_ab_end_to_end_and_resume(tmp_path, capsys):
         c = doc["comparisons"][label]
         assert c["reference"] == "round_robin" and c["seeds"] == {"lpwl": [0, 1], "round_robin": [0, 1]}
         assert c["diff"]["lpwl"]["latency_p90"]["n"] == 2
-        assert (out / f"comparison-{label}.txt").read_text().count("paired difference to round_robin") == 1
+        text = (out / f"comparison-{label}.txt").read_text()
+        assert text.count("paired difference to round_robin") == 1 and "first-turn TTFT p90" in text
     html = (out / "report.html").read_text()
     assert "Knee" in html and "<dt>amplif</dt>" in html and "Paired difference to round_robin" in html
     made = json.loads((out / "points" / f"knee-rate-{knee:.6g}" / "summary.json").read_text())["meta"]["command"]
