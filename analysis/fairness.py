@@ -103,9 +103,9 @@ def report_markdown(res: Mapping[str, Any]) -> str:
     head = ["policy", "n", "first-turn TTFT p90 s", "first-turn TTFT max s", "median latency s",
             "longest first turn / median", *(f"p99 q{k + 1} s" for k in range(QUINTILES))]
     lines = ["## Who waits: first turns and late sessions", "",
-             "First-turn TTFT, the longest first-turn wait in median request latencies, and latency p99 by "
+             ("First-turn TTFT, the longest first-turn wait in median request latencies, and latency p99 by "
              "session-start quintile (q1: the 20% of sessions that started first); mean ± 95% t half-width "
-             "over seeds.", "",
+             "over seeds."), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for pol, st in res["policies"].items():
         n = st["service_p50"]["n"]

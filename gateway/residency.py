@@ -147,7 +147,20 @@ class SessionResidency:
     def resident_blocks(self, n: int, now: float, exclude: str | None) -> list[int]:
         """Per instance, the context blocks of live sessions other than ``exclude`` (forgets the
         sessions idle beyond the live window)."""
-        out = [0] * n
+        return self.working_sets(n, now, exclude)[0]
+
+    def expected_resident_blocks(self, n: int, now: float, exclude: str | None) -> list[int]:
+        """Per instance, the context blocks of the live sessions other than ``exclude``, each idle
+        one weighted by its bucket's :meth:`return_rate` (in-flight ones count in full)."""
+        return self.working_sets(n, now, exclude)[1]
+
+    def working_sets(self, n: int, now: float, exclude: str | None) -> tuple[list[int], list[int]]:
+        """Both per-instance sums, :meth:`resident_blocks` and :meth:`expected_resident_blocks`, in
+        one pass over the live sessions (forgetting those idle beyond the live window)."""
+        rate = (self.return_rate(True), self.return_rate(False))
+        turns = self._turns
+        live = [0] * n
+        expected = [0.0] * n
         dead = []
         w = self.window_s
         for sid, (inst, blocks, inflight, idle_since) in self._sessions.items():
@@ -155,22 +168,11 @@ class SessionResidency:
                 dead.append(sid)
                 continue
             if sid != exclude and 0 <= inst < n:
-                out[inst] += blocks
+                live[inst] += blocks
+                expected[inst] += blocks if inflight else blocks * rate[0 if turns.get(sid, 1) <= 1 else 1]
         for sid in dead:
             del self._sessions[sid]
-        return out
-
-    def expected_resident_blocks(self, n: int, now: float, exclude: str | None) -> list[int]:
-        """Per instance, the context blocks of the live sessions other than ``exclude``, each idle
-        one weighted by its bucket's :meth:`return_rate` (in-flight ones count in full). Call after
-        :meth:`resident_blocks` at the same ``now``, which forgets the sessions beyond the window."""
-        rate = (self.return_rate(True), self.return_rate(False))
-        out = [0.0] * n
-        turns = self._turns
-        for sid, (inst, blocks, inflight, _) in self._sessions.items():
-            if sid != exclude and 0 <= inst < n:
-                out[inst] += blocks if inflight else blocks * rate[0 if turns.get(sid, 1) <= 1 else 1]
-        return [round(x) for x in out]
+        return live, [round(x) for x in expected]
 
     def live_sessions(self) -> int:
         """Sessions currently tracked (debug)."""

@@ -452,11 +452,8 @@ class Router:
         else:
             hits = [(0, 0)] * n
         now = self.now()
-        if self._reads_residency:
-            resident = self.residency.resident_blocks(n, now, req.session_id)
-            expected = self.residency.expected_resident_blocks(n, now, req.session_id)
-        else:
-            resident = expected = [0] * n
+        res = self.residency
+        resident, expected = res.working_sets(n, now, req.session_id) if self._reads_residency else ([0] * n,) * 2
         use_stats = self.use_engine_stats
         names, roles, healthy = self.names, self.roles, self._healthy
         in_flight, pending, decode, active, routed = (self._in_flight, self._pending, self._decode,
@@ -480,13 +477,12 @@ class Router:
             next(self._seq),
         )
         session = req.session_id
-        res = self.residency
-        service, service90 = (res.service_s, res.service_p90_s) if self._reads_residency else (None, None)
+        service = (res.service_s, res.service_p90_s) if self._reads_residency else (None, None)
         if session is None:  # no binding, migration or start to look up
-            return Snapshot(now, view, tuple(states), observed_service_s=service, observed_service_p90_s=service90)
+            return Snapshot(now, view, tuple(states), None, None, None, *service)
         b = self.bindings
         return Snapshot(now, view, tuple(states), b.get(session), b.last_migrated_at(session),
-                        res.started_at(session), service, service90)
+                        res.started_at(session), *service)
 
     def decide(self, req: RouteRequest) -> Decision:
         """Snapshot + policy + validation (sync). Logs nothing and changes no counters."""

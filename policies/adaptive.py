@@ -55,9 +55,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from policies.snapshot import FORWARD, Decision, InstanceState, Snapshot
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
+from policies.snapshot import FORWARD, Decision, InstanceState, Snapshot
 
 PRIORITIES = ("aged", "session_start", "none")
 AGING = ("p50", "p90")

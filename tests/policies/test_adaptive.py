@@ -10,9 +10,9 @@ from engines.fake import FakeEngine
 from gateway.kv_index import PreciseKVIndex
 from gateway.residency import SessionResidency
 from gateway.router import Router, RouteRequest
-from policies.snapshot import InstanceState, RequestView, Snapshot
 from gpuhit.errors import ConfigError
 from policies import registry
+from policies.snapshot import InstanceState, RequestView, Snapshot
 
 BS = 16
 
