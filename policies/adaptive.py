@@ -1,6 +1,7 @@
 """GPU-hit-first routing that adapts to the traffic it sees: ``lpwl_auto``.
 
-Why ``lpwl_resident`` loses on chat-shaped traffic (``analysis/results/policy-adaptive-*.md``):
+Why ``lpwl_resident`` loses on chat-shaped traffic (seen in the lost-hit and per-instance views of
+``gpuhit lost-hits``):
 
 * It counts every session that finished a turn within the live window as HBM the instance must
   keep. On a trace where most sessions are a single turn (the bundled Mooncake conversation trace:
