@@ -245,8 +245,9 @@ class GatewayMetrics:
                               LATENCY_BUCKETS, ("endpoint",), wall=wall)
         self.histograms = (self.routing, self.latency, self.ttft)
         self._routing = self.routing.labels()
-        self._latency = {e: self.latency.labels(e) for e in ("/v1/completions", "/v1/chat/completions")}
-        self._ttft = {e: self.ttft.labels(e) for e in ("/v1/completions", "/v1/chat/completions")}
+        routed = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+        self._latency = {e: self.latency.labels(e) for e in routed}
+        self._ttft = {e: self.ttft.labels(e) for e in routed}
         self.registry.register(_Collector(self))
 
     # A request's counter updates are two calls, their dict increments inline: a method call per

@@ -362,6 +362,23 @@ class Router:
         snap, d = self._decide(req)
         return self._begin(req, snap, d)
 
+    def begin_on(self, req: RouteRequest, target: int, reason: str) -> Ticket:
+        """Account a request that must run on ``target`` (it names state only that engine holds,
+        e.g. a stored response): no policy choice, the same bookkeeping and predicted hit as
+        :meth:`begin`. An unhealthy target is a :class:`NoInstanceError` naming it."""
+        self._check(target)
+        if not self._healthy[target]:
+            raise NoInstanceError(f"engine {self.names[target]} is unhealthy ({self.unhealthy_reason[target]}) "
+                                  f"and {reason}")
+        snap = self.snapshot(req, self._reads_hits)
+        hit = snap.instances[target].gpu_hit_blocks
+        if not self._reads_hits and req.block_hashes:
+            hit = self._match_one(target, req.block_hashes)[0]
+            insts = list(snap.instances)
+            insts[target] = msgspec.structs.replace(insts[target], gpu_hit_blocks=hit)
+            snap = msgspec.structs.replace(snap, instances=tuple(insts))
+        return self._begin(req, snap, Decision(FORWARD, target, reason, predicted_hit_blocks=hit))
+
     def _begin(self, req: RouteRequest, snap: Snapshot, d: Decision) -> Ticket:
         t = Ticket(self, req, d)
         bs = self.block_size

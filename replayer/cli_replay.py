@@ -136,6 +136,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action="store_true", help="show the progress line even when stderr is not a TTY")
     p.add_argument("--gateway", default=None, metavar="URL",
                    help="live mode: replay against a running gpuhit gateway at URL instead of simulating")
+    p.add_argument("--api", choices=("completions", "chat", "messages", "responses"), default="completions",
+                   help="live mode: the API each turn is sent through: completions (token ids, the default), chat, "
+                        "messages (Anthropic) or responses (OpenAI); the text APIs send the turns as a conversation")
     p.add_argument("--gpu-util", action="append", default=[], metavar="NAME=SPEC",
                    help="live mode: where engine NAME's GPU utilization comes from: busy:URL (the emulator's "
                         "busy-seconds counter at URL/metrics), dcgm:URL[#gpu=N] or nvml:N (needs the nvml extra); "
@@ -255,6 +258,8 @@ def main(args: argparse.Namespace) -> int:
         from replayer.cli_replay_live import live
 
         return live(args)
+    if getattr(args, "api", "completions") != "completions":
+        raise ConfigError("--api chooses the API of a live replay: give --gateway URL (a simulation has no HTTP)")
     return _simulated(args)
 
 
