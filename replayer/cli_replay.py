@@ -372,13 +372,15 @@ def _simulated(args: argparse.Namespace) -> int:
     plots: list[pathlib.Path] = []
     if not args.no_plots:
         plots = replay_report.plots(out, results)
+    from analysis.fairness import write_folder_section as write_fairness
     from analysis.lost_hits import write_folder_section
     from analysis.report import write_report
 
     lost_text, lost_plots = write_folder_section(out, plots=not args.no_plots, profile=args.profile)
+    fair_text = write_fairness(out)
     write_report(out / "report.html", title=f"gpuhit replay: {trace.name} on {args.instances} instances",
                  comparison=doc, table_text=table, plots=plots + lost_plots, meta=meta, runs=summaries,
-                 sections=[("Lost hits (gpuhit lost-hits)", lost_text)])
+                 sections=[("Lost hits (gpuhit lost-hits)", lost_text), ("Who waits (gpuhit fairness)", fair_text)])
     if args.json:
         print(to_json({"meta": meta, "comparison": doc, "runs": summaries, "out": str(out)}))
     else:
