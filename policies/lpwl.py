@@ -10,19 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from engines.base import max_cached_tokens
-from gateway.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
+from policies.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
 
 # vLLM priority of a migration's KV export under --scheduling-policy priority: smaller runs first, and
 # every other request keeps vLLM's default 0, so the export goes ahead of the host's whole backlog.
 EXPORT_PRIORITY = -1
 
 # Prefill-token equivalents per prompt token of moving a session's KV: 96 KiB/token (Qwen3-Coder-30B-A3B)
-# over the seeds' ~9.7 GB/s NIC is ~10.1 us, against ~50 us of prefill per token (DESIGN.md section 1).
+# over the ~9.7 GB/s NIC is ~10.1 us, against ~50 us of prefill per token (both from the *GPU-Hit-First*
+# note, README "References").
 SEED_EXPORT_TOKENS_PER_TOKEN = 98304 / 9.7e9 / 50e-6
 
 
@@ -57,16 +58,11 @@ def lpwl_choice(snapshot: Snapshot) -> tuple[int, tuple[tuple[int, float], ...]]
     return inst.index, scores
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LPWL:
     name: str = "lpwl"
     type: str = "lpwl"
-
-    @property
-    def reads_engine_stats(self) -> bool:
-        """False: LPWL never reads the engines' stats (see :class:`policies.registry.Policy`). A
-        property, not a ClassVar: mypyc's dataclasses take a ClassVar for a field."""
-        return False
+    reads_engine_stats: ClassVar[bool] = False  # see policies.registry.Policy
 
     def decide(self, snapshot: Snapshot) -> Decision:
         inst, work, scores = _least_work(snapshot)
@@ -79,7 +75,7 @@ class LPWL:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LPWLMigrate:
     """LPWL, plus migration of a hot host's session.
 
@@ -113,12 +109,7 @@ class LPWLMigrate:
     min_gain_tokens: int = 0
     export_priority: bool = False
     export_tokens_per_token: float = 0.0
-
-    @property
-    def reads_engine_stats(self) -> bool:
-        """False: LPWL (and its migration rule) never reads the engines' stats (see :class:`policies.registry.Policy`). A
-        property, not a ClassVar: mypyc's dataclasses take a ClassVar for a field."""
-        return False
+    reads_engine_stats: ClassVar[bool] = False  # see policies.registry.Policy
 
     @property
     def scheduling_policy(self) -> str:
@@ -197,7 +188,7 @@ def _lpwl_migrate(name: str, params: Mapping[str, Any]) -> LPWLMigrate:
 @register("lpwl_migrate_prio")
 def _lpwl_migrate_prio(name: str, params: Mapping[str, Any]) -> LPWLMigrate:
     """lpwl_migrate whose export runs at vLLM priority ahead of the host's backlog and whose trigger
-    charges the export's cost (the seeds' NIC and prefill rates); other params as lpwl_migrate's."""
+    charges the export's cost (the *GPU-Hit-First* note's NIC and prefill rates); other params as lpwl_migrate's."""
     p = parse_params("lpwl_migrate_prio", params, _TRIGGER_PARAMS)
     return LPWLMigrate(name=name, type="lpwl_migrate_prio", export_priority=True,
                        export_tokens_per_token=SEED_EXPORT_TOKENS_PER_TOKEN, **p)

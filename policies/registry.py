@@ -12,8 +12,8 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from gateway.snapshot import Decision, Snapshot
 from gpuhit.errors import ConfigError
+from policies.snapshot import Decision, Snapshot
 
 
 class Policy(Protocol):
@@ -41,6 +41,7 @@ _REGISTRY: dict[str, Factory] = {}
 # Modules that register policy types; imported lazily on first lookup so importing the registry
 # stays cheap and import cycles cannot bite.
 _POLICY_MODULES: tuple[str, ...] = (
+    "policies.adaptive",
     "policies.baselines",
     "policies.cache_aware",
     "policies.lpwl",

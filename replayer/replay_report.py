@@ -133,6 +133,7 @@ def finish(out: pathlib.Path, *, doc: Mapping[str, Any], table: str, meta: Mappi
     with ``full_table`` every column, the legend, per-instance routing and each run's timing), or
     one JSON document with ``as_json``. ``with_plots``: the PNG figures (and the report's images)."""
     from analysis.compare import TABLE_COLUMNS, format_table, to_json
+    from analysis.fairness import write_folder_section as write_fairness
     from analysis.headline import headline
     from analysis.lost_hits import write_folder_section
     from analysis.report import write_report
@@ -151,10 +152,11 @@ def finish(out: pathlib.Path, *, doc: Mapping[str, Any], table: str, meta: Mappi
         pngs = plots(out, results)
         answer = plot_p90_intervals(doc, out / "p90_by_policy.png")
     lost_text, lost_plots = write_folder_section(out, plots=with_plots, profile=profile)
+    fair_text = write_fairness(out)
     opening = headline(summaries, meta, str(out))
     write_report(out / "report.html", title=title, comparison=doc, table_text=table, plots=pngs + lost_plots,
-                 meta=meta, runs=summaries, sections=[("Lost hits (gpuhit lost-hits)", lost_text)],
-                 headline=opening[:2], answer_plot=answer)
+                 meta=meta, runs=summaries, headline=opening[:2], answer_plot=answer,
+                 sections=[("Lost hits (gpuhit lost-hits)", lost_text), ("Who waits (gpuhit fairness)", fair_text)])
     if as_json:
         print(to_json({"meta": meta, "comparison": doc, "runs": summaries, "out": str(out)}))
         return

@@ -34,9 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import httptools
 
+from gateway.http.parse import PROMPT_PATHS
 from gateway.http.transport import (
-    CHAT,
-    COMPLETIONS,
     GET_PATHS,
     RESET_PREFIX_CACHE,
     ExpectationFailedError,
@@ -49,7 +48,7 @@ from gateway.http.transport import (
     header_block,
     nodelay,
 )
-from gpuhit.errors import BadRequestError, GpuhitError, NotFoundError
+from gpuhit.errors import BadRequestError, GpuhitError
 
 _log = logging.getLogger(__name__)
 
@@ -61,7 +60,6 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Fo
             408: b"Request Timeout", 413: b"Payload Too Large", 414: b"URI Too Long", 417: b"Expectation Failed",
             431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 502: b"Bad Gateway",
             503: b"Service Unavailable", 504: b"Gateway Timeout"}
-_POST_PATHS = (COMPLETIONS, CHAT)
 _PIPELINE_MAX = 8  # queued pipelined requests before the client's socket is paused
 # h11's / aiohttp's limits: the request line, the header block, the number of header fields.
 MAX_LINE = 8 * 1024
@@ -92,7 +90,8 @@ class _Request:
     :class:`~gateway.http.transport.Downstream` the gateway's request logic writes to (one object
     per request, not a request and a downstream)."""
 
-    __slots__ = ("body", "conn", "head_only", "headers", "keep_alive", "method", "path", "reject", "started")
+    __slots__ = ("body", "conn", "head_only", "headers", "keep_alive", "method", "path", "query", "reject",
+                 "started")
 
     def __init__(self, conn: _ServerConn, method: bytes, path: str, headers: dict[str, str], body: bytes,
                  keep_alive: bool, reject: GpuhitError | None = None):
@@ -105,6 +104,7 @@ class _Request:
         self.reject = reject  # answer with this error, then close the connection
         self.head_only = method == b"HEAD"  # a HEAD request: the GET answer's head, no body
         self.started = False
+        self.query = ""  # "?..." when the URL had one (forwarded routes keep it)
 
     def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
         # The gateway's own headers come encoded (HeaderLines): their bytes, without two Python calls.
@@ -166,6 +166,7 @@ class _ServerConn(asyncio.Protocol):
         self._url: list[bytes] = []
         self._url_len = 0
         self._path = ""
+        self._query = ""
         self._headers: dict[str, str] = {}
         self._header_bytes = 0
         self._body: list[bytes] = []
@@ -359,6 +360,7 @@ class _ServerConn(asyncio.Protocol):
         url = b"".join(self._url)
         q = url.find(b"?")
         self._path = path = (url if q < 0 else url[:q]).decode("latin-1")
+        self._query = "" if q < 0 else url[q:].decode("latin-1")
         h = self._headers
         denied = self.gw.auth_error(h, path)
         if denied is not None:  # before any byte of the body is read
@@ -389,8 +391,11 @@ class _ServerConn(asyncio.Protocol):
         self._head_room = _HEAD_MAX
         self._disarm()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._enqueue(_Request(self, self.parser.get_method(), self._path, self._headers, body,
-                               self.parser.should_keep_alive()))
+        req = _Request(self, self.parser.get_method(), self._path, self._headers, body,
+                       self.parser.should_keep_alive())
+        if self._query:
+            req.query = self._query
+        self._enqueue(req)
 
     # -- request processing
 
@@ -428,7 +433,7 @@ class _ServerConn(asyncio.Protocol):
                     self.transport.resume_reading()
                 self._busy = True
                 try:
-                    if req.method == b"POST" and req.path in _POST_PATHS and req.reject is None:
+                    if req.method == b"POST" and req.path in PROMPT_PATHS and req.reject is None:
                         await self.gw.handle(req.path, req.headers, req.body, req)  # the common case, direct
                     else:
                         await self._dispatch(req)
@@ -469,7 +474,7 @@ class _ServerConn(asyncio.Protocol):
         method = req.method
         path = req.path
         if req.reject is not None:
-            status, data = gw.error_payload(req.reject, path if path in _POST_PATHS else "other")
+            status, data = gw.error_payload(req.reject, path if path in PROMPT_PATHS else "other")
             return await req.respond(status, {}, data, "application/json")
         if method == b"POST" and path == RESET_PREFIX_CACHE:
             status, ctype, data = await gw.reset_prefix_cache()
@@ -478,12 +483,13 @@ class _ServerConn(asyncio.Protocol):
             status, ctype, data = out
             await req.respond(status, {}, data, ctype)
             return
-        if path in _POST_PATHS or path in GET_PATHS or path == RESET_PREFIX_CACHE:
+        if path in PROMPT_PATHS or path in GET_PATHS or path == RESET_PREFIX_CACHE:
             err: GpuhitError = MethodNotAllowedError(f"method {method.decode('latin-1')} is not allowed on {path}")
-        else:
-            err = NotFoundError(f"no such endpoint: {path}")
-        status, data = gw.error_payload(err, path if path in _POST_PATHS else "other")
-        await req.respond(status, {}, data, "application/json")
+            status, data = gw.error_payload(err, path if path in PROMPT_PATHS else "other")
+            return await req.respond(status, {}, data, "application/json")
+        # Any other route: forwarded to an engine (gateway.http.passthrough).
+        assert gw.passthrough is not None
+        await gw.passthrough.handle(method.decode("latin-1"), path, req.query, req.headers, req.body, req)
 
     # -- writing
 

@@ -1,4 +1,4 @@
-"""Issue 6 item 2 through the live path: migration and PD between emulated servers over real HTTP.
+"""Through the live path: migration and PD between emulated servers over real HTTP.
 
 The gateway carries out ``lpwl_migrate`` / ``pd_disagg`` decisions with vLLM's connector
 two-step (producer: ``max_tokens`` 1 + ``do_remote_decode``; consumer: ``do_remote_prefill`` +
@@ -146,7 +146,7 @@ def test_failed_transfers_fall_back_to_recompute_counted_nothing_lost():
         async with emulated(["a", "b"]) as engs, servers(engs) as srvs, \
                 gateway(urls(srvs), policy=MIGRATE_HOT, health_interval=60.0) as (gw, url), \
                 aiohttp.ClientSession() as http:
-            real_step = gw._producer_step
+            real_step = gw.pipeline.forwarder.producer
             tamper = {}
 
             async def step(ticket, headers):
@@ -157,7 +157,7 @@ def test_failed_transfers_fall_back_to_recompute_counted_nothing_lost():
                     await srvs[ticket.source].close()  # the producer goes away between the two steps
                 return params
 
-            gw._producer_step = step
+            gw.pipeline.forwarder.producer = step
             s1 = list(range(1000, 1069))
             s2 = list(range(5000, 5069))
             h, _, _ = await post(http, url, s1, "s1")

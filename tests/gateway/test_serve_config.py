@@ -9,8 +9,8 @@ import pytest
 
 from gateway import config as gcfg
 from gateway.cli import vllm_commands
-from gpuhit.cli import main
 from gpuhit.errors import ConfigError
+from replayer.cli import main
 
 TOML = """
 [gateway]
@@ -93,6 +93,12 @@ def test_vllm_cmd_lines():
     assert lines[2] == ("gpuhit serve --port 8080 --policy lpwl --index precise --block-size 16 --hash sha256 "
                         "--engine http://127.0.0.1:8000 --engine http://127.0.0.1:8001 "
                         "--bootstrap http://127.0.0.1:8998 --bootstrap http://127.0.0.1:8999")
+
+
+def test_vllm_cmd_asks_for_priority_scheduling_when_the_policy_sets_priorities():
+    assert "--scheduling-policy" not in vllm_commands(1, "m", policy="lpwl")[0]
+    first = shlex.split(vllm_commands(1, "m", policy="lpwl_auto")[0])
+    assert first[first.index("--scheduling-policy") + 1] == "priority"
 
 
 def test_vllm_cmd_shared_gpu_splits_memory(capsys):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.snapshot import FETCH, FORWARD, MIGRATE, PD, InstanceState, RequestView, Snapshot
 from gpuhit.errors import ConfigError, NoInstanceError
 from policies import registry
 from policies.baselines import stable_hash
+from policies.snapshot import FETCH, FORWARD, MIGRATE, PD, InstanceState, RequestView, Snapshot
 
 BS = 16
 
@@ -27,7 +27,7 @@ def build(cfg):
 
 def test_registry_lists_every_policy():
     assert registry.available() == [
-        "least_request", "linear", "lmetric", "lmetric_plus1", "lpwl", "lpwl_migrate", "lpwl_migrate_prio",
+        "least_request", "linear", "lmetric", "lmetric_plus1", "lpwl", "lpwl_auto", "lpwl_migrate", "lpwl_migrate_prio",
         "lpwl_resident", "lpwl_resident_prio", "pd_disagg", "round_robin",
         "route_query", "sticky", "unified",
     ]

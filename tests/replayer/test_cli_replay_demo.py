@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from gpuhit.cli import main
+from replayer.cli import main
 from gpuhit.errors import ConfigError
 from policies.registry import available
 from replayer import cli_replay
