@@ -74,10 +74,10 @@ from replayer.runs import clear_synths, jsonable, policy_type, run_name, start_f
 
 DEFAULT_INSTANCES = 8
 DEFAULT_PD = "pd_disagg"
-#: the policies compared when none are named, the reference first: GPU-hit-first (lpwl_resident_prio),
-#: its parts (lpwl: least prefill work; lpwl_resident: plus the resident sessions' KV), the strongest
+#: the policies compared when none are named, the reference first: GPU-hit-first (lpwl_auto, the
+#: recommended default), its parts (lpwl: least prefill work; lpwl_resident: plus the resident sessions' KV), the strongest
 #: published baselines (lmetric, linear: cache-aware + load; least_request: load only) and round-robin
-DEMO_POLICIES = ("lpwl_resident_prio", "lpwl", "lpwl_resident", "lmetric", "linear", "least_request", "round_robin")
+DEMO_POLICIES = ("lpwl_auto", "lpwl", "lpwl_resident", "lmetric", "linear", "least_request", "round_robin")
 #: the columns of the short table (``--full-table``: all of analysis.compare.TABLE_COLUMNS)
 SHORT_COLUMNS = ("latency_p90", "ttft_p90", "latency_p50", "apc_realized", "tps_per_busy_gpu", "gpu_util_median")
 
@@ -104,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--all-policies", action="store_true",
                    help="compare every registered policy (pd_disagg as an even P/D split) instead of the default set")
     p.add_argument("--reference", default=None, metavar="NAME",
-                   help="the policy every paired difference is taken against (default: lpwl_resident_prio when "
+                   help="the policy every paired difference is taken against (default: lpwl_auto when "
                         "compared without --policies, else the first policy)")
     p.add_argument("--full-table", action="store_true",
                    help="print every column with its legend, the per-instance routing and each run's timing "

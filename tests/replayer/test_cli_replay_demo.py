@@ -28,7 +28,7 @@ def test_default_policies_and_reference():
     specs = cli_replay.plan_runs(args)
     assert list(dict.fromkeys(s.label for s in specs)) == list(cli_replay.DEMO_POLICIES)
     assert {s.seed for s in specs} == set(range(cli_replay.COMPARE_SEEDS))
-    assert cli_replay._reference(args, specs) == "lpwl_resident_prio"
+    assert cli_replay._reference(args, specs) == "lpwl_auto"
     every = cli_replay.plan_runs(_args("--all-policies", "--seeds", "0,1"))
     assert len({s.label for s in every}) == len(available())
     named = _args("--policies", "lpwl,round_robin", "--seeds", "0,1")
