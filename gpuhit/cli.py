@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "engines.attention.cli",  # gpuhit attention ...
     "analysis.cli_compare",  # gpuhit compare
     "analysis.lost_hits",  # gpuhit lost-hits
+    "replayer.calibrate",  # gpuhit profile fit
 )
 
 

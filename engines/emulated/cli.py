@@ -73,3 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from analysis import experiment_ab
 
     experiment_ab.register(sub)  # gpuhit experiment ab: the A/B protocol (analysis/experiment_ab.py)
+    from replayer import ab_live, sim_vs_real
+
+    ab_live.register(sub)  # gpuhit experiment ab-live: the same protocol on live engines
+    sim_vs_real.register(sub)  # gpuhit experiment sim-vs-real: a live experiment replayed in simulation
