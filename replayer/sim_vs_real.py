@@ -56,6 +56,11 @@ def _mean(runs: Sequence[Mapping[str, Any]], key: str) -> float:
     return float(np.mean(vals)) if vals else math.nan
 
 
+def _nanmean(vals: Sequence[float]) -> float:
+    v = [x for x in vals if not math.isnan(x)]
+    return float(np.mean(v)) if v else math.nan
+
+
 def _load_share(runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """Per instance, its share of routed requests (over all seeds)."""
     tot: dict[str, float] = {}
@@ -75,7 +80,7 @@ def _frame_key(df: Any) -> Any:
 def attribution(real: Any, sim: Any, block_size: int) -> dict[str, float]:
     """Paired request-level comparison of one run (frames of records with the same seed)."""
     r, s = _frame_key(real), _frame_key(sim)
-    both = r.join(s, lsuffix="_r", rsuffix="_s", how="inner")
+    both = r.merge(s, left_index=True, right_index=True, suffixes=("_r", "_s"), how="inner")
     if both.empty:
         return {"paired": 0}
     hit_diff = (both["realized_hit_tokens_r"] - both["realized_hit_tokens_s"]).abs() >= block_size
@@ -136,8 +141,11 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
         rel = {m: (sim[m] - real[m]) / real[m] if real[m] else math.nan for m in METRICS if m != "apc_realized"}
         apc_diff = sim["apc_realized"] - real["apc_realized"]
         att_runs = attributions.get(pol, [])
-        att = {k: float(np.nanmean([a[k] for a in att_runs if k in a])) for k in
-               ("hit_mismatch_share", "same_hit_ttft_ratio", "tpot_ratio")} if att_runs else {}
+        att: dict[str, float] = {}
+        if att_runs and sum(a.get("paired", 0) for a in att_runs):
+            att = {k: _nanmean([a.get(k, math.nan) for a in att_runs])
+                   for k in ("hit_mismatch_share", "same_hit_ttft_ratio", "tpot_ratio")}
+            att["paired"] = sum(a.get("paired", 0) for a in att_runs)
         per_policy[pol] = {"n_seeds": len(lr), "real": real, "sim": sim, "rel_error": rel, "apc_diff": apc_diff,
                            "load_real": _load_share(lr), "load_sim": _load_share(sr),
                            "rejected_failed_real": [sum(r["n_rejected"] for r in lr), sum(r["n_failed"] for r in lr)],

@@ -5,8 +5,9 @@ The measurements (taken by ``gpuhit profile fit``) are of two kinds:
 * **prefill probes**: one request alone on a cold engine, ``new`` prompt tokens computed after
   ``context`` cached ones, answered with one token. The engine's own histograms give its prefill
   time (scheduled -> first token: the prefill steps) and queue time; the client gives the TTFT it
-  saw. The difference, TTFT - queue - prefill, is what the emulator calls the frontend delay (HTTP,
-  input processing, streaming the first token back).
+  saw. The difference, TTFT - prefill, is what the emulator calls the frontend delay (HTTP, input
+  processing, the engine loop picking the request up, streaming the first token back): the queue
+  time of a probe alone on an idle engine is such a fixed cost, not queueing behind other work.
 * **decode probes**: ``batch`` requests of ``context`` prompt tokens sent together, each generating
   ``tokens``; the engine's decode time over ``tokens - 1`` is the mean decode step time at that batch
   size and context.
@@ -38,12 +39,12 @@ class PrefillProbe:
     new: int  # prompt tokens computed
     context: int  # prompt tokens served from the prefix cache before them
     prefill_s: float  # engine: scheduled -> first token
-    queue_s: float  # engine: arrival at the scheduler -> scheduled
+    queue_s: float  # engine: arrival at the scheduler -> scheduled (recorded; part of the frontend delay)
     ttft_s: float  # client: request sent -> first streamed token
 
     @property
     def frontend_s(self) -> float:
-        return self.ttft_s - self.queue_s - self.prefill_s
+        return self.ttft_s - self.prefill_s
 
 
 @dataclass(frozen=True, slots=True)
