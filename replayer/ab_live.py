@@ -15,7 +15,8 @@ have priority 0 and run first come first served, so the other policies see the s
 each pinned to its cores (``--cpu-bind``).
 
 Trace: the bundled WEKA slice (or ``--trace``), its first ``--max-sessions`` root sessions, scaled to
-the engines' context (:mod:`replayer.trace_scale`), Poisson session arrivals, think times kept.
+the engines' context (:mod:`replayer.trace_scale`), Poisson session arrivals, think times kept
+(``--think-scale``, ``--max-think``), sub-agents placed by the recorded service time x ``--time-scale``.
 
 Resumable: each finished run is saved (``rate-R/runs/POLICY-sSEED.json``) and skipped when the
 command is run again with the same ``--out``; a run cut short is redone from a cold cache (its
@@ -72,7 +73,8 @@ def driver_config(spec: Mapping[str, Any], policy: str, seed: int, rate: float) 
     from replayer.arrivals import ArrivalConfig
     from replayer.driver import DriverConfig
 
-    return DriverConfig(arrival=ArrivalConfig(mode="poisson", session_rate=rate, seed=seed),
+    return DriverConfig(arrival=ArrivalConfig(mode="poisson", session_rate=rate, seed=seed,
+                                              time_scale=spec.get("time_scale", 1.0)),
                         think_time_scale=spec["think_scale"], max_think_time=spec["max_think"],
                         run_id=f"{policy}-s{seed}", policy=policy, seed=seed)
 
@@ -211,6 +213,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-turns", type=int, default=None, metavar="K", help="the first K turns of each session")
     p.add_argument("--session-rate", required=True, metavar="R1,R2", help="Poisson session rates (one run set each)")
     p.add_argument("--think-scale", type=float, default=1.0, help="think time multiplier (default 1: kept)")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                   help="multiplier of the trace's recorded service time, which places sub-agents in their parent's "
+                        "timeline (default 1; a trace scaled down to a small model computes ~max_prompt/original "
+                        "times faster)")
     p.add_argument("--max-think", type=float, default=None, metavar="S", help="cap on each think time, seconds")
     p.add_argument("--policies", required=True, metavar="A,B,C")
     p.add_argument("--reference", default=None, help="policy differences are taken against (default the first)")
@@ -266,12 +272,16 @@ def main(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"gpuhit experiment ab-live: {msg}", file=sys.stderr, flush=True)
 
+    if args.engine and sched == "priority":
+        say("a compared policy sets request priorities: the engines must run with --scheduling-policy priority "
+            "(vLLM refuses a non-zero priority otherwise; those requests are counted as failures)")
     with started_engines(args, sched, out) as (urls, engine_lines):
         info = vtime.run_live(_engine_infos(urls))
         mml = info["max_model_len"]
         spec = {"paths": args.trace or [], "max_sessions": args.max_sessions, "max_output": args.max_output,
                 "max_prompt": args.max_prompt or mml - args.max_output - 64, "max_turns": args.max_turns,
-                "think_scale": args.think_scale, "max_think": args.max_think, "block_size": info["block_size"]}
+                "think_scale": args.think_scale, "max_think": args.max_think, "time_scale": args.time_scale,
+                "block_size": info["block_size"]}
         exp_path = out / "experiment.json"
         definition = {"trace": spec, "policies": policies, "seeds": args.seeds, "rates": rates,
                       "reference": reference, "scheduling_policy": sched}
@@ -286,10 +296,10 @@ def main(args: argparse.Namespace) -> int:
         spec["progress"] = args.progress
         total = len(rates) * len(policies) * args.seeds
         k = 0
-        for rate in rates:
-            folder = out / rate_label(rate)
-            (folder / "runs").mkdir(parents=True, exist_ok=True)
-            for seed in range(args.seeds):  # seed-major: a cut-short experiment still has paired seeds
+        for seed in range(args.seeds):  # seed-major: a cut-short experiment still has paired seeds at each rate
+            for rate in rates:
+                folder = out / rate_label(rate)
+                (folder / "runs").mkdir(parents=True, exist_ok=True)
                 for pol in policies:
                     k += 1
                     saved = folder / "runs" / f"{pol}-s{seed}.json"

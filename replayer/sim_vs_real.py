@@ -45,7 +45,8 @@ def simulate_run(spec: Mapping[str, Any], engines: Mapping[str, Any], trace: Any
     from replayer.simulate import simulate
 
     return simulate(trace, policy, instances=int(engines["count"]), profile=profile, arrival="poisson",
-                    session_rate=rate, think_time_scale=spec["think_scale"], max_think_time=spec["max_think"],
+                    session_rate=rate, time_scale=spec.get("time_scale", 1.0), think_time_scale=spec["think_scale"],
+                    max_think_time=spec["max_think"],
                     seed=seed, block_size=int(spec["block_size"]), progress=False,
                     engine_kwargs={"num_gpu_blocks": int(engines["num_gpu_blocks"]),
                                    "max_model_len": int(engines["max_model_len"])})

@@ -141,10 +141,32 @@ def split_held_out(items: Sequence[Any], every: int) -> tuple[list[Any], list[An
     return fit, held
 
 
+def median_of_repeats(prefill: Sequence[PrefillProbe], decode: Sequence[DecodeProbe]
+                      ) -> tuple[list[PrefillProbe], list[DecodeProbe]]:
+    """One probe per shape (new, context) / (batch, context, tokens): the median of its repeats (over
+    passes and engines). A host shared with other work delays single probes by multiples; the median
+    keeps those outliers out of a least-squares fit."""
+    groups: dict[tuple[int, ...], list[Any]] = {}
+    for p in prefill:
+        groups.setdefault((0, p.new, p.context), []).append(p)
+    for d in decode:
+        groups.setdefault((1, d.batch, d.context, d.tokens), []).append(d)
+    pre, dec = [], []
+    for key, ps in groups.items():
+        if key[0] == 0:
+            pre.append(PrefillProbe(key[1], key[2], *(float(np.median([getattr(p, f) for p in ps]))
+                                                       for f in ("prefill_s", "queue_s", "ttft_s"))))
+        else:
+            dec.append(DecodeProbe(key[1], key[2], key[3], float(np.median([d.step_s for d in ps]))))
+    return pre, dec
+
+
 def fit_profile(prefill: Sequence[PrefillProbe], decode: Sequence[DecodeProbe], *, max_batched: int,
                 hold_out_every: int = 4) -> dict[str, Any]:
-    """Fit on all probes but every ``hold_out_every``-th of each kind; returns
-    ``{"params": {...step and frontend params}, "fit_error": ..., "held_out_error": ...}``."""
+    """Fit on the medians of repeated shapes (:func:`median_of_repeats`), all but every
+    ``hold_out_every``-th shape of each kind; returns ``{"params": {...step and frontend params},
+    "fit_error": ..., "held_out_error": ..., "probes": counts of shapes}``."""
+    prefill, decode = median_of_repeats(prefill, decode)
     pf, ph = split_held_out(prefill, hold_out_every)
     df, dh = split_held_out(decode, hold_out_every)
     params = fit_steps(pf, df, max_batched)

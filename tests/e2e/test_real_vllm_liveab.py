@@ -46,7 +46,8 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     for which in ("fit_error", "held_out_error"):
         for kind in ("prefill", "ttft", "decode_step"):
             assert fit[which][kind]["n"] >= 1 and math.isfinite(fit[which][kind]["mean_abs_rel"]), (which, kind)
-    assert sum(fit["probes"].values()) == len(prof.fit["measurements"]["prefill"]) + len(
+    # one fitted shape per (new, context) / (batch, context): the median of its probes on both engines
+    assert 0 < sum(fit["probes"].values()) <= len(prof.fit["measurements"]["prefill"]) + len(
         prof.fit["measurements"]["decode"])
 
     # 2. live A/B

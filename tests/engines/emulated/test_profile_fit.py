@@ -14,6 +14,7 @@ from engines.emulated.profile_fit import (
     PrefillProbe,
     chunks,
     fit_profile,
+    median_of_repeats,
     predict_prefill,
     predict_step,
     profile_entry,
@@ -74,3 +75,11 @@ def test_too_few_probes_is_a_clear_error():
     prefill, decode = synthetic()
     with pytest.raises(ConfigError, match="at least 3 prefill and 2 decode"):
         fit_profile(prefill[:3], decode[:2], max_batched=MAX_BATCHED)
+
+
+def test_repeats_collapse_to_their_median_so_one_delayed_probe_does_not_move_the_fit():
+    a = PrefillProbe(100, 0, 0.010, 0.001, 0.020)
+    slow = PrefillProbe(100, 0, 0.090, 0.001, 0.200)  # the host was busy
+    pre, dec = median_of_repeats([a, slow, a, PrefillProbe(200, 0, 0.02, 0.0, 0.03)],
+                                 [DecodeProbe(2, 64, 8, 0.005), DecodeProbe(2, 64, 8, 0.007), DecodeProbe(2, 64, 8, 0.5)])
+    assert pre == [a, PrefillProbe(200, 0, 0.02, 0.0, 0.03)] and dec == [DecodeProbe(2, 64, 8, 0.007)]
