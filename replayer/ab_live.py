@@ -32,6 +32,7 @@ import contextlib
 import datetime as _dt
 import json
 import math
+import os
 import pathlib
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -164,6 +165,7 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
     from replayer.synth import TokenSynthesizer
 
     loop = asyncio.get_running_loop()
+    load0 = os.getloadavg()[0]
     async with live_gateway(urls, policy, spec.get("block_size")) as (gw, url), \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         card = await probe_gateway(http, url)
@@ -186,7 +188,10 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
             finally:
                 bar.close()
     s = summarize(read_records(records), None, res.makespan, math.nan)
-    s.update(policy=policy, seed=seed, session_rate=rate, records=str(records), cold_start=True)
+    # Engines sharing a host with other work run slower than their profile: the host's load says how busy
+    # it was (1-minute load average at the start and the end of the run).
+    s.update(policy=policy, seed=seed, session_rate=rate, records=str(records), cold_start=True,
+             host_load=[load0, os.getloadavg()[0]])
     return s
 
 
@@ -283,13 +288,14 @@ def main(args: argparse.Namespace) -> int:
                 "think_scale": args.think_scale, "max_think": args.max_think, "time_scale": args.time_scale,
                 "block_size": info["block_size"]}
         exp_path = out / "experiment.json"
-        definition = {"trace": spec, "policies": policies, "seeds": args.seeds, "rates": rates,
-                      "reference": reference, "scheduling_policy": sched}
+        # What makes runs comparable; --seeds and --reference may change between invocations (a run is
+        # one seed: more seeds extend the experiment, fewer report the first ones).
+        definition = {"trace": spec, "policies": policies, "rates": rates, "scheduling_policy": sched}
         if exp_path.exists():
             old = json.loads(exp_path.read_text(encoding="utf-8"))
             if {k: old.get(k) for k in definition} != json.loads(to_json(definition)):
                 raise ConfigError(f"{out} holds a different experiment; use a new --out or the same options")
-        doc = {**definition, "engines": {"urls": urls, "count": len(urls), **info, "command_lines": engine_lines},
+        doc = {**definition, "seeds": args.seeds, "reference": reference, "engines": {"urls": urls, "count": len(urls), **info, "command_lines": engine_lines},
                "command": command, "utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
         exp_path.write_text(to_json(doc, indent=1), encoding="utf-8")
         trace = experiment_trace(spec)
@@ -315,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
     results = {}
     for rate in rates:
         folder = out / rate_label(rate)
-        runs = load_runs(folder, policies)
+        runs = load_runs(folder, policies, args.seeds)
         cmp = compare(runs, reference=reference)
         table = format_table(cmp)
         (out / f"comparison-{rate_label(rate)}.txt").write_text(f"{rate:g} sessions/s\n\n{table}\n", encoding="utf-8")
@@ -324,16 +330,17 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json({"out": str(out), "experiment": doc, "comparisons": {k: v["comparison"] for k, v in results.items()}}))
         return 0
-    for label, r in results.items():
+    for r in results.values():
         print(f"== live, {r['rate']:g} sessions/s ==\n{r['table']}\n")
     print(f"results: {out}/ (experiment.json, comparison-*.txt/.json, rate-*/records, rate-*/runs)")
     return 0
 
 
-def load_runs(folder: pathlib.Path, policies: Sequence[str]) -> list[dict[str, Any]]:
-    """The saved run summaries of one rate's folder, in ``policies`` order (the table's), then seed."""
+def load_runs(folder: pathlib.Path, policies: Sequence[str], seeds: int | None = None) -> list[dict[str, Any]]:
+    """The saved run summaries of one rate's folder (seeds below ``seeds``, if given), in ``policies``
+    order (the table's), then seed."""
     runs = [json.loads(p.read_text(encoding="utf-8")) for p in (folder / "runs").glob("*.json")]
-    runs = [r for r in runs if r["policy"] in policies]
+    runs = [r for r in runs if r["policy"] in policies and (seeds is None or r["seed"] < seeds)]
     if not runs:
         raise ConfigError(f"{folder} holds no finished runs")
     return sorted(runs, key=lambda r: (policies.index(r["policy"]), r["seed"]))

@@ -156,7 +156,7 @@ def prefill_grid(max_model_len: int, pool_tokens: int, block_size: int, points: 
     top = min(max_model_len - 8, pool_tokens - 2 * block_size)
     if top < 2 * block_size:
         raise ConfigError(f"the engine takes at most {top} prompt tokens: too few to probe")
-    news = sorted({int(round(block_size * (top / block_size) ** (i / (points - 1)))) for i in range(points)})
+    news = sorted({round(block_size * (top / block_size) ** (i / (points - 1))) for i in range(points)})
     grid = [(n, 0) for n in news]
     for frac in (0.25, 0.5):
         ctx = int(top * frac) // block_size * block_size

@@ -5,7 +5,8 @@ rates, the engines' count and real capacity) and a profile (``gpuhit profile fit
 (rate, policy, seed) the live experiment finished on emulated engines with that profile and the
 engines' own ``num_gpu_blocks``, ``block_size`` and ``max_model_len``, and reports per policy the
 simulated and real latency mean/p50/p90/p99, TTFT p50/p90, TPOT p50, APC and per-instance load,
-with relative errors; the policy ranking on each side with Kendall's tau (scipy); one plot per
+with relative errors and the host's mean load average during the live runs (engines sharing a host
+with other work run slower than any profile measured at another moment); the policy ranking on each side with Kendall's tau (scipy); one plot per
 policy with both latency CDFs.
 
 Where the two differ, requests are paired (same seed, session and turn: the same request on both
@@ -93,7 +94,7 @@ def attribution(real: Any, sim: Any, block_size: int) -> dict[str, float]:
     tpot_r = (both["finish_r"] - both["first_token_r"])[multi] / (both["output_tokens_r"][multi] - 1)
     tpot_s = (both["finish_s"] - both["first_token_s"])[multi] / (both["output_tokens_s"][multi] - 1)
     okd = (tpot_r > 0) & (tpot_s > 0)
-    return {"paired": int(len(both)), "hit_mismatch_share": float(hit_diff.mean()),
+    return {"paired": len(both), "hit_mismatch_share": float(hit_diff.mean()),
             "same_hit_ttft_ratio": float(np.median(ttft_s[ok] / ttft_r[ok])) if ok.any() else math.nan,
             "tpot_ratio": float(np.median(tpot_s[okd] / tpot_r[okd])) if okd.any() else math.nan}
 
@@ -147,7 +148,9 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
             att = {k: _nanmean([a.get(k, math.nan) for a in att_runs])
                    for k in ("hit_mismatch_share", "same_hit_ttft_ratio", "tpot_ratio")}
             att["paired"] = sum(a.get("paired", 0) for a in att_runs)
+        loads = [x for r in lr for x in r.get("host_load", [])]
         per_policy[pol] = {"n_seeds": len(lr), "real": real, "sim": sim, "rel_error": rel, "apc_diff": apc_diff,
+                           "host_load_real": float(np.mean(loads)) if loads else math.nan,
                            "load_real": _load_share(lr), "load_sim": _load_share(sr),
                            "rejected_failed_real": [sum(r["n_rejected"] for r in lr), sum(r["n_failed"] for r in lr)],
                            "rejected_failed_sim": [sum(r["n_rejected"] for r in sr), sum(r["n_failed"] for r in sr)],
@@ -162,17 +165,20 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
 
 def format_rate(doc: Mapping[str, Any]) -> str:
     """Markdown tables of one rate's comparison."""
-    lines = ["| policy | n | lat mean real / sim (err) | lat p50 | lat p90 | lat p99 | TTFT p50 | TTFT p90 | "
-             "TPOT p50 ms | APC % real / sim | load real / sim |", "|" + "---|" * 11]
+    lines = [("| policy | n | lat mean real / sim (err) | lat p50 | lat p90 | lat p99 | TTFT p50 | TTFT p90 | "
+              "TPOT p50 ms | APC % real / sim | load real / sim | host load |"), "|" + "---|" * 12]
+
+    def cell(v: Mapping[str, Any], m: str, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+        return (f"{fmt.format(v['real'][m] * scale)} / {fmt.format(v['sim'][m] * scale)} "
+                f"({v['rel_error'][m] * 100:+.0f}%)")
+
     for pol, v in doc["policies"].items():
-        def cell(m: str, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
-            return (f"{fmt.format(v['real'][m] * scale)} / {fmt.format(v['sim'][m] * scale)} "
-                    f"({v['rel_error'][m] * 100:+.0f}%)")
         load = " / ".join(",".join(f"{x * 100:.0f}" for x in d.values()) for d in (v["load_real"], v["load_sim"]))
-        lines.append(f"| {pol} | {v['n_seeds']} | {cell('latency_mean')} | {cell('latency_p50')} | {cell('latency_p90')} "
-                     f"| {cell('latency_p99')} | {cell('ttft_p50')} | {cell('ttft_p90')} | "
-                     f"{cell('tpot_p50', 1000.0, '{:.1f}')} | {v['real']['apc_realized'] * 100:.1f} / "
-                     f"{v['sim']['apc_realized'] * 100:.1f} ({v['apc_diff'] * 100:+.1f} pp) | {load} |")
+        lines.append(f"| {pol} | {v['n_seeds']} | {cell(v, 'latency_mean')} | {cell(v, 'latency_p50')} | "
+                     f"{cell(v, 'latency_p90')} | {cell(v, 'latency_p99')} | {cell(v, 'ttft_p50')} | {cell(v, 'ttft_p90')} | "
+                     f"{cell(v, 'tpot_p50', 1000.0, '{:.1f}')} | {v['real']['apc_realized'] * 100:.1f} / "
+                     f"{v['sim']['apc_realized'] * 100:.1f} ({v['apc_diff'] * 100:+.1f} pp) | {load} | "
+                     f"{v['host_load_real']:.1f} |")
     lines.append("")
     for key, r in doc["rankings"].items():
         lines.append(f"- ranking by {key}: real {' < '.join(r['real'])}; sim {' < '.join(r['sim'])}; "
@@ -234,13 +240,13 @@ def main(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out) if args.out else live / "sim-vs-real"
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"live": str(live), "profile": args.profile, "rates": {}}
-    md = [f"# Simulated vs real: {live}", "", f"profile `{args.profile}`; engines {engines['count']} x "
-          f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}", ""]
+    md = [f"# Simulated vs real: {live}", "", (f"profile `{args.profile}`; engines {engines['count']} x "
+          f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}"), ""]
     for rate in exp["rates"]:
         folder = live / rate_label(rate)
         if not (folder / "runs").exists():
             continue
-        live_runs = load_runs(folder, policies)
+        live_runs = load_runs(folder, policies, exp.get("seeds"))
         sim_runs, atts, cdf = [], {}, {}
         for lr in live_runs:
             pol, seed = lr["policy"], int(lr["seed"])
