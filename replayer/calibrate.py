@@ -15,7 +15,8 @@ nothing here assumes either), and writes a profile in the ``profiles.json`` form
   from ``vllm:request_decode_time_seconds``;
 
 then fits the profile (:mod:`engines.emulated.profile_fit`) and reports the error on probes held back
-from the fit. Several ``--engine`` URLs are measured in turn and fitted as one (identical instances).
+from the fit. Several ``--engine`` URLs are measured together (each probe on all of them at once, as
+they run under load) and fitted as one (identical instances).
 """
 
 from __future__ import annotations
@@ -184,23 +185,30 @@ async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Se
         top_ctx = min(info["max_model_len"] - decode_tokens - 8, pool // max(batches) - info["block_size"] - decode_tokens)
         contexts = sorted({info["block_size"] * 2, max(info["block_size"] * 2, top_ctx // 2)})
         dgrid = [(b, c) for b in batches for c in contexts]
-        total = len(urls) * repeats * (len(grid) + len(dgrid))
+        total = repeats * (len(grid) + len(dgrid))
         done = 0
-        for url in urls:
-            p = Prober(http, url, info["model"], rng, timeout)
+        probers = [Prober(http, url, info["model"], rng, timeout) for url in urls]
+        for p in probers:
             await p.complete(p.ids(info["block_size"]), 2)  # warm-up: first-request costs are not steps
-            for _ in range(repeats):
-                for new, ctx in grid:
-                    prefill.append(await p.prefill(new, ctx))
-                    done += 1
-                    say(f"[{done}/{total}] {url} prefill {new} after {ctx}: TTFT {prefill[-1].ttft_s * 1e3:.1f} ms, "
-                        f"engine prefill {prefill[-1].prefill_s * 1e3:.1f} ms")
-                for b, c in dgrid:
-                    decode.append(await p.decode(b, c, decode_tokens))
-                    done += 1
-                    say(f"[{done}/{total}] {url} decode batch {b} context {c}: step {decode[-1].step_s * 1e3:.2f} ms")
+        # Every probe runs on all engines at once: engines that share a host (CPU cores, memory bandwidth,
+        # a PCIe switch) slow each other down when they all work, as they do under an experiment's load.
+        for _ in range(repeats):
+            for new, ctx in grid:
+                got = await asyncio.gather(*(p.prefill(new, ctx) for p in probers))
+                prefill.extend(got)
+                done += 1
+                say(f"[{done}/{total}] prefill {new} after {ctx}: TTFT " + ", ".join(
+                    f"{g.ttft_s * 1e3:.1f}" for g in got) + " ms, engine prefill " + ", ".join(
+                    f"{g.prefill_s * 1e3:.1f}" for g in got) + " ms")
+            for b, c in dgrid:
+                got = await asyncio.gather(*(p.decode(b, c, decode_tokens) for p in probers))
+                decode.extend(got)
+                done += 1
+                say(f"[{done}/{total}] decode batch {b} context {c}: step " + ", ".join(
+                    f"{g.step_s * 1e3:.2f}" for g in got) + " ms")
+        for p in probers:
             if p.can_reset is False:
-                say(f"note: {url} does not serve /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1); "
+                say(f"note: {p.url} does not serve /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1); "
                     "probes stayed cold through fresh random prompts")
     return info, prefill, decode
 
