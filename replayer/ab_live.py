@@ -108,7 +108,8 @@ def started_engines(args: argparse.Namespace, sched: str, out: pathlib.Path) -> 
     print(f"gpuhit experiment ab-live: starting {len(servers)} vLLM engines (logs in {out / 'engine-logs'})",
           file=sys.stderr, flush=True)
     with running(servers) as ready:
-        yield [s.url for s in ready], [" ".join(s.argv) for s in ready]
+        yield [s.url for s in ready], [" ".join([*(f"{k}={v}" for k, v in sorted(s.env.items()) if k.startswith("VLLM_")),
+                                                *s.argv]) for s in ready]
 
 
 @contextlib.asynccontextmanager
