@@ -13,7 +13,8 @@ Where the two differ, requests are paired (same seed, session and turn: the same
 sides) to say which part of the model the gap comes from:
 
 * **KV placement / eviction / event lag**: the share of requests whose prefix hit differs by a block
-  or more, and the APC difference;
+  or more, the APC difference, and the share of live requests whose hit the gateway predicted wrong
+  by a block or more (KV events arriving late, or evictions after the decision);
 * **step time and queueing**: the median sim/real TTFT ratio over requests with the same hit on both
   sides (same work; the residual is prefill step time, frontend/HTTP overhead and queueing);
 * **decode step time**: the median sim/real TPOT ratio.
@@ -94,7 +95,10 @@ def attribution(real: Any, sim: Any, block_size: int) -> dict[str, float]:
     tpot_r = (both["finish_r"] - both["first_token_r"])[multi] / (both["output_tokens_r"][multi] - 1)
     tpot_s = (both["finish_s"] - both["first_token_s"])[multi] / (both["output_tokens_s"][multi] - 1)
     okd = (tpot_r > 0) & (tpot_s > 0)
+    # The live gateway's own prediction against what the engine served: event lag and index error.
+    mispredicted = (r["predicted_hit_tokens"] - r["realized_hit_tokens"]).abs() >= block_size
     return {"paired": len(both), "hit_mismatch_share": float(hit_diff.mean()),
+            "live_mispredicted_share": float(mispredicted.mean()),
             "same_hit_ttft_ratio": float(np.median(ttft_s[ok] / ttft_r[ok])) if ok.any() else math.nan,
             "tpot_ratio": float(np.median(tpot_s[okd] / tpot_r[okd])) if okd.any() else math.nan}
 
@@ -111,7 +115,8 @@ def explain(apc_diff: float, att: Mapping[str, float]) -> str:
     if not known:
         return "no paired requests"
     main = max(known, key=known.__getitem__)
-    return (f"{main} (hit mismatch {att.get('hit_mismatch_share', math.nan) * 100:.0f}% of requests, APC "
+    return (f"{main} (hit mismatch {att.get('hit_mismatch_share', math.nan) * 100:.0f}% of requests, live gateway's "
+            f"hit prediction off by a block or more on {att.get('live_mispredicted_share', math.nan) * 100:.0f}%, APC "
             f"{apc_diff * 100:+.1f} pp; same-hit TTFT sim/real {att.get('same_hit_ttft_ratio', math.nan):.2f}; "
             f"TPOT sim/real {att.get('tpot_ratio', math.nan):.2f})")
 
@@ -146,7 +151,7 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
         att: dict[str, float] = {}
         if att_runs and sum(a.get("paired", 0) for a in att_runs):
             att = {k: _nanmean([a.get(k, math.nan) for a in att_runs])
-                   for k in ("hit_mismatch_share", "same_hit_ttft_ratio", "tpot_ratio")}
+                   for k in ("hit_mismatch_share", "live_mispredicted_share", "same_hit_ttft_ratio", "tpot_ratio")}
             att["paired"] = sum(a.get("paired", 0) for a in att_runs)
         loads = [x for r in lr for x in r.get("host_load", [])]
         per_policy[pol] = {"n_seeds": len(lr), "real": real, "sim": sim, "rel_error": rel, "apc_diff": apc_diff,

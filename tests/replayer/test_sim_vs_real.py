@@ -10,20 +10,23 @@ from replayer.records import RequestRecord, records_to_frame
 from replayer.sim_vs_real import METRICS, attribution, compare_rate, kendall
 
 
-def recs(hits, ttft, tpot, out=5):
+def recs(hits, ttft, tpot, out=5, predicted=None):
+    predicted = predicted or hits
     return records_to_frame([RequestRecord(session="s", turn=i, arrival=0.0, first_token=t, finish=t + p * (out - 1),
-                                           output_tokens=out, input_tokens=100, realized_hit_tokens=h)
-                             for i, (h, t, p) in enumerate(zip(hits, ttft, tpot))])
+                                           output_tokens=out, input_tokens=100, realized_hit_tokens=h,
+                                           predicted_hit_tokens=q)
+                             for i, (h, t, p, q) in enumerate(zip(hits, ttft, tpot, predicted))])
 
 
 def test_attribution_pairs_requests_and_separates_hits_from_time():
-    real = recs([0, 64, 96], [0.2, 0.1, 0.1], [0.01, 0.01, 0.01])
+    real = recs([0, 64, 96], [0.2, 0.1, 0.1], [0.01, 0.01, 0.01], predicted=[0, 96, 96])
     sim = recs([0, 64, 0], [0.1, 0.05, 0.3], [0.02, 0.02, 0.02])
     a = attribution(real, sim, block_size=32)
     assert a["paired"] == 3
     assert a["hit_mismatch_share"] == pytest.approx(1 / 3)
     assert a["same_hit_ttft_ratio"] == pytest.approx(0.5)  # the two same-hit requests, both halved
     assert a["tpot_ratio"] == pytest.approx(2.0)
+    assert a["live_mispredicted_share"] == pytest.approx(1 / 3)  # the gateway expected 96, vLLM served 64
 
 
 def test_kendall_tau_of_rankings():
