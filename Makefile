@@ -76,8 +76,11 @@ compile: $(NATIVE_STAMP)
 uncompile:
 	$(BIN)/python -m gpuhit.native clean
 
+# ruff, then the import layers and cycles ([tool.importlinter] in pyproject.toml; `make test` checks
+# them too, in tests/test_layers.py).
 lint: $(STAMP)
 	$(BIN)/ruff check gpuhit gateway replayer policies engines analysis tests
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) results .pytest_cache

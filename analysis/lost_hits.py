@@ -173,8 +173,7 @@ def instance_summary(tl: Mapping[str, Mapping[str, list[float]]], capacity_token
 
 def capacity_tokens(profile: str | None, block_size: int) -> float:
     """KV capacity of one emulated instance in tokens (the profile's pool, less vLLM's null block)."""
-    from engines.emulated.profile import load_profile
-    from replayer.simulate import DEFAULT_PROFILE
+    from engines.emulated.profile import DEFAULT_PROFILE, load_profile
 
     prof = load_profile(profile or DEFAULT_PROFILE)
     return float((prof.num_gpu_blocks(block_size) - 1) * block_size)

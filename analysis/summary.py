@@ -1,4 +1,5 @@
-"""Per-run summary: the numbers the thesis is judged by (DESIGN.md section 1, "Metric").
+"""Per-run summary: the numbers the GPU-hit-first thesis is judged by (README
+"Results so far"; the metric of the *GPU-Hit-First* note).
 
 Definitions (all over the run's records DataFrame, see :mod:`replayer.records`):
 

@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="reject longer prompts with 400 (0 = off)")
     p.add_argument("--timeout", type=float, default=None,
                    help="whole-request cap in seconds, long generations included (0 = none, the default)")
-    # -- issue 16 item 1: wedged engines (one block)
+    # -- wedged engines: timeouts and the per-engine breaker (gateway/breaker.py)
     p.add_argument("--ttfb-timeout", type=float, default=None,
                    help="seconds from sending a request to the engine's first answer byte (60; 0 = none); a "
                         "non-streamed answer gets this plus --idle-timeout per requested token")
@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds an ejected engine waits for its re-admission probe (2; doubles per failed "
                         "probe up to --breaker-max-cooldown, 60)")
     p.add_argument("--breaker-max-cooldown", type=float, default=None)
-    # -- issue 16: access, limits, vocabulary (one block)
+    # -- access, HTTP limits, vocabulary
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (visible in `ps`: prefer --api-key-file or "
                         f"${API_KEY_ENV})")
@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keepalive-timeout", type=float, default=None, help="idle keep-alive seconds (60)")
     p.add_argument("--otel", action="store_true", default=None,
                    help="export OpenTelemetry spans over OTLP/HTTP (OTEL_EXPORTER_OTLP_* variables)")
-    # -- issue 17: replicas
+    # -- gateway replicas sharing decisions (gateway/share_redis.py)
     p.add_argument("--share", default=None, metavar="redis://HOST:PORT",
                    help="share pending prefill, in-flight counts and session bindings with the other gpuhit serve "
                         "replicas through this Redis server (pub/sub; needs gpuhit[share]); default: none")

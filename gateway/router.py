@@ -2,7 +2,7 @@
 
 ``Router.decide`` is synchronous (no await, no I/O): it copies the gateway's own counters, the
 engines' last reported stats, this request's prefix hits from the KV index and the session binding
-into a frozen :class:`~gateway.snapshot.Snapshot`, asks the policy, and validates the answer.
+into a frozen :class:`~policies.snapshot.Snapshot`, asks the policy, and validates the answer.
 
 Two ways to carry a decision out:
 
@@ -42,7 +42,8 @@ from gateway.bindings import SessionBindings
 from gateway.kv_index import KVIndex
 from gateway.residency import SessionResidency
 from gateway.route_records import RouteRecord, RouteRequest  # re-exported: where callers import them
-from gateway.snapshot import (
+from gpuhit.errors import ConfigError, NoInstanceError
+from policies.snapshot import (
     ACTIONS,
     FETCH,
     FORWARD,
@@ -53,7 +54,6 @@ from gateway.snapshot import (
     RequestView,
     Snapshot,
 )
-from gpuhit.errors import ConfigError, NoInstanceError
 
 ROLES = ("both", "prefill", "decode")
 DEFAULT_KV_BYTES_PER_TOKEN = 98304

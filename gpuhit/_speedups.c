@@ -1,7 +1,7 @@
 /* gpuhit._speedups: the gateway's hot parsers in C (optional; `make compile`, gpuhit/speedups.py).
  *
  * Why C: with a new prompt per request, a profile of the gateway spends most of its prompt-specific
- * time in two loops over numbers it mostly does not keep (analysis/results/router-speed-*.md):
+ * time in two loops over numbers it mostly does not keep (analysis/results/router-speed.md):
  *
  *   parse_uint_array  a completions body's token-id array, JSON text -> uint64 buffer, validated
  *                     as it is parsed, 64 bytes at a time where it holds only digits and commas

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from gateway.snapshot import FORWARD, Decision, Snapshot
 from policies.common import healthy, parse_params, tie_key
 from policies.registry import register
+from policies.snapshot import FORWARD, Decision, Snapshot
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from gateway.snapshot import FORWARD, Decision, Snapshot
 from policies.common import Param, fmt, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
+from policies.snapshot import FORWARD, Decision, Snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +26,8 @@ class LMetric:
     chosen indicators -- one for KV$-aware (new prefill tokens if routed to an instance) and one for
     load balancing-aware (current batch size of the instance) -- as the scheduling score". Only the
     abstract (and third-party summaries of it) could be found, not the paper's body, so the section
-    defining the score and its zero case could not be quoted; the factors follow the project's design
-    notes (DESIGN.md "Routing": ``P x num_requests``, ``P = pending_prefill + (input - cache_hit)``):
+    defining the score and its zero case could not be quoted; the factors follow the *GPU-Hit-First*
+    note's reading of it (README "References": ``P x num_requests``, ``P = pending_prefill + (input - cache_hit)``):
 
     - ``P`` = the instance's pending prefill tokens + this request's ``input - GPU hit`` tokens
       (>= 1: vLLM always recomputes the last prompt token);

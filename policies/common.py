@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.snapshot import InstanceState, Snapshot
 from gpuhit.errors import ConfigError, NoInstanceError
+from policies.snapshot import InstanceState, Snapshot
 
 
 @dataclass(frozen=True, slots=True)

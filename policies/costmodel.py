@@ -2,7 +2,7 @@
 
 Two layers, both closed-form so a policy can evaluate them per request in microseconds:
 
-1. **Seed 000's cross-instance attention primitives** (the "route the query, not the cache" paper),
+1. **The cross-instance attention primitives of *Move the Query, Not the Cache*** (README "References"),
    for one remote chunk of ``ct`` tokens attended by ``Mq`` query rows::
 
        T_route = T_probe(F) + Mq * (q + p) / BW(F) + T_compute + T_merge
@@ -19,13 +19,14 @@ Two layers, both closed-form so a policy can evaluate them per request in micros
    (b) fetches that prefix's KV to a lighter instance first, or (c) recomputes it there. Built from
 
    * the prefill profile ``T_prefill(n new tokens after c cached) = a*n + b*((c+n)^2 - c^2)``
-     (DESIGN.md: a = 50e-6 s, b = 2.94e-9 s fit the seeds' miss column within 1%; the quadratic
+     (a = 50e-6 s, b = 2.94e-9 s fit the miss column of the *GPU-Hit-First* note's hit-tier table
+     within 1%; the quadratic
      term is attention of the new tokens over the whole context),
    * a queue estimate ``pending_prefill_tokens * per_token_s`` (work already routed to the instance
      and not yet prefilled, as the gateway counts it),
    * a KV transfer ``T_probe + tokens * kv_bytes_per_token / BW`` over a fabric (default KV size
-     98304 B/token = 96 KiB, Qwen3-Coder-30B-A3B; default fabric the NIC at 9.7 GB/s that the seeds
-     measured for PD transfers).
+     98304 B/token = 96 KiB, Qwen3-Coder-30B-A3B; default fabric the NIC at 9.7 GB/s that the
+     *GPU-Hit-First* note measured for PD transfers).
 
 All times are seconds, all sizes bytes, bandwidths GB/s (1e9 bytes/s). Everything here is a frozen
 dataclass or a pure function so engines/attention and the policies share one copy.
@@ -39,29 +40,30 @@ from dataclasses import dataclass
 from gpuhit.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------------
-# Constants from the seeds
+# Constants from the papers (README "References")
 # --------------------------------------------------------------------------------------------------
 
-#: MLA routed query row and returned partial row, bytes (seed 000: q + p = 2184 B).
+#: MLA routed query row and returned partial row, bytes (*Move the Query, Not the Cache*: q + p = 2184 B).
 MLA_Q_BYTES = 1152
 MLA_P_BYTES = 1032
-#: DeepSeek-V2-Lite shape used by seed 000's measurements.
+#: DeepSeek-V2-Lite shape used by the measurements of *Move the Query, Not the Cache*.
 DSV2_LITE_LAYERS = 27
 MLA_D_QK = 576
 MLA_D_V = 512
 #: Per-token all-layer MLA latent cache size in bf16: 27 layers x 576 dims x 2 bytes = 31104 B
-#: (a 2048-token chunk is the seed's "64 MB all-27-layer chunk").
+#: (a 2048-token chunk is that paper's "64 MB all-27-layer chunk").
 MLA_KV_BYTES_PER_TOKEN = DSV2_LITE_LAYERS * MLA_D_QK * 2
 #: Fetch's position-adaptation splice, flat in chunk size (measured 2.77-3.06 ms for 55..4096 tokens).
 FETCH_SPLICE_S = 3.0e-3
-#: Re-prefill cost per token x layer band of seed 000 (``local``), seconds.
+#: Re-prefill cost per token x layer band of *Move the Query, Not the Cache* (``local``), seconds.
 LOCAL_C_LOW_S = 0.5e-6
 LOCAL_C_HIGH_S = 1.5e-6
 LOCAL_C_MID_S = 1.0e-6
 
-#: KV bytes per token of the seeds' serving model (48 layers x 4 KV heads x 128 dims x 2 (K,V) x 2 B).
+#: KV bytes per token of the *GPU-Hit-First* note's serving model (48 layers x 4 KV heads x 128 dims x 2 (K,V) x 2 B).
 DEFAULT_KV_BYTES_PER_TOKEN = 98304
-#: Prefill profile fit from DESIGN.md (full prefill of L tokens ~ 50 us x L + 2.94e-9 s x L^2).
+#: Prefill profile fit to the *GPU-Hit-First* note's miss column (full prefill of L tokens
+#: ~ 50 us x L + 2.94e-9 s x L^2).
 DEFAULT_PREFILL_A = 50e-6
 DEFAULT_PREFILL_B = 2.94e-9
 
@@ -71,7 +73,7 @@ class Fabric:
     """A link between two instances: fixed per-transfer latency and effective bandwidth."""
 
     name: str
-    probe_us: float  # one-way put+signal latency (seed 000's T_probe), microseconds
+    probe_us: float  # one-way put+signal latency (the paper's T_probe), microseconds
     bw_gbps: float  # effective bandwidth, GB/s (1e9 B/s)
 
     def __post_init__(self) -> None:
@@ -89,8 +91,8 @@ class Fabric:
         return self.probe_s + nbytes / (self.bw_gbps * 1e9)
 
 
-#: Seed 000's measured fabric constants (T_probe us, single-block effective BW GB/s), plus the NIC
-#: the seeds measured for PD KV transfers (~9.7 GB/s; its probe is not reported, 16 us - the IBGDA
+#: The fabric constants *Move the Query, Not the Cache* measured (T_probe us, single-block effective
+#: BW GB/s), plus the NIC the *GPU-Hit-First* note measured for PD KV transfers (~9.7 GB/s; its probe is not reported, 16 us - the IBGDA
 #: value - is assumed).
 FABRICS: Mapping[str, Fabric] = {
     "h100_ibgda": Fabric("h100_ibgda", 16.0, 25.0),
@@ -118,7 +120,7 @@ def get_fabric(name: str, *, bw_gbps: float | None = None, probe_us: float | Non
 
 
 # --------------------------------------------------------------------------------------------------
-# Seed 000: route / fetch / local for one chunk
+# Route / fetch / local for one chunk (*Move the Query, Not the Cache*)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -133,9 +135,9 @@ def t_route(
 ) -> float:
     """``T_probe + Mq (q + p) / BW + T_compute + T_merge``.
 
-    ``t_compute_s`` / ``t_merge_s`` default to 0, i.e. the transport round trip the seed fits
+    ``t_compute_s`` / ``t_merge_s`` default to 0, i.e. the transport round trip the paper fits
     (116 us measured at Mq = 1024 on IBGDA; the model gives 105 us, the gap being a ~9 us kernel
-    turnaround). The seed bounds them at 15-37 us and <= 25 us at decode; pass measured values.
+    turnaround). The paper bounds them at 15-37 us and <= 25 us at decode; pass measured values.
     """
     if mq < 0:
         raise ConfigError("mq must be >= 0")
@@ -186,7 +188,7 @@ def choose_primitive(
     t_compute_s: float = 0.0,
     t_merge_s: float = 0.0,
 ) -> PrimitiveChoice:
-    """Seed 000's closed-form route/fetch/local predicate: the cheapest primitive for one chunk.
+    """The closed-form route/fetch/local predicate of *Move the Query, Not the Cache*: the cheapest primitive for one chunk.
 
     Ties go to the primitive listed first in (route, fetch, local): the one moving fewer bytes.
     """
@@ -277,7 +279,7 @@ class ServingCostModel:
     producer request (FCFS behind its pending prefills), so 1.0 is the honest default there; 0.0
     models a one-sided pull from registered memory or a KV store that bypasses the holder's
     scheduler. ``splice_s`` is a fixed cost per fetch (0 for a same-position prefix pull on GQA
-    models; ~3 ms for MLA re-rotation, seed 000).
+    models; ~3 ms for MLA re-rotation, per *Move the Query, Not the Cache*).
     """
 
     profile: PrefillProfile = PrefillProfile()

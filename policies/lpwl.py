@@ -13,16 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.base import max_cached_tokens
-from gateway.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
+from policies.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
 
 # vLLM priority of a migration's KV export under --scheduling-policy priority: smaller runs first, and
 # every other request keeps vLLM's default 0, so the export goes ahead of the host's whole backlog.
 EXPORT_PRIORITY = -1
 
 # Prefill-token equivalents per prompt token of moving a session's KV: 96 KiB/token (Qwen3-Coder-30B-A3B)
-# over the seeds' ~9.7 GB/s NIC is ~10.1 us, against ~50 us of prefill per token (DESIGN.md section 1).
+# over the ~9.7 GB/s NIC is ~10.1 us, against ~50 us of prefill per token (both from the *GPU-Hit-First*
+# note, README "References").
 SEED_EXPORT_TOKENS_PER_TOKEN = 98304 / 9.7e9 / 50e-6
 
 
@@ -197,7 +198,7 @@ def _lpwl_migrate(name: str, params: Mapping[str, Any]) -> LPWLMigrate:
 @register("lpwl_migrate_prio")
 def _lpwl_migrate_prio(name: str, params: Mapping[str, Any]) -> LPWLMigrate:
     """lpwl_migrate whose export runs at vLLM priority ahead of the host's backlog and whose trigger
-    charges the export's cost (the seeds' NIC and prefill rates); other params as lpwl_migrate's."""
+    charges the export's cost (the *GPU-Hit-First* note's NIC and prefill rates); other params as lpwl_migrate's."""
     p = parse_params("lpwl_migrate_prio", params, _TRIGGER_PARAMS)
     return LPWLMigrate(name=name, type="lpwl_migrate_prio", export_priority=True,
                        export_tokens_per_token=SEED_EXPORT_TOKENS_PER_TOKEN, **p)

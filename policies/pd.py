@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from gateway.snapshot import PD, Decision, Snapshot
 from gpuhit.errors import ConfigError, NoInstanceError
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
+from policies.snapshot import PD, Decision, Snapshot
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,8 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from gateway.snapshot import Decision, Snapshot
 from gpuhit.errors import ConfigError
+from policies.snapshot import Decision, Snapshot
 
 
 class Policy(Protocol):

@@ -1,6 +1,6 @@
 """GPU-hit-first routing that prices HBM residency: ``lpwl_resident`` (and its priority form).
 
-Why LPWL loses (``analysis/lost_hits.py``, ``analysis/results/gpuhit-first-*.md``): LPWL ranks on
+Why LPWL loses (``analysis/lost_hits.py``; the case study in README "Results so far"): LPWL ranks on
 queued prefill alone, so a warm session sticks to its holder whatever else lives there. Two
 long-context sessions bound to one instance whose contexts together exceed its KV pool evict each
 other's prefix on every turn (during the other's think time, or while queued behind it): LPWL still
@@ -40,9 +40,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.snapshot import FORWARD, Decision, InstanceState, Snapshot
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
+from policies.snapshot import FORWARD, Decision, InstanceState, Snapshot
 
 PRIORITIES = ("none", "session_start")
 

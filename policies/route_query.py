@@ -14,7 +14,7 @@ go to the option that moves nothing (stay/recompute before fetch), then
 so equally fast idle instances share cold sessions instead of the lowest index taking them all. Scores:
 each instance's best predicted seconds.
 
-Params (defaults): ``fabric`` ("nic": 9.7 GB/s, the seeds' PD KV transfer rate; or any of
+Params (defaults): ``fabric`` ("nic": 9.7 GB/s, the PD KV transfer rate of the *GPU-Hit-First* note; or any of
 :data:`~policies.costmodel.FABRICS`), ``nic_gbps`` (overrides the fabric's bandwidth),
 ``kv_bytes_per_token`` (98304), ``prefill_a`` (50e-6 s), ``prefill_b`` (2.94e-9 s),
 ``queue_us_per_token`` (the profile's ``a`` x 1e6 = 50), ``producer_wait`` (1.0: with vLLM's
@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from gateway.snapshot import FETCH, FORWARD, Decision, Snapshot
 from policies.common import Param, healthy, parse_params, tie_key
 from policies.costmodel import FABRICS, OptionCost, PrefillProfile, ServingCostModel, get_fabric
 from policies.registry import register
+from policies.snapshot import FETCH, FORWARD, Decision, Snapshot
 
 _RANK = {"stay": 0, "recompute": 0, "fetch": 1}
 

@@ -56,12 +56,18 @@ from typing import Any
 
 from gpuhit.errors import ConfigError
 from replayer import replay_report
+from replayer.replay_options import (
+    COMPARE_SEEDS,
+    DEFAULT_MAX_THINK,
+    DEFAULT_SESSION_RATE,
+    arrival_options,
+    load_replay_trace,
+    parse_seeds,
+)
 from replayer.replicas import LB_MODES, SHARE_MODES, ReplicaConfig
 from replayer.runs import clear_synths, jsonable, policy_type, run_name, start_folder
 
 DEFAULT_INSTANCES = 8
-DEFAULT_SESSION_RATE = 1.0 / 60.0  # sessions per second (one new conversation a minute on average)
-DEFAULT_MAX_THINK = 60.0  # seconds
 DEFAULT_PD = "pd_disagg"
 
 
@@ -136,7 +142,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "default busy:URL for every engine the gateway's /debug/state lists")
     p.add_argument("--util-interval", type=float, default=1.0, metavar="S",
                    help="live mode: seconds between GPU utilization samples (default 1)")
-    # -- issue 17: gateway replicas (replayer/replicas.py)
+    # -- simulated gateway replicas (replayer/replicas.py)
     p.add_argument("--gateway-replicas", type=int, default=1, metavar="K",
                    help="simulate K gateway replicas, each with its own counters and bindings (default 1)")
     p.add_argument("--share", choices=SHARE_MODES, default="none",
@@ -161,29 +167,6 @@ class RunSpec:
     policy: Any  # str or {name, type, params}
     roles: tuple[str, ...] | None
     seed: int
-
-
-# Seeds a comparison of several policies runs by default: paired intervals need n >= 2, and with
-# fewer than 5 pairs a t interval is too wide to separate policies that differ by a few percent.
-COMPARE_SEEDS = 5
-
-
-def _parse_seeds(args: argparse.Namespace, n_configs: int = 1) -> list[int]:
-    if args.num_seeds is not None:
-        if args.num_seeds <= 0:
-            raise ConfigError("--num-seeds must be positive")
-        return list(range(args.num_seeds))
-    if args.seeds is None:
-        return list(range(COMPARE_SEEDS)) if n_configs > 1 else [0]
-    try:
-        seeds = [int(x) for x in str(args.seeds).split(",") if x.strip() != ""]
-    except ValueError:
-        raise ConfigError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
-    if not seeds:
-        raise ConfigError("--seeds is empty")
-    if len(set(seeds)) != len(seeds):
-        raise ConfigError(f"--seeds repeats a seed: {args.seeds}")
-    return seeds
 
 
 def _load_policy_file(path: pathlib.Path) -> list[Any]:
@@ -232,7 +215,7 @@ def plan_runs(args: argparse.Namespace) -> list[RunSpec]:
             raise ConfigError("--policies is empty")
     for c in configs:
         build(c)  # unknown names/params fail here, with the list of available policies
-    seeds = _parse_seeds(args, len(configs) + len(args.pd))
+    seeds = parse_seeds(args, len(configs) + len(args.pd))
     if len(configs) + len(args.pd) > 1 and len(seeds) < 2:
         print("gpuhit replay: warning: one seed per policy: no interval, nothing can be marked better or best "
               f"(the default for a comparison is --num-seeds {COMPARE_SEEDS})", file=sys.stderr)
@@ -263,36 +246,6 @@ def plan_runs(args: argparse.Namespace) -> list[RunSpec]:
     return [RunSpec(label, c, roles, s) for label, c, roles in unique for s in seeds]
 
 
-def _arrival_options(args: argparse.Namespace, trace: Any) -> dict[str, Any]:
-    from replayer.arrivals import roots
-
-    mode = args.arrival
-    if mode is None:
-        if args.sessions_concurrent is not None:
-            mode = "concurrent"
-        elif args.session_rate is not None:
-            mode = "poisson"
-        else:
-            starts = {s.arrival for s in roots(trace)}
-            mode = "trace" if len(starts) > 1 else "poisson"
-    rate = args.session_rate
-    if mode == "poisson" and rate is None:
-        rate = DEFAULT_SESSION_RATE
-    mt = str(args.max_think).strip().lower()
-    if mt in ("inf", "none", "off"):
-        max_think = None
-    else:
-        try:
-            max_think = float(mt)
-        except ValueError:
-            raise ConfigError(f"--max-think must be seconds or 'inf', got {args.max_think!r}") from None
-        if not max_think >= 0:
-            raise ConfigError("--max-think must be >= 0")
-    return {"arrival": mode, "session_rate": rate if mode == "poisson" else None,
-                "sessions_concurrent": args.sessions_concurrent if mode == "concurrent" else None,
-                "time_scale": args.time_scale, "think_time_scale": args.think_scale, "max_think_time": max_think}
-
-
 # ---------------------------------------------------------------------------------------- main
 
 def main(args: argparse.Namespace) -> int:
@@ -303,18 +256,6 @@ def main(args: argparse.Namespace) -> int:
 
         return live(args)
     return _simulated(args)
-
-
-def _load(args: argparse.Namespace) -> Any:
-    from replayer.loaders import bundled_path, load_trace
-
-    paths = args.trace or [bundled_path("weka")]
-    res = load_trace(paths, fmt=args.format)
-    if res.skipped:
-        print(f"gpuhit replay: skipped {res.skipped} bad records; first: {res.problems[:3]}", file=sys.stderr)
-    if not res.trace.sessions:
-        raise ConfigError("the trace holds no sessions to replay")
-    return res.trace
 
 
 # Options a resumed replay takes from its folder's plan.json (the rest: how to run, not what).
@@ -352,8 +293,8 @@ def _simulated(args: argparse.Namespace) -> int:
         from engines.emulated.profile import load_profile
 
         load_profile(args.profile)  # unknown profile: clear error before any work
-    trace = _load(args)
-    arrival = _arrival_options(args, trace)
+    trace = load_replay_trace(args)
+    arrival = arrival_options(args, trace)
     (out / "records").mkdir(parents=True, exist_ok=True)
     (out / "runs").mkdir(exist_ok=True)
     plan = _plan_doc(args, specs)

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from gpuhit.errors import ConfigError
-from replayer.cli_replay import _arrival_options, _load, _parse_seeds
+from replayer.replay_options import arrival_options, load_replay_trace, parse_seeds
 from replayer.replay_report import per_instance_lines
 
 
@@ -55,9 +55,9 @@ def live(args: argparse.Namespace) -> int:
     if not args.util_interval > 0:
         raise ConfigError("--util-interval must be positive")
     util_specs = dict(_name_spec(x) for x in args.gpu_util)
-    trace = _load(args)
-    arr = _arrival_options(args, trace)
-    seed = _parse_seeds(args)[0]
+    trace = load_replay_trace(args)
+    arr = arrival_options(args, trace)
+    seed = parse_seeds(args)[0]
     out = pathlib.Path(args.out) if args.out else pathlib.Path("results") / _dt.datetime.now(
         _dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     path = out / "records" / f"live-seed{seed}.csv"

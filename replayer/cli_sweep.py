@@ -25,7 +25,7 @@ Axes (each optional; an axis not given stays at ``gpuhit replay``'s default):
   uses its own fixed seed, so every policy and seed of a point replays the same sessions.
 - ``--policies`` (names or a JSON/TOML file of {name, type, params}) and ``--seeds K`` (0..K-1).
 
-Presets (``--preset``) are the seeds' sensitivity experiments (§4.5 of the design outline):
+Presets (``--preset``) are the sensitivity experiments of the *GPU-Hit-First* note (its §4.5):
 ``rate`` (arrival rate), ``kv`` (KV pool size), ``zipf`` (skew) over LPWL and its baselines, and
 ``migrate`` (``t_hot``/``t_cool`` of lpwl_migrate against plain lpwl), and ``replicas`` (1, 2, 4, 8
 gateway replicas, :mod:`replayer.replicas`; ``--share decisions`` for replicas that share their
@@ -56,7 +56,7 @@ GIB = 1 << 30
 BASELINES = "lpwl,lmetric,least_request"
 REPLICA_POLICIES = "lpwl,lmetric,lmetric_plus1,unified,least_request"
 ZIPF_DRAW_SEED = 0
-# The seeds' lpwl_migrate thresholds around its defaults (32768 tokens, 30 s): 4x lower and higher.
+# The *GPU-Hit-First* note's lpwl_migrate thresholds around its defaults (32768 tokens, 30 s): 4x lower and higher.
 MIGRATE_T_HOT = (8192, 32768, 131072)
 MIGRATE_T_COOL = (10.0, 30.0, 120.0)
 
@@ -290,6 +290,7 @@ def main(args: argparse.Namespace) -> int:
     from analysis.compare import compare, format_table, to_json
     from replayer import cli_replay
     from replayer.driver import count_requests
+    from replayer.replay_options import arrival_options, load_replay_trace
     from replayer.simulate import DEFAULT_PROFILE
 
     out, resuming = start_folder(args, "sweep")
@@ -307,7 +308,7 @@ def main(args: argparse.Namespace) -> int:
     policies = args.policies or BASELINES
     if policies == "@migrate":
         policies = str(out / "policies.json")
-    base = cli_replay._load(_replay_namespace(args, points[0], "lpwl"))
+    base = load_replay_trace(_replay_namespace(args, points[0], "lpwl"))
     traces: dict[str, Any] = {"": base}
     for pt in points:
         if pt.zipf is not None and pt.trace_key not in traces:
@@ -327,7 +328,7 @@ def main(args: argparse.Namespace) -> int:
         ns = _replay_namespace(args, pt, policies)
         specs = cli_replay.plan_runs(ns)
         trace = traces[pt.trace_key]
-        arrival = cli_replay._arrival_options(ns, trace)
+        arrival = arrival_options(ns, trace)
         profile = ns.profile or DEFAULT_PROFILE
         rcfg = cli_replay.replica_config(ns)
         ekw, note = _engine_kwargs(pt, profile, ns.block_size)

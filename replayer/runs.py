@@ -42,7 +42,7 @@ def run_name(label: str, seed: int) -> str:
 
 
 # Relative simulation cost of a run by policy type (wall seconds per run over a plain cache-aware
-# policy's, on full weka_cc at 0.008 sessions/s, one seed, 2026-11-23: PD 2.0, lpwl_migrate 1.5,
+# policy's, measured on full weka_cc at 0.008 sessions/s, one seed: PD 2.0, lpwl_migrate 1.5,
 # least_request 1.3, round_robin 1.15, route_query 1.1). It orders the runs, longest first; no
 # result depends on it. PD: two steps per request and jammed pools; migration: KV moved around;
 # load-only policies: lower hit rates, so more blocks to compute.

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import EngineClient
+from engines.emulated.profile import DEFAULT_PROFILE
 from gpuhit import vtime
 from gpuhit.errors import BadRequestError, ConfigError
 from replayer.arrivals import (
@@ -51,8 +52,6 @@ from replayer.driver import (
 )
 from replayer.records import RequestRecord, records_to_frame
 from replayer.trace import Trace
-
-DEFAULT_PROFILE = "qwen3-coder-30b-a3b@h20"
 
 EngineFactory = Callable[[str, int, Any], EngineClient]  # (name, index, transfer registry) -> engine
 

@@ -1,7 +1,7 @@
 """Route the query, not the cache: cross-instance partial attention and its exact merge.
 
 A query row's attention over a KV set split across several holders equals the online-softmax merge
-of per-holder partials ``(o, m, l)`` (seed 000, FlashAttention's tile algebra carried between
+of per-holder partials ``(o, m, l)`` (*Move the Query, Not the Cache*, FlashAttention's tile algebra carried between
 instances). This package holds the primitive (:mod:`.partial`, :mod:`.merge`), the model shapes
 (:mod:`.shapes`) and the transports that ship query rows to a holder and partials back
 (:mod:`.transports`). The route/fetch/local *decision* lives in :mod:`policies.costmodel`.

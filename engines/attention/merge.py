@@ -1,4 +1,4 @@
-"""Exact online-softmax merge of partials ``(o, m, l)`` (Milakov & Gimelshein 2018; seed 000).
+"""Exact online-softmax merge of partials ``(o, m, l)`` (Milakov & Gimelshein 2018; *Move the Query, Not the Cache*).
 
 For partials ``i`` over disjoint KV subsets of the same query rows, with ``M = max_i m_i`` and weights
 ``w_i = l_i * exp(m_i - M)``, the full attention output is ``sum_i w_i o_i / sum_i w_i`` (``o_i``

@@ -41,7 +41,7 @@ class AttentionShape:
         return self.n_q_heads // self.n_kv_heads
 
     def query_row_bytes(self, elem_bytes: int = 2) -> int:
-        """Bytes of one routed query row per head, as the seed counts it (q = d_qk x 2 B for MLA)."""
+        """Bytes of one routed query row per head, as *Move the Query, Not the Cache* counts it (q = d_qk x 2 B for MLA)."""
         return self.d_qk * elem_bytes
 
     def partial_row_bytes(self, elem_bytes: int = 2) -> int:
@@ -55,7 +55,7 @@ class AttentionShape:
         return self.n_kv_heads * (self.d_qk + self.d_v) * elem_bytes
 
 
-# DeepSeek-V2-Lite: 16 heads, kv_lora_rank 512 + qk_rope_head_dim 64, 27 layers (seed 000's instance).
+# DeepSeek-V2-Lite: 16 heads, kv_lora_rank 512 + qk_rope_head_dim 64, 27 layers (the instance *Move the Query, Not the Cache* measured).
 MLA_DSV2_LITE = AttentionShape("mla-dsv2-lite", 16, 1, 576, 512, latent=True, n_layers=27)
 # Frontier MLA (DeepSeek-V3/R1): 128 heads, same latent width, 61 layers.
 MLA_FRONTIER = AttentionShape("mla-128h", 128, 1, 576, 512, latent=True, n_layers=61)

@@ -7,12 +7,14 @@ Pieces:
   number of chunks).
 - A binary wire format (:func:`encode_request` / :func:`decode_request`, :func:`encode_partial` /
   :func:`decode_partial`): q rows in the wire dtype (bf16 by default: q = d_qk x 2 B per row and
-  head), the partial's o in the wire dtype and m, l in fp32 (p = d_v x 2 + 8 B), as seed 000 counts.
+  head), the partial's o in the wire dtype and m, l in fp32 (p = d_v x 2 + 8 B), as *Move the Query, Not the Cache*
+  counts.
 - Transports: :class:`InProcessTransport` (optionally through the byte codec, to test the bf16 wire),
   :class:`MooncakeQueryTransport` + :class:`MooncakeHolderService` (one-sided writes over Mooncake's
   transfer engine with a doorbell word, the put-with-signal pattern of NVSHMEM), and
   :class:`NvshmemQueryTransport` + :class:`NvshmemHolderService` (nvshmem4py put-with-signal into
-  symmetric per-peer slots; in :mod:`engines.attention.nvshmem_transport`, re-exported here).
+  symmetric per-peer slots; in :mod:`engines.attention.nvshmem_transport`, built on this module's
+  holder and wire format: import them from there).
 
 Mooncake's engine is one-sided (no RPC), so a routed request is: requester writes the request into
 the holder's inbox, then bumps the inbox doorbell (a second write, ordered after the first because
@@ -400,19 +402,3 @@ class MooncakeQueryTransport(PolledRoute):
         raw = self.transfer.read_local(self._reply.addr + _BELL.size, length)
         self.stats.bytes_received += _BELL.size + length
         return decode_partial(raw)
-
-
-# ------------------------------------------------------------------------------------------------
-# NVSHMEM: lives in engines.attention.nvshmem_transport (it imports this module, so the names are
-# re-exported lazily, PEP 562, rather than imported here, which would be circular)
-# ------------------------------------------------------------------------------------------------
-
-_NVSHMEM_NAMES = ("NvshmemHolderService", "NvshmemPE", "NvshmemQueryTransport")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NVSHMEM_NAMES:
-        from engines.attention import nvshmem_transport
-
-        return getattr(nvshmem_transport, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engines.base import EngineStats, GenerateRequest, GenerateResult
 from engines.emulated.block_pool import BlockPool
 from engines.emulated.decode_jump import DecodeJumpMixin
 from engines.emulated.kv_manager import KVCacheManager, cdiv
-from engines.emulated.kv_transfer import TransferRegistry
+from engines.emulated.kv_transfer import RemotePuller, TransferRegistry, is_http_addr
 from engines.emulated.metrics import EngineMetrics
 from engines.emulated.profile import Profile, check_enough_kv_cache, load_profile
 from engines.emulated.request import FINISHED, LOADING, WAITING, EmuRequest
@@ -29,9 +29,6 @@ from engines.emulated.tiers import CPUTier, RemoteStore
 from engines.hashing import BlockHasher, common_prefix_len
 from engines.kv_events import CPU, GPU, STORAGE, AllBlocksCleared, KVEventBatch
 from gpuhit.errors import BadRequestError, CapacityError, ConfigError
-
-if TYPE_CHECKING:
-    from engines.emulated.remote_transfer import RemoteTransferClient
 
 KVEventCallback = Callable[[KVEventBatch], None]
 
@@ -69,7 +66,7 @@ class EmulatedEngine(DecodeJumpMixin):
         model_name: str | None = None,
         bootstrap_addr: str | None = None,
         util_bin_s: float = 1.0,
-        remote_transfer: RemoteTransferClient | None = None,
+        remote_transfer: RemotePuller | None = None,
         scheduling_policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
@@ -199,8 +196,6 @@ class EmulatedEngine(DecodeJumpMixin):
         in-process registry and its bootstrap address is an HTTP URL)."""
         if self.remote_transfer is None or not params or not params.get("do_remote_prefill"):
             return False
-        from engines.emulated.remote_transfer import is_http_addr
-
         return (is_http_addr(params.get("remote_bootstrap_addr"))
                 and self.registry.peek(str(params.get("transfer_id"))) is None)
 

@@ -1,14 +1,14 @@
-"""The seeds' two calibration experiments, replayed on emulated engines in virtual time.
+"""The *GPU-Hit-First* note's two calibration experiments (README "References"), replayed on emulated engines in virtual time.
 
 * :func:`run_tiers` - TTFT of a request whose prefix of L tokens (8k/16k/32k/64k) is served by each
   KV tier: recompute (miss), remote store (Mooncake over the NIC), CPU DRAM (PCIe), GPU HBM.
 * :func:`run_knee` - 4 concurrent closed-loop multi-turn sessions while the GPU KV capacity is swept
   from well below to well above their working set: realized APC and TTFT p90 per capacity.
 
-Knee session shape (chosen so the per-session working set is the seed's 0.91 GB): 8 turns; turn 1
+Knee session shape (chosen so the per-session working set is the note's 0.91 GB): 8 turns; turn 1
 prompt 2,000 tokens; each later turn's prompt is the previous prompt + 300 output tokens + 694 new
 tokens (tool result), i.e. +994 tokens per turn; 300 output tokens per turn; 1.6 s think time (the
-seed's inter-turn gap p50). The largest context is 2,000 + 7 x 994 + 300 = 9,258 tokens x 96 KiB =
+note's inter-turn gap p50). The largest context is 2,000 + 7 x 994 + 300 = 9,258 tokens x 96 KiB =
 0.910 GB per session, 3.64 GB for 4 sessions. The prompt's full blocks are shared with the next
 turn; generated tokens' blocks are new content to the next turn (as in a synthesized replay), so
 the APC ceiling is 79.6%. Each of the 4 slots runs 3 sessions back to back (96 requests).
@@ -22,22 +22,21 @@ import math
 
 from engines.base import GenerateRequest
 from engines.emulated.engine import EmulatedEngine
-from engines.emulated.profile import Profile, load_profile
+from engines.emulated.profile import DEFAULT_PROFILE, Profile, load_profile
 from engines.emulated.tiers import RemoteStore
 from gpuhit import vtime
 
-DEFAULT_PROFILE = "qwen3-coder-30b-a3b@h20"
 TIERS = ("miss", "remote", "cpu", "gpu")
 TIER_LABELS = {"miss": "miss (recompute)", "remote": "remote RDMA store", "cpu": "CPU DRAM (PCIe)",
                "gpu": "GPU HBM"}
-# TTFT p50 (s) from the seeds (DESIGN.md section 1): L -> miss, remote, cpu, gpu
+# TTFT p50 (s) from the note's hit-tier table: L -> miss, remote, cpu, gpu
 SEED_TIERS: dict[int, tuple[float, float, float, float]] = {
     8000: (0.588, 0.151, 0.076, 0.053),
     16000: (1.547, 0.262, 0.105, 0.063),
     32000: (4.604, 0.680, 0.158, 0.080),
     64000: (15.23, 0.97, 0.27, 0.11),
 }
-# GPU KV GB -> (APC, TTFT p90 s) from the seeds
+# GPU KV GB -> (APC, TTFT p90 s) from the note's capacity knee
 SEED_KNEE: dict[float, tuple[float, float]] = {
     1.2: (0.074, 13.0), 2.4: (0.363, 4.62), 3.6: (0.803, 0.53), 9.7: (0.729, 0.65), 14.5: (0.729, 0.65),
 }
@@ -103,7 +102,7 @@ async def _tier_ttft(profile: Profile, L: int, tier: str) -> float:
 
 
 def run_tiers(profile: str | Profile = DEFAULT_PROFILE) -> dict:
-    """Every cell of the seeds' tier table, ours beside theirs (``diff`` = ours/seed - 1)."""
+    """Every cell of the note's tier table, ours beside theirs (``diff`` = ours/seed - 1)."""
     prof = load_profile(profile) if not isinstance(profile, Profile) else profile
 
     async def main() -> list[dict]:
@@ -199,7 +198,7 @@ async def _knee_point(profile: Profile, capacity_gb: float) -> dict:
 
 def run_knee(profile: str | Profile = DEFAULT_PROFILE,
              capacities_gb: tuple[float, ...] = KNEE_CAPACITIES_GB) -> dict:
-    """APC and TTFT p90 per GPU KV capacity, beside the seeds' rows where they have one."""
+    """APC and TTFT p90 per GPU KV capacity, beside the note's rows where it has one."""
     prof = load_profile(profile) if not isinstance(profile, Profile) else profile
 
     async def main() -> list[dict]:

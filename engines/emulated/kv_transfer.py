@@ -18,8 +18,9 @@ whose ``release`` sends that "done" back to the producer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 @dataclass(slots=True)
@@ -130,3 +131,20 @@ class TransferRegistry:
 
     def num_leased(self) -> int:
         return len(self._leased)
+
+
+def is_http_addr(addr: Any) -> bool:
+    """True for a bootstrap address reached over HTTP (the in-process path uses engine names)."""
+    return isinstance(addr, str) and addr.startswith(("http://", "https://"))
+
+
+class RemotePuller(Protocol):
+    """The consumer side of a cross-process transfer, as the engine uses it: pull an entry from the
+    producer named in the request's ``kv_transfer_params`` into the engine's registry, and close.
+    :class:`engines.emulated.remote_transfer.RemoteTransferClient` is the HTTP one; the engine
+    names only this protocol, so the core does not depend on the network service built on it."""
+
+    async def pull(self, params: Mapping[str, Any], block_size: int, registry: TransferRegistry,
+                   block_bytes: int | None = None) -> TransferEntry | None: ...
+
+    async def close(self) -> None: ...

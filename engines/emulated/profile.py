@@ -25,6 +25,9 @@ from typing import Any
 from gpuhit.errors import ConfigError
 
 PROFILES_PATH = pathlib.Path(__file__).with_name("profiles.json")
+# The profile every command uses unless told otherwise: the model and GPU that the *GPU-Hit-First*
+# note measured (README "References").
+DEFAULT_PROFILE = "qwen3-coder-30b-a3b@h20"
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,11 +71,6 @@ def bootstrap_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def is_http_addr(addr: Any) -> bool:
-    """True for a bootstrap address this module can dial (the in-process path uses engine names)."""
-    return isinstance(addr, str) and addr.startswith(("http://", "https://"))
-
-
 # ------------------------------------------------------------------------------------ producer
 
 

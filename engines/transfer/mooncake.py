@@ -1,6 +1,6 @@
 """KV transfer over Mooncake's transfer engine (``from mooncake.engine import TransferEngine``).
 
-Set-up as DESIGN.md section 4 found it working on CPU machines: the ``mooncake-transfer-engine``
+The set-up that works on CPU machines (``tests/engines/transfer`` runs it): the ``mooncake-transfer-engine``
 wheel (``-non-cuda`` without a GPU, which needs Debian's ``libibverbs1`` at import even for TCP),
 ``initialize(host, "P2PHANDSHAKE", protocol, device)``: no metadata server, peers are addressed as
 ``"host:rpc_port"`` and exchange segment descriptors on first contact. Memory a peer may touch is

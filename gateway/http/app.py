@@ -95,7 +95,6 @@ from gateway.http.transport import (
 from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router, RouteRequest
-from gateway.snapshot import FORWARD, Decision
 from gateway.tokenizer import NotExact, PromptTokenizer, discover
 from gpuhit import native, tracing
 from gpuhit.errors import (
@@ -107,6 +106,7 @@ from gpuhit.errors import (
     UnauthorizedError,
 )
 from policies import registry
+from policies.snapshot import FORWARD, Decision
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from gateway.http.prompt import client_body
 from gateway.http.transport import COMPLETIONS, Downstream, UpstreamClosedError, UpstreamConnectError
 from gateway.http.usage import usage_from_tail, usage_of_json
 from gateway.router import Ticket
-from gateway.snapshot import FORWARD
 from gpuhit.errors import EngineError, GpuhitError
+from policies.snapshot import FORWARD
 
 _TAIL = 4096  # bytes of the stream end kept to find the usage chunk without parsing every chunk
 

@@ -6,8 +6,8 @@ import pathlib
 import pytest
 
 from analysis.cli_compare import merge
-from gpuhit.cli import main
 from gpuhit.errors import ConfigError
+from replayer.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONV = [str(ROOT / "traces" / "weka_cc" / "trace_0008.json.gz"), str(ROOT / "traces" / "weka_cc" / "trace_0024.json.gz")]

@@ -96,7 +96,7 @@ async def spawn(args: Sequence[str], env: dict[str, str] | None = None, timeout:
 
 async def spawn_emulator(*extra: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:
     """``gpuhit emulate --port 0`` in a child process; returns it and its base URL."""
-    p = await spawn(["-m", "gpuhit.cli", "emulate", "--port", "0", "--model", "m", *extra], env=env)
+    p = await spawn(["-m", "replayer.cli", "emulate", "--port", "0", "--model", "m", *extra], env=env)
     url = p.first_line.split(" on ", 1)[1].split(" ", 1)[0]
     return p, url
 

@@ -1,4 +1,4 @@
-"""Issue 6 item 2 through the live path: migration and PD between emulated servers over real HTTP.
+"""Through the live path: migration and PD between emulated servers over real HTTP.
 
 The gateway carries out ``lpwl_migrate`` / ``pd_disagg`` decisions with vLLM's connector
 two-step (producer: ``max_tokens`` 1 + ``do_remote_decode``; consumer: ``do_remote_prefill`` +

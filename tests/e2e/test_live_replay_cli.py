@@ -24,7 +24,7 @@ CONV = str(ROOT / "traces" / "weka_cc" / "trace_0008.json.gz")
 
 async def _replay(url: str, out: pathlib.Path, n: int) -> tuple[int, str, dict]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gpuhit.cli", "replay", "--trace", CONV, "--gateway", url, "--max-requests", str(n),
+        sys.executable, "-m", "replayer.cli", "replay", "--trace", CONV, "--gateway", url, "--max-requests", str(n),
         "--time-scale", "0", "--util-interval", "0.05", "--out", str(out), "--json",
         env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     so, se = await asyncio.wait_for(proc.communicate(), 300)

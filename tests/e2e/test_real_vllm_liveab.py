@@ -16,8 +16,8 @@ import math
 import pytest
 
 from engines.emulated.profile import load_profile
-from gpuhit.cli import main
 from replayer.ab_live import experiment_trace
+from replayer.cli import main
 from replayer.sim_vs_real import METRICS, RANK_BY
 
 POLICIES = ["round_robin", "lpwl"]

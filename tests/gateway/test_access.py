@@ -126,7 +126,7 @@ def test_api_key_sources_and_the_ps_warning(tmp_path, capsys):
 
 
 async def _serve(*args: str) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gpuhit.cli", "serve", *args,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "replayer.cli", "serve", *args,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 60.0)
     return proc.returncode, out.decode()
@@ -164,7 +164,7 @@ def test_serve_freezes_its_start_up_objects_out_of_the_gc():
 
     async def main():
         async with servers([FakeEngine("a")]) as (srv,):
-            gw = await spawn(["-m", "gpuhit.cli", "serve", "--port", "0", "--engine",
+            gw = await spawn(["-m", "replayer.cli", "serve", "--port", "0", "--engine",
                               f"http://127.0.0.1:{srv.port}", "--model", "m"])
             try:
                 url = gw.first_line.split(" on ", 1)[1].split(" ", 1)[0]

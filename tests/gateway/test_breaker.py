@@ -106,7 +106,7 @@ def test_misuse_and_bad_settings_are_refused():
 
 def test_gateway_config_validates_the_new_settings_and_the_cli_sets_them():
     from gateway import config as gcfg
-    from gpuhit.cli import build_parser
+    from replayer.cli import build_parser
 
     base = gcfg.GatewayConfig(engines=(gcfg.EngineEntry("http://a:1", "e0"),))
     for kw in ({"breaker_threshold": 0}, {"ttfb_timeout": -1.0}, {"idle_timeout": -1.0},

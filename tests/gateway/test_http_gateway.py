@@ -154,7 +154,7 @@ def test_decision_headers_are_the_same_on_both_transports_and_safe():
     """The x-gpuhit-* headers, built as bytes for the fast transport, read the same through
     aiohttp's; a reason with a line break or non-ASCII text is made safe as before."""
     from gateway.http.prompt import header_value
-    from gateway.snapshot import FORWARD, Decision
+    from policies.snapshot import FORWARD, Decision
 
     async def main():
         seen = []

@@ -85,7 +85,7 @@ def test_a_compiled_gateway_serves_requests(tmp_path):
     assert len(list((copy / native.RUNTIME_DIR).glob(f"{native.GROUP}__mypyc.*.so"))) == 1
     assert len(list((copy / "gpuhit").glob("_speedups.*.so"))) == 1
     boot = (f"import runpy, sys; sys.path.insert(0, {str(copy)!r}); "
-            "runpy.run_module('gpuhit.cli', run_name='__main__', alter_sys=True)")
+            "runpy.run_module('replayer.cli', run_name='__main__', alter_sys=True)")
 
     async def main():
         async with servers([FakeEngine("a")]) as (srv,):

@@ -11,10 +11,10 @@ from engines.fake import FakeEngine, FakeTransferHub
 from engines.kv_events import BlockStored, KVEventBatch
 from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
 from gateway.router import Router, RouteRequest
-from gateway.snapshot import FETCH, FORWARD, MIGRATE, PD, Decision
 from gpuhit import vtime
 from gpuhit.errors import ConfigError, NoInstanceError
 from policies import registry
+from policies.snapshot import FETCH, FORWARD, MIGRATE, PD, Decision
 
 BS = 16
 

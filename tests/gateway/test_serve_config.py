@@ -9,8 +9,8 @@ import pytest
 
 from gateway import config as gcfg
 from gateway.cli import vllm_commands
-from gpuhit.cli import main
 from gpuhit.errors import ConfigError
+from replayer.cli import main
 
 TOML = """
 [gateway]

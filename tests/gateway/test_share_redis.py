@@ -129,7 +129,7 @@ def test_replica_b_sees_replica_a_in_flight_work_and_a_dead_server_is_reported()
                 async with gateway(urls, policy="lpwl", share=rurl):
                     pass
             cli = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gpuhit.cli", "serve", "--engine", urls[0], "--port", "0", "--share", rurl,
+                sys.executable, "-m", "replayer.cli", "serve", "--engine", urls[0], "--port", "0", "--share", rurl,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
             out, err = await asyncio.wait_for(cli.communicate(), 120)
             assert cli.returncode == 2, (out, err)

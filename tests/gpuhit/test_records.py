@@ -12,7 +12,7 @@ import pytest
 from engines.base import EngineStats, GenerateRequest
 from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from gateway.router import RouteRecord, RouteRequest
-from gateway.snapshot import Decision, InstanceState, RequestView, Snapshot
+from policies.snapshot import Decision, InstanceState, RequestView, Snapshot
 
 EXAMPLES = [
     InstanceState(0, "e0", in_flight=2, gpu_hit_blocks=3),

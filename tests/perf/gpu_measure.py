@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # ruff: noqa: B023 - every closure here is timed inside the loop iteration that defines it
-"""One script that measures everything issue 6 asks of a lent GPU, and writes one JSON.
+"""One script that measures the attention primitives and transports on a lent GPU, and writes one JSON.
 
 Run from the repository root::
 

@@ -1,4 +1,4 @@
-"""GPU benchmark for issue 6: runs tests/perf/gpu_measure.py (smoke configuration) when CUDA is present.
+"""GPU benchmark of the route-the-query attention: runs tests/perf/gpu_measure.py (smoke configuration) when CUDA is present.
 
 The full measurement is ``PYTHONPATH=. python3 tests/perf/gpu_measure.py --out DIR``; its committed
 result lives in engines/attention/measurements/. Here: the same code paths, printed, with checks

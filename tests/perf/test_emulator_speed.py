@@ -1,6 +1,6 @@
 """Benchmark: one emulated engine replays one WEKA Claude Code conversation in virtual time.
 
-Target (issue 3): >= 2000x real time. Prints steps/s, simulated seconds per wall second (with the
+Target: >= 2000x real time. Prints steps/s, simulated seconds per wall second (with the
 trace's think times, and busy GPU seconds per wall second, which excludes idle time).
 """
 

@@ -86,7 +86,7 @@ def test_gateway_overhead():
         rows = []
         try:
             for t in TRANSPORTS:
-                gw = await spawn(["-m", "gpuhit.cli", "serve", "--port", "0", "--engine", url_e, "--policy", "lpwl",
+                gw = await spawn(["-m", "replayer.cli", "serve", "--port", "0", "--engine", url_e, "--policy", "lpwl",
                                   "--index", "precise", "--model", "m", "--transport", t])
                 gws[t] = (gw, gw.first_line.split(" on ", 1)[1].split(" ", 1)[0])
             for stream in (False, True):

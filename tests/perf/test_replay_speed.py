@@ -1,6 +1,6 @@
 """Replay speed: the main job's wall time, and simulated/real time ratios (run by `make bench`).
 
-Targets (issue 4): the bundled default `gpuhit replay` (every policy, one seed, 8 instances) in
+Targets: the bundled default `gpuhit replay` (every policy, one seed, 8 instances) in
 under 60 s, and the whole comparison over all 180 ../shared/traces/weka_cc conversations (every
 policy, one seed, 8 instances) in under 10 minutes, on the 2-core reference machine.
 Set GPUHIT_BENCH_FULL=0 to skip the long full-folder benchmark.
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from gpuhit.cli import main
+from replayer.cli import main
 
 
 def _run(argv: list[str], capsys) -> tuple[dict, float]:

@@ -276,14 +276,16 @@ def test_router_compare():
             # the mock engines share the cores with the routers: their CPU per request is printed too
             engine_pids = [p.proc.pid for p in procs]
             targets: dict[str, tuple[int | None, list[str]]] = {"direct": (None, engines)}
-            gw, url = await _spawn_url(["-m", "gpuhit.cli", "serve", "--port", "0", *eng_args, "--policy", "lpwl",
+            gw, url = await _spawn_url(["-m", "replayer.cli", "serve", "--port", "0", *eng_args, "--policy", "lpwl",
                                         "--index", "precise", "--model", "m", "--max-prompt-tokens", "0"], " on ")
             procs.append(gw)
             targets["gpuhit"] = (gw.proc.pid, [url])
             before = os.environ.get("GPUHIT_BENCH_BEFORE")
             if before:  # another gpuhit checkout (e.g. main before a change), same flags: before/after in one run
                 # `python -m` would put this checkout (the cwd) first on sys.path: import from `before`
-                boot = f"import runpy, sys; sys.path.insert(0, {before!r}); runpy.run_module('gpuhit.cli', " \
+                # the command line's module in that checkout (it moved from gpuhit/ to replayer/)
+                cli = "replayer.cli" if os.path.exists(os.path.join(before, "replayer", "cli.py")) else "gpuhit.cli"
+                boot = f"import runpy, sys; sys.path.insert(0, {before!r}); runpy.run_module({cli!r}, " \
                        "run_name='__main__', alter_sys=True)"
                 old = await spawn(["-c", boot, "serve", "--port", "0", *eng_args, "--policy", "lpwl", "--index",
                                    "precise", "--model", "m", "--max-prompt-tokens", "0"])
@@ -291,7 +293,7 @@ def test_router_compare():
                 label = os.environ.get("GPUHIT_BENCH_BEFORE_LABEL", "gpuhit-before")
                 targets[label] = (old.proc.pid, [old.first_line.split(" on ", 1)[1].split(" ", 1)[0]])
             if os.environ.get("GPUHIT_BENCH_RR") == "1":
-                rr, url = await _spawn_url(["-m", "gpuhit.cli", "serve", "--port", "0", *eng_args, "--policy",
+                rr, url = await _spawn_url(["-m", "replayer.cli", "serve", "--port", "0", *eng_args, "--policy",
                                             "round_robin", "--index", "precise", "--model", "m",
                                             "--max-prompt-tokens", "0"], " on ")
                 procs.append(rr)

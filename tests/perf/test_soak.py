@@ -1,6 +1,6 @@
 """Soak benchmark: 256 concurrent streaming clients through ``gpuhit serve`` (default ``fast``
 transport, ``GPUHIT_SOAK_TRANSPORT`` to change) to two emulated engines for
-``GPUHIT_SOAK_SECONDS`` (default 600: the 10 minutes of issue 16; set e.g. 30 for a quick look).
+``GPUHIT_SOAK_SECONDS`` (default 600: ten minutes; set e.g. 30 for a quick look).
 
 Every client loops: a streamed token-id completion (a session's growing prompt, 16 output
 tokens, ``include_usage``), read to ``[DONE]``. Printed: requests, errors (a non-200, a stream
@@ -42,7 +42,7 @@ def test_soak(tmp_path):
         engines = [await spawn_emulator("--num-gpu-blocks", "20000", "--max-num-seqs", "512") for _ in range(2)]
         toml = tmp_path / "gw.toml"
         toml.write_text(f"[gateway]\nupstream_idle_timeout = {IDLE_TIMEOUT}\n")
-        args = ["-m", "gpuhit.cli", "serve", "--config", str(toml), "--port", "0", "--policy", "lpwl", "--index",
+        args = ["-m", "replayer.cli", "serve", "--config", str(toml), "--port", "0", "--policy", "lpwl", "--index",
                 "precise", "--model", "m", "--transport", TRANSPORT]
         for _, u in engines:
             args += ["--engine", u]

@@ -36,7 +36,7 @@ def test_transport_cpu_per_request():
         p50 = {t: [] for t in TRANSPORTS}
         try:
             for t in TRANSPORTS:
-                gw = await spawn(["-m", "gpuhit.cli", "serve", "--port", "0", "--engine", url_e, "--policy", "lpwl",
+                gw = await spawn(["-m", "replayer.cli", "serve", "--port", "0", "--engine", url_e, "--policy", "lpwl",
                                   "--index", "precise", "--model", "m", "--transport", t])
                 gws[t] = (gw, gw.first_line.split(" on ", 1)[1].split(" ", 1)[0])
             for _ in range(ROUNDS):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.snapshot import FETCH, FORWARD, MIGRATE, PD, InstanceState, RequestView, Snapshot
 from gpuhit.errors import ConfigError, NoInstanceError
 from policies import registry
 from policies.baselines import stable_hash
+from policies.snapshot import FETCH, FORWARD, MIGRATE, PD, InstanceState, RequestView, Snapshot
 
 BS = 16
 

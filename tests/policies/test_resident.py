@@ -9,9 +9,9 @@ from engines.fake import FakeEngine
 from gateway.kv_index import PreciseKVIndex
 from gateway.residency import SessionResidency
 from gateway.router import Router, RouteRequest
-from gateway.snapshot import FORWARD, InstanceState, RequestView, Snapshot
 from gpuhit.errors import ConfigError
 from policies import registry
+from policies.snapshot import FORWARD, InstanceState, RequestView, Snapshot
 
 BS = 16
 

@@ -29,7 +29,7 @@ def test_routed_count_reaches_the_snapshot_and_finished_requests_rotate_over_ins
 
 
 def test_pd_prefill_pool_ties_rotate_too():
-    from gateway.snapshot import InstanceState, RequestView, Snapshot
+    from policies.snapshot import InstanceState, RequestView, Snapshot
 
     pd = registry.build({"type": "pd_disagg", "params": {"num_prefill": 2}})
     req = RequestView("r", 160, 10, BS, 4, "s", None, 0, 0)

@@ -1,9 +1,9 @@
-"""End to end: `gpuhit replay` through gpuhit.cli.main on 1-2 bundled conversations."""
+"""End to end: `gpuhit replay` through replayer.cli.main on 1-2 bundled conversations."""
 
 import json
 import pathlib
 
-from gpuhit.cli import main
+from replayer.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONV = [str(ROOT / "traces" / "weka_cc" / "trace_0008.json.gz"), str(ROOT / "traces" / "weka_cc" / "trace_0024.json.gz")]

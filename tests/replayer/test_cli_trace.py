@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gpuhit.cli import main
+from replayer.cli import main
 from replayer.loaders import bundled_path, load_trace
 
 

@@ -16,7 +16,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'gpuhit[ray]')")
 
-from gpuhit.cli import main
+from replayer.cli import main
 
 # A small replay of the bundled trace: 2 policies x 2 seeds, a few dozen requests per run.
 SMALL = ["replay", "--max-sessions", "1", "--max-requests", "40", "--policies", "lpwl,lmetric",
@@ -120,7 +120,7 @@ def test_replay_on_an_existing_cluster_by_address(local_ray, local_run, tmp_path
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("RAY_AUTH_MODE", "token" if (pathlib.Path.home() / ".ray" / "auth_token").exists() else "disabled")
     out = tmp_path / "addr"
-    proc = subprocess.run([sys.executable, "-m", "gpuhit.cli", *SMALL, "--out", str(out), "--ray", addr],
+    proc = subprocess.run([sys.executable, "-m", "replayer.cli", *SMALL, "--out", str(out), "--ray", addr],
                           check=False, capture_output=True, text=True, env=env, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _records(out) == _records(local_run)

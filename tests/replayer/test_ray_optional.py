@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from gpuhit.cli import main
+from replayer.cli import main
 
 TINY = ["replay", "--max-sessions", "1", "--max-requests", "5", "--policies", "lpwl", "--no-plots", "--json"]
 
@@ -15,7 +15,7 @@ TINY = ["replay", "--max-sessions", "1", "--max-requests", "5", "--policies", "l
 def test_local_replay_does_not_import_ray(tmp_path):
     code = textwrap.dedent(f"""
         import sys
-        from gpuhit.cli import main
+        from replayer.cli import main
         assert main({TINY + ["--out", str(tmp_path / "out")]!r}) == 0
         assert "ray" not in sys.modules, "the local executor imported ray"
     """)

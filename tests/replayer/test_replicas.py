@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engines.fake import FakeEngine
-from gpuhit.cli import main
 from gpuhit.errors import ConfigError
+from replayer.cli import main
 from replayer.replicas import ReplicaConfig, ReplicaSet
 from replayer.simulate import simulate
 from replayer.trace import Session, Trace, Turn

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from gpuhit.cli import main
 from gpuhit.errors import ConfigError
+from replayer.cli import main
 from replayer.cli_sweep import PRESETS, Point, grid, migrate_policies, zipf_resample
 from replayer.trace import Session, Trace, Turn
 

@@ -6,13 +6,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from engines.attention.nvshmem_transport import NvshmemQueryTransport
 from engines.attention.partial import mla_kv, partial_attention, reference_attention
 from engines.attention.transports import (
     Holder,
     InProcessTransport,
     MooncakeHolderService,
     MooncakeQueryTransport,
-    NvshmemQueryTransport,
     RouteRequest,
     decode_partial,
     decode_request,

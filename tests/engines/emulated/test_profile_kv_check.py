@@ -20,7 +20,7 @@ def test_every_bundled_profile_fits_one_max_model_len_request():
 
 
 def test_refused_with_vllms_message_and_estimate():
-    # H20 numbers of issue 14: 20 GB / 96 KiB per token = 12,715 usable blocks of 16 = 203,440 tokens
+    # The H20 profile's numbers: 20 GB / 96 KiB per token = 12,715 usable blocks of 16 = 203,440 tokens
     with pytest.raises(ConfigError) as e:
         EmulatedEngine("e", "qwen3-coder-30b-a3b@h20", max_model_len=262_144)
     msg = str(e.value)

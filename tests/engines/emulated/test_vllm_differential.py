@@ -1,4 +1,4 @@
-"""The emulator against vLLM's own Scheduler + KVCacheManager, step by step (issue 13).
+"""The emulator against vLLM's own Scheduler + KVCacheManager, step by step.
 
 Every configuration of :data:`workload.CONFIGS` runs 200 generated streams and 3 streams cut
 from real traces (two WEKA Claude Code files with their growing shared prefixes, Mooncake)

@@ -1,4 +1,4 @@
-"""Issue 14: the replay prints its table for the bundled Mooncake and Azure traces (trace-timestamp
+"""The replay prints its table for the bundled Mooncake and Azure traces (trace-timestamp
 and concurrent arrivals), counts rejected and failed requests apart, shows every instance, and a
 Ctrl-C'd simulated comparison resumes to the same table with no run redone and none lost."""
 
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from gpuhit.cli import main
+from replayer.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONV = str(ROOT / "traces" / "weka_cc" / "trace_0256.json.gz")  # the longest bundled conversation
@@ -59,7 +59,7 @@ def test_summary_counts_rejected_failed_and_instances(tmp_path, capsys):
 
 
 def _cmd(out: pathlib.Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "gpuhit.cli", "replay", "--trace", CONV, "--policies",
+    return [sys.executable, "-m", "replayer.cli", "replay", "--trace", CONV, "--policies",
             "round_robin,lpwl,least_request", "--instances", "2", "--max-requests", "100", "--no-plots",
             "--jobs", "1", "--seeds", "0", *(["--out", str(out)] if out else []), *extra]
 

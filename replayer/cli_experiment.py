@@ -1,5 +1,5 @@
-"""``gpuhit experiment tiers|knee``: the seeds' calibration experiments on the emulated engine (and
-``ab``, the A/B protocol, registered from :mod:`analysis.experiment_ab`); ``gpuhit emulate-check``: the
+"""``gpuhit experiment tiers|knee``: the published calibration experiments on the emulated engine (and
+``ab``, the A/B protocol, registered from :mod:`replayer.experiment_ab`); ``gpuhit emulate-check``: the
 emulator against vLLM's own scheduler, step by step."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--json", action="store_true", help="print one JSON document")
     c.set_defaults(func=_check)
 
-    exp = subparsers.add_parser("experiment", help="replay the seeds' calibration experiments (virtual time)")
+    exp = subparsers.add_parser("experiment", help="replay the published calibration experiments (virtual time)")
     sub = exp.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
     profiles = ", ".join(available_profiles())
     t = sub.add_parser("tiers", help="TTFT per KV tier (miss / remote / CPU / GPU) at 8k-64k reused prefix")
@@ -70,9 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="GPU KV capacities to sweep, in GB (default: %(default)s)")
     t.set_defaults(func=_tiers)
     k.set_defaults(func=_knee)
-    from analysis import experiment_ab
+    from replayer import experiment_ab
 
-    experiment_ab.register(sub)  # gpuhit experiment ab: the A/B protocol (analysis/experiment_ab.py)
+    experiment_ab.register(sub)  # gpuhit experiment ab: the A/B protocol
     from replayer import ab_live, sim_vs_real
 
     ab_live.register(sub)  # gpuhit experiment ab-live: the same protocol on live engines

@@ -196,7 +196,7 @@ def _common(args: argparse.Namespace) -> list[str]:
 
 
 def _rates(args: argparse.Namespace) -> list[float]:
-    from replayer.cli_replay import DEFAULT_SESSION_RATE
+    from replayer.replay_options import DEFAULT_SESSION_RATE
 
     if args.rates is None:
         return [DEFAULT_SESSION_RATE * f for f in DEFAULT_RATE_FACTORS]

@@ -1,4 +1,6 @@
-"""The ``gpuhit`` command line.
+"""The ``gpuhit`` command line (``python -m replayer.cli``).
+
+It names a module of every package, so it lives in the top package, never in the ground (``gpuhit/``).
 
 Each package contributes its subcommands through a ``register(subparsers)`` function in a module
 listed in :data:`COMMAND_MODULES`; a subcommand sets ``func(args) -> int`` on its parser. Every
@@ -19,10 +21,10 @@ COMMAND_MODULES: tuple[str, ...] = (
     "replayer.cli_trace",  # gpuhit trace stats|convert
     "replayer.cli_replay",  # gpuhit replay
     "replayer.cli_sweep",  # gpuhit sweep
-    "engines.emulated.cli",  # gpuhit experiment tiers|knee
-    "engines.emulated.server_cli",  # gpuhit emulate
+    "replayer.cli_experiment",  # gpuhit experiment tiers|knee|ab, gpuhit emulate-check
+    "replayer.cli_emulate",  # gpuhit emulate
     "gateway.cli",  # gpuhit serve, gpuhit vllm-cmd
-    "engines.attention.cli",  # gpuhit attention ...
+    "replayer.cli_attention",  # gpuhit attention ...
     "analysis.cli_compare",  # gpuhit compare
     "analysis.lost_hits",  # gpuhit lost-hits
     "replayer.calibrate",  # gpuhit profile fit

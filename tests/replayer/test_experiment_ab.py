@@ -5,10 +5,10 @@ import pathlib
 
 import pytest
 
-from analysis.experiment_ab import find_knee
-from gpuhit.cli import main
 from gpuhit.errors import ConfigError
+from replayer.cli import main
 from replayer.cli_replay import COMPARE_SEEDS, plan_runs
+from replayer.experiment_ab import find_knee
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONV = [str(ROOT / "traces" / "weka_cc" / "trace_0008.json.gz"), str(ROOT / "traces" / "weka_cc" / "trace_0024.json.gz")]
@@ -35,7 +35,7 @@ def test_knee_is_where_p90_explodes_or_apc_collapses():
 
 
 def _replay_args(*argv):
-    from analysis.experiment_ab import _replay_parser
+    from replayer.experiment_ab import _replay_parser
 
     return _replay_parser().parse_args(["replay", "--trace", CONV[0], *argv])
 

@@ -3,7 +3,7 @@
 ``gpuhit attention choose --fabric h100_ibgda --mq 256 --ct 2048 [--measurements FILE]`` prints the
 three predicted costs and the choice; with ``--measurements`` (a JSON written by
 tests/perf/gpu_measure.py) the holder-compute, merge, splice and re-prefill constants come from that
-measurement instead of seed 000's defaults.
+measurement instead of the defaults from *Move the Query, Not the Cache* (README "References").
 """
 
 from __future__ import annotations
