@@ -122,8 +122,11 @@ async def live_gateway(urls: Sequence[str], policy: str, block_size: int | None)
     from gateway.config import EngineEntry, GatewayConfig
     from gateway.http.app import Gateway
 
+    # Slow engines are waited for, never ejected: a stall of the host (shared cores, memory pressure) is
+    # not the policy's doing, and an ejected engine would change every later routing decision.
     cfg = GatewayConfig(engines=tuple(EngineEntry(u, f"gpu{i}") for i, u in enumerate(urls)), policy=policy,
-                        block_size=block_size, timeout=600.0, ttfb_timeout=600.0).validate()
+                        block_size=block_size, timeout=600.0, ttfb_timeout=600.0, idle_timeout=600.0,
+                        health_interval=2.0, health_fail_threshold=30, breaker_threshold=1000).validate()
     gw = Gateway(cfg, None)
     try:
         port = await gw.listen("127.0.0.1", free_port())
