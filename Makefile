@@ -62,19 +62,14 @@ $(BENCH_STAMP): pyproject.toml | $(STAMP)
 bench: $(STAMP) $(BENCH_STAMP)
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/perf
 
-# The request path (transport, router, policy, KV index: gpuhit/native.py MODULES) compiled with mypyc:
-# optional, in place, checked against its sources at import. `make uncompile` goes back to pure Python
-# (the default; `make test` runs either).
-NATIVE_STAMP := $(VENV)/.native
-$(NATIVE_STAMP): pyproject.toml | $(STAMP)
-	$(PIP) install -q -e ".[native]"
-	touch $(NATIVE_STAMP)
-
-compile: $(NATIVE_STAMP)
-	$(BIN)/python -m gpuhit.native build
+# The C speedups (gpuhit/speedups.py: vLLM's sha256 block chain on OpenSSL, the KV index's hash set),
+# built in place; optional: without them the same code runs its reference implementations (`make
+# test` runs either; the banner of `gpuhit serve` says which). Needs a C compiler and OpenSSL's headers.
+compile: $(STAMP)
+	$(BIN)/python -m gpuhit.speedups build
 
 uncompile:
-	$(BIN)/python -m gpuhit.native clean
+	$(BIN)/python -m gpuhit.speedups clean
 
 # ruff, then the import layers and cycles ([tool.importlinter] in pyproject.toml; `make test` checks
 # them too, in tests/test_layers.py).

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from gpuhit.errors import ConfigError
-from gpuhit.speedups import ACCEL
 
 HashFn = Callable[[Any], bytes]
 
@@ -187,9 +186,10 @@ class BlockHasher:
     form. Only full blocks are hashed: a trailing partial block is never cached by vLLM.
     """
 
-    __slots__ = ("block_size", "extra_keys", "hash_fn", "hash_name", "root", "seed")
+    __slots__ = ("accel", "block_size", "extra_keys", "hash_fn", "hash_name", "root", "seed")
 
-    def __init__(self, block_size: int = 16, hash_name: str = "sha256", seed: str | None = None):
+    def __init__(self, block_size: int = 16, hash_name: str = "sha256", seed: str | None = None,
+                 accel: Any = None):
         if block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -198,6 +198,7 @@ class BlockHasher:
         self.seed = none_hash_seed(hash_name, seed)
         self.root = self.hash_fn(self.seed)
         self.extra_keys = None
+        self.accel = accel  # the C speedups (gpuhit.speedups.load()) whose chain hash_array uses, or None
 
     def hash_block(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
         return self.hash_fn((parent or self.root, tuple(tokens), self.extra_keys))
@@ -217,52 +218,21 @@ class BlockHasher:
         return [to_event_int(d) for d in self.hash_blocks(token_ids, parent)]
 
     def hash_array(self, tokens: np.ndarray, parent: bytes | None = None) -> list[bytes]:
-        """``hash_blocks`` of a 1-D integer array, bit-identical, 3-4x faster for sha256 / xxhash
-        with ids below 2**31: the blocks' pickles are built at once (:func:`pickled_blocks`) and
-        only the chain runs per block; for sha256 with the C speedups built, ~5x faster again (the
-        whole chain in C). Other cases (cbor algorithms, huge ids) take ``hash_blocks``."""
+        """``hash_blocks`` of a 1-D integer array, bit-identical: in one C call with the C speedups
+        (``accel``: vLLM's sha256 chain, each block's pickle written in C and hashed by OpenSSL,
+        ~35x the Python chain's speed), else by the Python chain. The speedups answer None where
+        pickle writes another layout (an id >= 2**31, blocks of <= 3 tokens): the Python chain
+        decides those."""
         bs = self.block_size
         nb = len(tokens) // bs
         if nb == 0:
             return []
-        h = parent or self.root
-        if self.hash_name == "sha256" and ACCEL is not None and self.extra_keys is None and len(h) == 32:
-            # the C speedups write each pickle and hash it in one pass (gpuhit/_sha256.c); they
-            # answer None where pickle writes another layout (an id >= 2**31, blocks of <= 3
-            # tokens), and the checks below decide as without them
-            chain = ACCEL.sha256_blocks(np.ascontiguousarray(tokens[: nb * bs], dtype=np.uint64), bs, h)
+        if self.accel is not None and self.hash_name == "sha256" and self.extra_keys is None:
+            h = parent or self.root
+            chain = self.accel.sha256_blocks(np.ascontiguousarray(tokens[: nb * bs], dtype=np.uint64), bs, h)
             if chain is not None:
                 return chain
-        if self.hash_name not in _PICKLED or bs <= 3 or self.extra_keys is not None \
-                or int(tokens[: nb * bs].max()) >= 1 << 31:
-            return self.hash_blocks(tokens[: nb * bs].tolist(), parent)
-        plen = len(self.root)
-        buf, starts = pickled_blocks(tokens, bs, plen)
-        mv = memoryview(buf)
-        out: list[bytes] = []
-        append = out.append
-        bounds = starts.tolist()
-        if self.hash_name == "sha256":
-            sha = hashlib.sha256
-            for k in range(nb):
-                s = bounds[k]
-                mv[s + 13 : s + 13 + plen] = h  # (a memoryview slice store: cheaper than bytearray's)
-                h = sha(mv[s : bounds[k + 1]]).digest()
-                append(h)
-        else:
-            import xxhash
-
-            xxh = xxhash.xxh3_128_digest
-            for k in range(nb):
-                s = bounds[k]
-                mv[s + 13 : s + 13 + plen] = h
-                h = xxh(mv[s : bounds[k + 1]])
-                append(h)
-        return out
-
-
-# Below this many new blocks the per-block path is as fast as laying out the pickles in numpy.
-_VECTOR_MIN_BLOCKS = 8
+        return self.hash_blocks(tokens[: nb * bs].tolist(), parent)
 
 
 class PromptHashes(Sequence[int]):
@@ -315,10 +285,7 @@ class PromptHashes(Sequence[int]):
         bs = self._hasher.block_size
         seg = self.tokens[c * bs : k * bs]
         parent = self._digests[c - 1] if c else None
-        if k - c >= _VECTOR_MIN_BLOCKS:
-            fresh = self._hasher.hash_array(seg, parent)
-        else:
-            fresh = self._hasher.hash_blocks(seg.tolist(), parent)
+        fresh = self._hasher.hash_array(np.asarray(seg), parent)
         self._digests.extend(fresh)
         self._ints.extend(event_ints_of(fresh))
         self._count = k
@@ -429,59 +396,6 @@ class SessionHashCache:
         while len(entries) > 1 and (len(entries) > self.max_sessions or self.tokens > self.max_tokens):
             self.tokens -= len(entries.popitem(last=False)[1].tokens)
         return out
-
-
-# --------------------------------------------------------------------------- vectorized hashing
-#
-# For the pickle-based algorithms (sha256, xxhash) the bytes vLLM hashes for one block,
-# ``pickle.dumps((parent, tuple(tokens), None), protocol=5)``, are fully determined by the token
-# values: PROTO 5, FRAME <len>, SHORT_BINBYTES <parent>, MEMOIZE, MARK, one BININT1 / BININT2 /
-# BININT per token (ids below 2**31), TUPLE, MEMOIZE, NONE, TUPLE3, MEMOIZE, STOP. So every
-# block's pickle is laid out at once with numpy, with a hole for the parent digest; the only
-# per-block Python work left is the chain itself (write the parent into its hole, hash the slice).
-_PICKLED = frozenset({"sha256", "xxhash"})
-_TAIL = b"t\x94N\x87\x94."  # TUPLE MEMOIZE NONE TUPLE3 MEMOIZE STOP
-_TAIL_BYTES = np.frombuffer(_TAIL, dtype=np.uint8)
-
-
-def pickled_blocks(tokens: np.ndarray, block_size: int, parent_len: int) -> tuple[bytearray, np.ndarray]:
-    """The protocol-5 pickles of ``(parent, tuple(block), None)`` for every full block of ``tokens``
-    (ids < 2**31, ``block_size`` > 3), laid end to end, each with ``parent_len`` zero bytes where
-    its parent digest goes (at offset 13). Returns the buffer and each block's start offset (plus
-    the end). Built in whole-array passes: every token gets a 5-byte slot (opcode + 4 LE bytes) in
-    a fixed-width row per block, and one boolean compress keeps each token's encoded length."""
-    bs = block_size
-    nb = len(tokens) // bs
-    n = nb * bs
-    t = tokens[:n].astype("<u4")
-    mid = t >= 256
-    big = t >= 65536
-    head = 15 + parent_len  # PROTO(2) FRAME(9) SHORT_BINBYTES(2) parent MEMOIZE MARK
-    width = head + 5 * bs + len(_TAIL)
-    slots = np.empty(5 * n, dtype=np.uint8)
-    slots[0::5] = np.where(big, ord("J"), np.where(mid, ord("M"), ord("K")))  # BININT, BININT2, BININT1
-    le = t.view(np.uint8)
-    for c in range(4):
-        slots[c + 1 :: 5] = le[c::4]
-    keep = np.ones(5 * n, dtype=bool)
-    keep[2::5] = mid
-    keep[3::5] = big
-    keep[4::5] = big
-    rows = np.zeros((nb, width), dtype=np.uint8)
-    mask = np.ones((nb, width), dtype=bool)
-    rows[:, head : head + 5 * bs] = slots.reshape(nb, 5 * bs)
-    mask[:, head : head + 5 * bs] = keep.reshape(nb, 5 * bs)
-    size = head + 2 * bs + mid.reshape(nb, bs).sum(axis=1) + 2 * big.reshape(nb, bs).sum(axis=1) + len(_TAIL)
-    rows[:, 0:3] = (0x80, 5, 0x95)
-    rows[:, 3:11] = (size - 11).astype("<u8").view(np.uint8).reshape(nb, 8)
-    rows[:, 11] = ord("C")
-    rows[:, 12] = parent_len
-    rows[:, head - 2] = 0x94  # MEMOIZE
-    rows[:, head - 1] = ord("(")  # MARK
-    rows[:, width - len(_TAIL) :] = _TAIL_BYTES
-    starts = np.zeros(nb + 1, dtype=np.int64)
-    np.cumsum(size, out=starts[1:])
-    return bytearray(rows[mask]), starts
 
 
 def event_ints_of(digests: Sequence[bytes]) -> list[int]:

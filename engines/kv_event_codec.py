@@ -13,14 +13,13 @@ Its shape changed over releases (``vllm/distributed/kv_events.py``, msgspec stru
   absent in the oldest releases).
 
 The decoder accepts both (and the mixed array-batch / map-event shape), so the gateway works in
-front of any vLLM since KV events exist. The current shape is decoded by msgspec into typed structs
-first (:func:`_decode_current`; vLLM 0.32 sends map events in an array batch), or, when the C
-speedups are built (:mod:`gpuhit.speedups`), by their ``kv_batch`` for the strict common subset of
-that shape (anything else goes on to msgspec): the token ids, which routing never reads, are kept as their raw
-msgpack bytes and decoded only if something asks for them (:class:`RawTokenIds`); a 100k-token
-prompt's ``BlockStored`` then decodes in a tenth of the time. Any payload those structs do not fit
-(the array shape, digest-bytes hashes, a corrupt one) goes through the general decoder, which
-accepts it or raises the error it always did. Block hashes are 64-bit ints by default; with
+front of any vLLM since KV events exist. Two implementations: the general decoder (the reference:
+every shape, every error) and one fast path, msgspec's typed decoder for the current shape
+(:func:`_decode_current`; vLLM 0.32 sends map events in an array batch), which keeps the token ids,
+which routing never reads, as their raw msgpack bytes, decoded only if something asks for them
+(:class:`RawTokenIds`): a 100k-token prompt's ``BlockStored`` then decodes in a tenth of the time.
+Any payload those structs do not fit (the array shape, digest-bytes hashes, a corrupt one) goes
+through the general decoder, which accepts it or raises the error it always did. Block hashes are 64-bit ints by default; with
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` vLLM sends the raw digest bytes, which are normalised here
 to the same int (last 8 bytes, big-endian) so that one index serves both.
 """
@@ -35,12 +34,7 @@ import msgpack
 import msgspec
 
 from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
-from gpuhit import speedups
 from gpuhit.errors import EngineError
-
-# The C decoder of the common shape (``make compile``; None: pure Python). Module-level so that tests
-# can run the same payloads through both.
-_ACCEL = speedups.ACCEL
 
 CURRENT = "current"
 ARRAY = "array"
@@ -405,10 +399,6 @@ def _decode_current(payload: bytes) -> KVEventBatch | None:
 _ARRAY_HEADS = frozenset([bytes([0x90 + k]) for k in range(16)] + [b"\xdc", b"\xdd"])
 
 
-# The classes the C decoder builds its answer from (kv_batch's second argument, in its order).
-_RECORDS = (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared, RawTokenIds)
-
-
 def merge_removed(batch: KVEventBatch) -> KVEventBatch:
     """``batch`` with each run of consecutive ``BlockRemoved`` events of one medium and group as one
     event, their hashes in order. vLLM sends one ``BlockRemoved`` per evicted block, so once a cache
@@ -431,9 +421,7 @@ def _removal_run(ev: KVEvent) -> tuple[str | None, int | None] | None:
 
 def decode_batch(payload: bytes, merge: bool = False) -> KVEventBatch:
     """Decode one published payload; raises :class:`KVEventDecodeError` on anything else. ``merge``:
-    runs of removals as one event (:func:`merge_removed`; the C decoder merges as it decodes)."""
-    if _ACCEL is not None and (batch := _ACCEL.kv_batch(payload, _RECORDS, merge)) is not None:
-        return batch
+    runs of removals as one event (:func:`merge_removed`)."""
     batch = _decode(payload)
     return merge_removed(batch) if merge else batch
 

@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "engine, in --engine order): needed for migration / PD against real vLLM")
     p.add_argument("--transport", choices=("fast", "aiohttp"), default=None,
                    help="HTTP implementation of the hot path (default fast: httptools on uvloop)")
+    p.add_argument("--no-c-speedups", dest="c_speedups", action="store_false", default=None,
+                   help="run the reference implementations even where the C speedups are built (make compile)")
     p.add_argument("--policy", default=None, help="routing policy name (default lpwl)")
     p.add_argument("--index", choices=("precise", "approximate"), default=None,
                    help="KV index: precise (engines' KV events) or approximate (routing history)")
@@ -49,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="reject longer prompts with 400 (0 = off)")
     p.add_argument("--timeout", type=float, default=None,
                    help="whole-request cap in seconds, long generations included (0 = none, the default)")
-    # -- wedged engines: timeouts and the per-engine breaker (gateway/breaker.py)
+    # wedged engines
     p.add_argument("--ttfb-timeout", type=float, default=None,
                    help="seconds from sending a request to the engine's first answer byte (60; 0 = none); a "
                         "non-streamed answer gets this plus --idle-timeout per requested token")
@@ -63,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds an ejected engine waits for its re-admission probe (2; doubles per failed "
                         "probe up to --breaker-max-cooldown, 60)")
     p.add_argument("--breaker-max-cooldown", type=float, default=None)
-    # -- access, HTTP limits, vocabulary
+    # access, limits, vocabulary
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (visible in `ps`: prefer --api-key-file or "
                         f"${API_KEY_ENV})")
@@ -79,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keepalive-timeout", type=float, default=None, help="idle keep-alive seconds (60)")
     p.add_argument("--otel", action="store_true", default=None,
                    help="export OpenTelemetry spans over OTLP/HTTP (OTEL_EXPORTER_OTLP_* variables)")
-    # -- gateway replicas sharing decisions (gateway/share_redis.py)
+    # replicas
     p.add_argument("--share", default=None, metavar="redis://HOST:PORT",
                    help="share pending prefill, in-flight counts and session bindings with the other gpuhit serve "
                         "replicas through this Redis server (pub/sub; needs gpuhit[share]); default: none")
@@ -155,7 +157,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     cfg = gcfg.load(args.config) if args.config else gcfg.GatewayConfig()
     cfg = gcfg.with_overrides(
-        cfg, engines=args.engine, bootstraps=args.bootstrap, transport=args.transport, host=args.host,
+        cfg, engines=args.engine, bootstraps=args.bootstrap, transport=args.transport, c_speedups=args.c_speedups,
+        host=args.host,
         port=args.port, policy=args.policy, index=args.index, model=args.model, block_size=args.block_size,
         hash=args.hash, hash_seed=args.hash_seed, tokenizer=args.tokenizer,
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout,

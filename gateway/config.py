@@ -95,7 +95,10 @@ class GatewayConfig:
     scrape_interval: float = 0.5
     otel: bool = False
     transport: str = "fast"  # the HTTP implementation of the hot path (gateway.http.fast | aiohttp)
-    # -- access, HTTP limits / timeouts, vocabulary (README "Gateway")
+    # Use the C speedups (gpuhit/speedups.py: block hashing, the KV index's hash sets) when they are
+    # built; False runs the reference implementations (the same answers).
+    c_speedups: bool = True
+    # Access, HTTP limits and timeouts, vocabulary (see README "Gateway")
     metrics_auth: bool = False  # /metrics needs the API key too (/debug/state always does)
     vocab_size: int = 0  # token ids >= this get 400 (0: from model_config, else unchecked)
     model_config: str | None = None  # the model's HF config.json (or its folder): vocab_size
@@ -105,14 +108,14 @@ class GatewayConfig:
     keepalive_timeout: float = 60.0  # idle seconds before a keep-alive client connection is closed
     upstream_max_idle: int = 64  # idle keep-alive connections kept per engine
     upstream_idle_timeout: float = 30.0  # idle seconds before an upstream connection is closed
-    # -- a wedged engine (gateway/breaker.py, README "Gateway")
+    # A wedged engine (see gateway/breaker.py and README "Gateway")
     ttfb_timeout: float = 60.0  # request sent -> first answer byte (a streamed chunk); 0 = none
     idle_timeout: float = 60.0  # between two upstream chunks of a stream; 0 = none
     breaker_threshold: int = 3  # consecutive timeouts / broken connections that open an engine's breaker
     breaker_connect_threshold: int = 1  # consecutive refused connects that open it
     breaker_cooldown: float = 2.0  # seconds open before the half-open probe (x2 per failed probe)
     breaker_max_cooldown: float = 60.0
-    # -- replicas (gateway/share_redis.py) and the session table's cap (gateway/bindings.py)
+    # Replicas (gateway/share_redis.py) and the session table's cap (gateway/bindings.py)
     share: str | None = None  # redis://host:port: share counters and bindings with the other replicas
     share_channel: str = "gpuhit:share"  # the pub/sub channel (one per group of replicas)
     max_sessions: int = 65536  # sessions kept in the binding table (LRU)

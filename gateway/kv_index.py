@@ -35,12 +35,6 @@ from typing import Any, Protocol
 from engines.hashing import present_run_end
 from engines.kv_events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from gpuhit.errors import ConfigError
-from gpuhit.speedups import ACCEL
-
-
-def _new_hash_set() -> Any:
-    """An empty set of block hashes for :class:`_ChainSet`: the C speedups' ``BlockSet`` when built."""
-    return set() if ACCEL is None else ACCEL.BlockSet()
 
 
 class KVIndex(Protocol):
@@ -70,7 +64,7 @@ class KVIndex(Protocol):
 class _Tier:
     """What an index asks of one instance's blocks in one medium; :class:`_BlockSet` (hash -> parent,
     with orphan bookkeeping) and :class:`_ChainSet` (a set of hashes) answer it. A base class, so the
-    indexes hold ``list[_Tier]`` and compiled code (mypyc, :mod:`gpuhit.native`) calls either."""
+    indexes hold ``list[_Tier]``."""
 
     __slots__ = ("blocks",)
 
@@ -180,9 +174,9 @@ class _ChainSet(_Tier):
 
     Same lookups and answers as :class:`_BlockSet`, without parents: a chained hash determines its
     parent, and nothing here reads it (exactness comes from verifying the search, see the module
-    docstring), so events apply as single C-level set updates. With the C speedups
-    (:mod:`gpuhit.speedups`) the set is their ``BlockSet`` (``gpuhit/_blockset.c``): bare uint64
-    keys, batches probed with their slots prefetched, no rehash while a full cache churns; it answers
+    docstring), so events apply as single C-level set updates. Given the C speedups' ``BlockSet``
+    (``gpuhit/_blockset.c``, passed in as ``new_set``), the set holds bare uint64 keys, probes
+    batches with their slots prefetched and never rehashes while a full cache churns; it answers
     every operation used here as a Python set does (``tests/gateway/test_blockset.py``), 2x faster
     for an event's 128 hashes in and out of a million-hash set, in a third to a sixth of the memory.
     """
@@ -190,7 +184,7 @@ class _ChainSet(_Tier):
     __slots__ = ()
 
     def __init__(self, new_set: Callable[[], Any] | None = None) -> None:
-        self.blocks = (new_set or _new_hash_set)()
+        self.blocks = (new_set or set)()
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` hashes now where the set can be sized (``BlockSet``; a Python set grows as
@@ -292,8 +286,8 @@ class PreciseKVIndex(_BaseIndex):
     learns_from_routing = False  # on_routed is a no-op: the router skips calling it
 
     def __init__(self, num_instances: int, new_set: Callable[[], Any] | None = None):
-        """``new_set``: makes each tier's empty set of hashes (default: the C ``BlockSet`` when the
-        speedups are built, else ``set``; tests give either)."""
+        """``new_set``: makes each tier's empty set of hashes (default ``set``; the gateway passes the
+        C speedups' ``BlockSet`` when it uses them)."""
         super().__init__(num_instances)
         self._gpu = [_ChainSet(new_set) for _ in range(num_instances)]
         self._cpu = [_ChainSet(new_set) for _ in range(num_instances)]

@@ -1,43 +1,39 @@
-"""The optional C speedups (``gpuhit/_speedups.c``, ``_blockset.c`` and ``_sha256.c``, one extension) and the guard
-against a stale build.
+"""The optional C speedups (``gpuhit/_speedups.c`` and ``_blockset.c``, one extension): how they are
+built, loaded, and refused when stale.
 
-Three parsers in C that the gateway otherwise runs with numpy, orjson and msgspec
-(:func:`gateway.http.prompt.fast_completion_ids`, :func:`engines.kv_event_codec.decode_batch`,
-:func:`gateway.http.usage.usage_of_json`): ``parse_uint_array`` (a token-id JSON array, validated
-and parsed into uint64 in one pass), ``kv_batch`` (a vLLM KV-event batch, BlockStored's token ids
-skipped without building them) and ``usage_object`` (an answer's usage object, read from its tail
-without building the rest of the answer). Each
-answers only the common, strict shape of its input and None for anything else, which the Python
-path then decides as it always did: the answers are the same with or without the build (the
-differential tests in ``tests/gateway/test_speedups.py`` hold the two to that). And one hash:
-``chunk_hashes``, the approximate index's chained BLAKE2b-64 text-chunk hashes
-(:func:`gateway.http.prompt.text_chunk_hashes`), equal to hashlib's (tested likewise); and vLLM's
-sha256 block-hash chain, ``sha256_blocks`` (:meth:`engines.hashing.BlockHasher.hash_array`: each
-block's pickle written and hashed in one pass, on the CPU's SHA extensions where it has them; held
-to hashlib and the Python chain by ``tests/engines/test_hashing_accel.py``). And one
-type: ``BlockSet``, the precise KV index's set of block hashes (:class:`gateway.kv_index._ChainSet`;
-bare uint64 keys, batches probed with their slots prefetched), which answers as a Python set of ints
-does (``tests/gateway/test_blockset.py``).
+What they speed up, each behind a reference implementation in Python that gives the same answers:
+``sha256_blocks``, vLLM's sha256 block-hash chain (:class:`engines.hashing.BlockHasher`; the
+hashing is OpenSSL's), and ``BlockSet``, the precise KV index's set of block hashes
+(:class:`gateway.kv_index.PreciseKVIndex`). Whoever builds a gateway decides once whether to use
+them (:func:`load`) and passes them to the parts that take them; nothing reads them from a global.
 
-``make compile`` builds them (with the mypyc transport, :mod:`gpuhit.native`); ``make uncompile``
-removes them. Pure Python is the default; ``gpuhit serve``'s banner says which is running. The
-extension carries a SHA-256 of the sources it was built from, and :func:`load` refuses one built
-from another version of them (Python would otherwise run the old code silently).
+``make compile`` (``python -m gpuhit.speedups build``) builds the extension in place;
+``make uncompile`` (``python -m gpuhit.speedups clean``) removes it. The extension carries a SHA-256
+of the sources it was built from, and :func:`load` refuses one built from another version of them
+(Python would otherwise run the old code silently).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
+import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 from gpuhit.errors import ConfigError
-from gpuhit.native import ROOT, SPEEDUPS_SOURCES, sources_sha256
 
-SOURCES = tuple(ROOT / s for s in SPEEDUPS_SOURCES)
-SOURCE = SOURCES[0]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
 NAME = "gpuhit._speedups"
+SOURCES = (ROOT / "gpuhit" / "_speedups.c", ROOT / "gpuhit" / "_blockset.c")  # the module init in the first
+
+
+def sources_sha256(paths: Sequence[Path] = SOURCES) -> str:
+    """One digest of several source files, in order: what the extension carries of its sources."""
+    return hashlib.sha256("".join(hashlib.sha256(p.read_bytes()).hexdigest() for p in paths).encode()).hexdigest()
 
 
 def verified(module: ModuleType, sources: Sequence[Path] = SOURCES) -> ModuleType:
@@ -50,7 +46,7 @@ def verified(module: ModuleType, sources: Sequence[Path] = SOURCES) -> ModuleTyp
 
 
 def load() -> ModuleType | None:
-    """The built extension (checked against its source), or None when there is no build."""
+    """The built extension (checked against its sources), or None when there is no build."""
     if importlib.util.find_spec(NAME) is None:
         return None
     import gpuhit._speedups as module  # type: ignore[import-not-found]
@@ -59,8 +55,8 @@ def load() -> ModuleType | None:
 
 
 def load_file(path: Path) -> ModuleType:
-    """The extension built at ``path`` (:func:`gpuhit.native.build_speedups`), checked against the
-    source: for tests, which run the same inputs through it and through pure Python."""
+    """The extension built at ``path`` (:func:`build`), checked against the sources: for tests,
+    which run the same inputs through it and through the reference implementations."""
     spec = importlib.util.spec_from_file_location(NAME, path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"{path} is not an extension module")
@@ -69,4 +65,46 @@ def load_file(path: Path) -> ModuleType:
     return verified(module)
 
 
-ACCEL: ModuleType | None = load()
+def build(out: Path | None = None) -> Path:
+    """Compile the extension (needs setuptools, a C compiler and OpenSSL's headers) into ``out``, or
+    in place beside its sources when None; returns the extension file."""
+    try:
+        from setuptools import Extension, setup
+    except ImportError as exc:
+        raise ConfigError(f"building the C speedups needs setuptools ({exc})") from None
+    ext = Extension(NAME, [str(p) for p in SOURCES], libraries=["crypto"], extra_compile_args=["-O3"],
+                    define_macros=[("SOURCE_SHA256", f'"{sources_sha256()}"')])
+    target = ROOT if out is None else out
+    tmp = (ROOT / "build" / "speedups") if out is None else out / "tmp"
+    cwd = Path.cwd()
+    try:
+        os.chdir(target)  # not the checkout when building elsewhere: setuptools would read its pyproject.toml
+        setup(name="gpuhit-speedups", ext_modules=[ext],
+              script_args=["-q", "build_ext", "--build-temp", str(tmp), "--build-lib", str(target)])
+    finally:
+        os.chdir(cwd)
+    return next((target / "gpuhit").glob("_speedups.*.so"))
+
+
+def clean() -> None:
+    """Remove the in-place build (back to pure Python)."""
+    for p in (ROOT / "gpuhit").glob("_speedups.*.so"):
+        p.unlink()
+    shutil.rmtree(ROOT / "build" / "speedups", ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["build"]:
+        print(f"built {build().relative_to(ROOT)}")
+    elif args == ["clean"]:
+        clean()
+        print("C speedups removed: pure Python")
+    else:
+        print("usage: python -m gpuhit.speedups build|clean", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from engines.base import max_cached_tokens
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
@@ -58,16 +58,11 @@ def lpwl_choice(snapshot: Snapshot) -> tuple[int, tuple[tuple[int, float], ...]]
     return inst.index, scores
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LPWL:
     name: str = "lpwl"
     type: str = "lpwl"
-
-    @property
-    def reads_engine_stats(self) -> bool:
-        """False: LPWL never reads the engines' stats (see :class:`policies.registry.Policy`). A
-        property, not a ClassVar: mypyc's dataclasses take a ClassVar for a field."""
-        return False
+    reads_engine_stats: ClassVar[bool] = False  # see policies.registry.Policy
 
     def decide(self, snapshot: Snapshot) -> Decision:
         inst, work, scores = _least_work(snapshot)
@@ -80,7 +75,7 @@ class LPWL:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LPWLMigrate:
     """LPWL, plus migration of a hot host's session.
 
@@ -114,12 +109,7 @@ class LPWLMigrate:
     min_gain_tokens: int = 0
     export_priority: bool = False
     export_tokens_per_token: float = 0.0
-
-    @property
-    def reads_engine_stats(self) -> bool:
-        """False: LPWL (and its migration rule) never reads the engines' stats (see :class:`policies.registry.Policy`). A
-        property, not a ClassVar: mypyc's dataclasses take a ClassVar for a field."""
-        return False
+    reads_engine_stats: ClassVar[bool] = False  # see policies.registry.Policy
 
     @property
     def scheduling_policy(self) -> str:

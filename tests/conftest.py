@@ -61,6 +61,6 @@ def c_speedups(tmp_path_factory):
 
     if shutil.which("cc") is None:
         pytest.skip("no C compiler (cc) to build gpuhit/_speedups.c")
-    from gpuhit import native, speedups
+    from gpuhit import speedups
 
-    return speedups.load_file(native.build_speedups(tmp_path_factory.mktemp("speedups")))
+    return speedups.load_file(speedups.build(tmp_path_factory.mktemp("speedups")))

@@ -1,11 +1,11 @@
-"""The gateway's admin and read-only endpoints (a mixin of :class:`gateway.http.app.Gateway`):
-``GET /health``, ``/ready``, ``/v1/models``, ``/metrics``, ``/debug/state`` and
-``POST /reset_prefix_cache``."""
+"""The gateway's admin and read-only endpoints: ``GET /health``, ``/ready``, ``/v1/models``,
+``/metrics``, ``/debug/state`` and ``POST /reset_prefix_cache``."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -13,14 +13,35 @@ import orjson
 
 from engines.kv_events import AllBlocksCleared, KVEventBatch
 from engines.vllm.client import VLLMEngine
+from gateway.hash_check import HashVerifier
+from gateway.http.forward_breakers import Breakers
+from gateway.http.kv_streams import KVStreams
+from gateway.http.parse import Prompts
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.metrics import GatewayMetrics
+from gateway.router import Router
 
 # What the precise index is told when an engine's prefix cache is known to be empty.
 CLEARED = KVEventBatch(ts=0.0, events=(AllBlocksCleared(),))
 
 
 class Admin:
-    """Admin and GET endpoints of :class:`~gateway.http.app.Gateway`."""
+    """Answers the admin and GET endpoints from the gateway's parts. ``setup``: what ``/debug/state``
+    reports of the configuration (policy, index, transport); ``share``: the replicas' share, or None."""
+
+    def __init__(self, engines: Sequence[VLLMEngine], router: Router, session: aiohttp.ClientSession,
+                 metrics: GatewayMetrics, breakers: Breakers, kv_streams: KVStreams, prompts: Prompts,
+                 setup: Mapping[str, Any], share: Any = None, verifier: HashVerifier | None = None):
+        self.engines = list(engines)
+        self.router = router
+        self.session = session
+        self.metrics = metrics
+        self.breakers = breakers
+        self.kv_streams = kv_streams
+        self.prompts = prompts
+        self.setup = dict(setup)
+        self.share = share
+        self.verifier = verifier
 
     async def reset_prefix_cache(self) -> tuple[int, str, bytes]:
         """``POST /reset_prefix_cache``: vLLM's route on every engine, so a benchmark starts cold.
@@ -30,11 +51,10 @@ class Admin:
         forgets a reset engine's blocks before this answers (not only when the engine's
         AllBlocksCleared event arrives); the approximate index ignores events and keeps its history.
         """
-        assert self.session is not None and self.router is not None
 
         async def one(i: int, eng: VLLMEngine) -> bool | str:
             try:
-                async with self.session.post(eng.base_url + "/reset_prefix_cache") as r:  # type: ignore[union-attr]
+                async with self.session.post(eng.base_url + "/reset_prefix_cache") as r:
                     if r.status != 200:
                         return f"HTTP {r.status}"
                     ok = bool((await r.json(content_type=None)).get("success", False))
@@ -48,19 +68,18 @@ class Admin:
         body = {"success": all(g is True for g in got), "engines": {e.name: g for e, g in zip(self.engines, got)}}
         return 200, "application/json", orjson.dumps(body)
 
-    # ------------------------------------------------------------------------------ GET endpoints
-
     def get(self, path: str) -> tuple[int, str, bytes] | None:
         """(status, content type, body) of a GET endpoint, None for an unknown path."""
         if path == "/health":
             return 200, "text/plain", b""
         if path == "/v1/models":
-            card = {"id": self.model, "object": "model", "owned_by": "gpuhit", "root": self.model, "parent": None,
-                    "max_model_len": self.max_model_len}
+            model = self.prompts.model
+            card = {"id": model, "object": "model", "owned_by": "gpuhit", "root": model, "parent": None,
+                    "max_model_len": self.prompts.max_model_len}
             return 200, "application/json", orjson.dumps({"object": "list", "data": [card]})
         if path == "/ready":
             router = self.router
-            ok = router is not None and any(router.healthy(i) for i in range(len(self.engines)))
+            ok = any(router.healthy(i) for i in range(len(self.engines)))
             return (200 if ok else 503), "application/json", orjson.dumps({"ready": ok})
         if path == "/metrics":
             return 200, METRICS_CONTENT_TYPE, self.metrics.render().encode()
@@ -70,7 +89,6 @@ class Admin:
 
     def debug_state(self) -> dict[str, Any]:
         router = self.router
-        assert router is not None
         counters = router.counters()
         index = router.index
         instances = []
@@ -83,7 +101,7 @@ class Admin:
                                  "kv_capacity_blocks": st.kv_capacity_blocks},
                 "index_gpu_blocks": len(index.cached(i)),
                 "index_cpu_blocks": len(index.cached(i, "CPU")),
-                "kv_stream": self.kv_stream_totals(i),
+                "kv_stream": self.kv_streams.totals(i),
                 "kv_subscribers": [
                     {"endpoint": s.endpoint, "synced": s.synced.is_set(), "batches": s.stats.batches,
                      "gaps": s.stats.gaps, "resets": s.stats.resets, "decode_errors": s.stats.decode_errors,
@@ -94,18 +112,19 @@ class Admin:
                 ],
             }
             instances.append(inst)
+        p = self.prompts
+        cache = p.hash_cache
         return {
-            "policy": self.policy_name, "index": self.cfg.index, "transport": self.cfg.transport,
-            "model": self.model, "block_size": self.block_size, "instances": instances,
+            **self.setup, "model": p.model, "block_size": p.block_size, "instances": instances,
             "bindings": len(router.bindings), "bindings_evicted": router.bindings.evicted,
             "router": router.stats.as_dict(),
             "share": None if self.share is None else self.share.state(),
-            "hash_cache_blocks_hashed": self.hash_cache.blocks_hashed,
-            "hash_cache_tokens": self.hash_cache.tokens, "prompt_memo_bytes": self.prompt_memo.bytes,
-            "hash": {"algo": self.hasher.hash_name, "none_hash_seed": self.hasher.seed},
+            "hash_cache_blocks_hashed": cache.blocks_hashed,
+            "hash_cache_tokens": cache.tokens, "prompt_memo_bytes": p.memo.bytes,
+            "hash": {"algo": cache.hasher.hash_name, "none_hash_seed": cache.hasher.seed},
             "hash_check": None if self.verifier is None else dict(zip(self.verifier.names, self.verifier.state())),
-            "tokenizer": None if self.tokenizer is None else self.tokenizer.source,
-            "approximate_prompts": dict(self.not_exact),
+            "tokenizer": None if p.tokenizer is None else p.tokenizer.source,
+            "approximate_prompts": dict(p.not_exact),
             # `gpuhit serve` freezes what exists at start-up (the KV index's sets among it) out of
             # the cyclic GC's reach: a full collection walks only what requests left behind.
             "gc": {"frozen": gc.get_freeze_count(),

@@ -18,9 +18,8 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
+from gateway.http.parse import PROMPT_PATHS
 from gateway.http.transport import (
-    CHAT,
-    COMPLETIONS,
     GET_PATHS,
     RESET_PREFIX_CACHE,
     MethodNotAllowedError,
@@ -82,16 +81,16 @@ def build_app(gw: Gateway) -> web.Application:
         async def handler(request: web.Request) -> web.StreamResponse:
             down = AioDownstream(request)
             if request.content_length is not None and request.content_length > cfg.max_body_bytes:
-                await gw._send_error(down, gw.body_limit_error(request.content_length), endpoint)
+                await gw.replies.send(down, gw.body_limit_error(request.content_length), endpoint)
             else:
                 try:
                     async with asyncio.timeout(cfg.body_timeout):
                         raw = await request.read()
                 except web.HTTPRequestEntityTooLarge:
-                    await gw._send_error(down, gw.body_limit_error(None), endpoint)
+                    await gw.replies.send(down, gw.body_limit_error(None), endpoint)
                 except TimeoutError:
                     err = RequestTimeoutError(f"request body not received within {cfg.body_timeout:g} s")
-                    await gw._send_error(down, err, endpoint)
+                    await gw.replies.send(down, err, endpoint)
                     assert down.resp is not None
                     down.resp.force_close()
                 else:
@@ -114,8 +113,7 @@ def build_app(gw: Gateway) -> web.Application:
         status, ctype, body = await gw.reset_prefix_cache()
         return web.Response(body=body, status=status, content_type=ctype)
 
-    app.add_routes([web.post(COMPLETIONS, post(COMPLETIONS)), web.post(CHAT, post(CHAT)),
-                    web.post(RESET_PREFIX_CACHE, reset)]
+    app.add_routes([web.post(p, post(p)) for p in PROMPT_PATHS] + [web.post(RESET_PREFIX_CACHE, reset)]
                    + [web.get(p, get(p)) for p in GET_PATHS])
     app.on_startup.append(lambda app: gw.start())
     app.on_cleanup.append(lambda app: gw.close())
@@ -123,7 +121,7 @@ def build_app(gw: Gateway) -> web.Application:
 
 
 def _json_error(gw: Gateway, err: GpuhitError, path: str) -> web.Response:
-    status, data = gw.error_payload(err, path if path in (COMPLETIONS, CHAT) else "other")
+    status, data = gw.error_payload(err, path if path in PROMPT_PATHS else "other")
     return web.Response(body=data, status=status, content_type="application/json")
 
 

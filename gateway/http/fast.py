@@ -34,9 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import httptools
 
+from gateway.http.parse import PROMPT_PATHS
 from gateway.http.transport import (
-    CHAT,
-    COMPLETIONS,
     GET_PATHS,
     RESET_PREFIX_CACHE,
     ExpectationFailedError,
@@ -61,7 +60,6 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Fo
             408: b"Request Timeout", 413: b"Payload Too Large", 414: b"URI Too Long", 417: b"Expectation Failed",
             431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 502: b"Bad Gateway",
             503: b"Service Unavailable", 504: b"Gateway Timeout"}
-_POST_PATHS = (COMPLETIONS, CHAT)
 _PIPELINE_MAX = 8  # queued pipelined requests before the client's socket is paused
 # h11's / aiohttp's limits: the request line, the header block, the number of header fields.
 MAX_LINE = 8 * 1024
@@ -428,7 +426,7 @@ class _ServerConn(asyncio.Protocol):
                     self.transport.resume_reading()
                 self._busy = True
                 try:
-                    if req.method == b"POST" and req.path in _POST_PATHS and req.reject is None:
+                    if req.method == b"POST" and req.path in PROMPT_PATHS and req.reject is None:
                         await self.gw.handle(req.path, req.headers, req.body, req)  # the common case, direct
                     else:
                         await self._dispatch(req)
@@ -469,7 +467,7 @@ class _ServerConn(asyncio.Protocol):
         method = req.method
         path = req.path
         if req.reject is not None:
-            status, data = gw.error_payload(req.reject, path if path in _POST_PATHS else "other")
+            status, data = gw.error_payload(req.reject, path if path in PROMPT_PATHS else "other")
             return await req.respond(status, {}, data, "application/json")
         if method == b"POST" and path == RESET_PREFIX_CACHE:
             status, ctype, data = await gw.reset_prefix_cache()
@@ -478,11 +476,11 @@ class _ServerConn(asyncio.Protocol):
             status, ctype, data = out
             await req.respond(status, {}, data, ctype)
             return
-        if path in _POST_PATHS or path in GET_PATHS or path == RESET_PREFIX_CACHE:
+        if path in PROMPT_PATHS or path in GET_PATHS or path == RESET_PREFIX_CACHE:
             err: GpuhitError = MethodNotAllowedError(f"method {method.decode('latin-1')} is not allowed on {path}")
         else:
             err = NotFoundError(f"no such endpoint: {path}")
-        status, data = gw.error_payload(err, path if path in _POST_PATHS else "other")
+        status, data = gw.error_payload(err, path if path in PROMPT_PATHS else "other")
         await req.respond(status, {}, data, "application/json")
 
     # -- writing

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import orjson
 
-from gpuhit import speedups
 from gpuhit.errors import BadRequestError, ConfigError
 
 CHARS_PER_TOKEN = 4
@@ -41,11 +40,8 @@ CHARS_PER_TOKEN = 4
 
 def text_chunk_hashes(text: str, chunk_chars: int) -> list[int]:
     """Approximate chained hashes of full ``chunk_chars`` chunks of ``text`` (see module docstring):
-    ``blake2b-64(previous digest + chunk)`` of each chunk of its UTF-8 bytes, as a big-endian int
-    (the C speedups compute the same hashes, ~4x faster on a long text)."""
+    ``blake2b-64(previous digest + chunk)`` of each chunk of its UTF-8 bytes, as a big-endian int."""
     data = text.encode("utf-8", "surrogatepass")
-    if _ACCEL is not None:
-        return _ACCEL.chunk_hashes(data, chunk_chars)
     out: list[int] = []
     prev = b""
     step = chunk_chars
@@ -115,13 +111,9 @@ def header_value(s: str) -> str:
 _SENTINEL = "\x00gpuhit-ids-" + secrets.token_hex(8)  # unguessable: only our substitution produces it
 _SENTINEL_JSON = orjson.dumps(_SENTINEL)
 _WS = b" \t\n\r"
-# Smaller bodies parse faster whole (measured: orjson + array("Q") win below ~5k ids, ~35 KB), unless
-# the C speedups are built (gpuhit/_speedups.c parse_uint_array: ~5x orjson's speed at every size).
-FAST_PARSE_MIN_BYTES = 65536
-# The C parser (``make compile``; None: numpy). Module-level so that tests can run both.
-_ACCEL = speedups.ACCEL
-# Bodies below this are not looked up in the prompt memo: orjson parses their few ids in microseconds.
-MEMO_MIN_BYTES = 4096
+# Bodies below this are parsed whole by orjson (the reference): as fast as the fast path for their
+# few hundred ids (both ~13 us at 500 ids; at 2,000 ids orjson takes ~44 us, the fast path ~19 us).
+FAST_PARSE_MIN_BYTES = 4096
 _DIGIT_MAX = 18  # digits of the largest id parsed here (< 2**63; longer ones go the orjson way)
 
 
@@ -185,10 +177,7 @@ def _parse_text(text: bytes) -> np.ndarray:
 
 def parse_ids(raw: bytes, start: int, stop: int) -> np.ndarray | None:
     """The integers of the JSON array body ``raw[start:stop]`` when :func:`_validated` accepts it;
-    else None. In one C pass when the speedups are built."""
-    if _ACCEL is not None:
-        buf = _ACCEL.parse_uint_array(raw, start, stop)
-        return None if buf is None else np.frombuffer(buf, dtype=np.uint64)
+    else None."""
     v = _validated(raw, start, stop)
     return None if v is None else _parse_text(v[0])
 
@@ -265,13 +254,6 @@ class LazyIds:
 _NO_IDS = np.zeros(0, dtype=np.uint64)
 
 
-def parses_fast(nbytes: int) -> bool:
-    """Whether :func:`fast_completion_ids` should parse a body of ``nbytes`` the memo does not
-    answer, rather than orjson whole: from :data:`FAST_PARSE_MIN_BYTES` up with numpy, always with
-    the C speedups (~5x orjson's speed at 4 KB as at 700 KB)."""
-    return _ACCEL is not None or nbytes >= FAST_PARSE_MIN_BYTES
-
-
 def _prompt_span(raw: bytes) -> tuple[int, int] | None:
     """``(at "[", at "]")`` of the first ``"prompt": [ ... ]`` in ``raw`` (the bytes may also occur as a
     string value, hence the loop); None when there is none. Whether it is the top-level prompt is for
@@ -298,15 +280,14 @@ def memo_key(session: str | None, raw: bytes, start: int, stop: int) -> str | by
     return session if session is not None else raw[start : min(stop, start + _KEY_BYTES)]
 
 
-def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str | None = None,
-                        parse: bool = True) -> tuple[dict[str, Any], np.ndarray | LazyIds] | None:
-    """(body without its prompt, token ids) of a completions body whose top-level ``prompt`` is a
+def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str | None = None
+                        ) -> tuple[dict[str, Any], np.ndarray | LazyIds] | None:
+    """(body without its ``prompt`` key, token ids) of a completions body whose top-level ``prompt`` is a
     flat array of plain non-negative integers; None for any other body (parse it whole). With a
     ``memo``, a prompt that repeats or extends the previous one of its key (:func:`memo_key`) parses
     only its new ids (see :class:`PromptMemo`); otherwise a named session's ids are parsed now (the
     memo keeps them for the next turn, whose hashes reach through all of them) and any other's come
-    as :class:`LazyIds` (with the C speedups: parsed now). ``parse=False``: the memo's answer or
-    None, nothing parsed otherwise (for bodies that orjson parses faster whole: :func:`parses_fast`)."""
+    as :class:`LazyIds`."""
     span = _prompt_span(raw)
     if span is None:
         return None
@@ -317,13 +298,8 @@ def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str
         key = memo_key(session, raw, lb + 1, rb)
         ids = memo.extend(key, raw, lb + 1, rb)
     if ids is None:
-        if not parse:
-            return None
-        if _ACCEL is not None:  # parsed whole in C: faster than LazyIds' numpy check alone
-            ids = parse_ids(raw, lb + 1, rb)
-        else:
-            v = _validated(raw, lb + 1, rb)
-            ids = None if v is None else _parse_text(v[0]) if memo is not None and session is not None else LazyIds(*v)
+        v = _validated(raw, lb + 1, rb)
+        ids = None if v is None else _parse_text(v[0]) if memo is not None and session is not None else LazyIds(*v)
         if ids is None:
             return None
     try:
@@ -334,20 +310,12 @@ def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str
     # the sentinel is where the prompt is. The rest of the body parsed the same as it would whole.
     if not isinstance(body, dict) or body.get("prompt") != _SENTINEL:
         return None
+    # The sentinel only marked the array's place for that check: the body handed on has no prompt
+    # (what is forwarded is the client's bytes, never this body).
+    del body["prompt"]
     if memo is not None:
         memo.remember(key, _text_of(raw, lb + 1, rb), ids)
     return body, ids
-
-
-def client_body(body: Mapping[str, Any], prompt_ids: Sequence[int] | None) -> dict[str, Any]:
-    """``body`` as the client sent it: a prompt that :func:`fast_completion_ids` left as its sentinel
-    gets the parsed ids back (for the few answers that re-serialize the body; the rest forward the
-    client's bytes unchanged)."""
-    if body.get("prompt") == _SENTINEL:
-        if prompt_ids is None:
-            raise ValueError("a fast-parsed body needs its prompt ids to be re-serialized")
-        return {**body, "prompt": list(prompt_ids)}
-    return dict(body)
 
 
 class PromptMemo:

@@ -1,28 +1,40 @@
 """The realized prefix hit of an answer: its ``usage`` object, found in the answer's tail without
-parsing the rest (vLLM puts ``usage`` last, in the final SSE event or at the end of the JSON).
-
-With the C speedups (:mod:`gpuhit.speedups`) a JSON answer's usage object is read in C when it has
-vLLM's compact shape (~0.4 us, where orjson took ~1.4 us to build the whole answer); anything else
-goes through :func:`usage_from_tail`, which gives the same answer."""
+parsing the rest (vLLM puts ``usage`` last, in the final SSE event or at the end of the JSON), and
+read into a :class:`Usage`, the shape the gateway's bookkeeping takes from every prompt dialect."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from gpuhit.speedups import ACCEL as _ACCEL
+from engines.vllm import protocol
 
 TAIL_MAX = 4096  # bytes of a JSON answer's end searched for its usage object
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What an engine reported of one answer: prompt tokens served from its prefix cache (0 when it
+    sent usage without the detail) and tokens generated."""
+
+    cached_tokens: int
+    completion_tokens: int
+
+
+def openai_usage(u: Any) -> Usage | None:
+    """An OpenAI-shaped ``usage`` object (``prompt_tokens_details.cached_tokens``,
+    ``completion_tokens``) as a :class:`Usage`; None when there is none."""
+    if not isinstance(u, dict):
+        return None
+    return Usage(protocol.cached_tokens_of(u) or 0, int(u.get("completion_tokens") or 0))
 
 
 def usage_of_json(data: bytes) -> dict[str, Any] | None:
     """The ``usage`` object of a whole (non-streamed) JSON answer: the last ``"usage": {...}`` in
     its last :data:`TAIL_MAX` bytes (:func:`usage_from_tail`), whatever the answer's size."""
-    tail = data[-TAIL_MAX:]
-    if _ACCEL is not None and (u := _ACCEL.usage_object(tail)) is not None:
-        return u
-    return usage_from_tail(tail, sse=False)
+    return usage_from_tail(data[-TAIL_MAX:], sse=False)
 
 
 def usage_from_tail(tail: bytes, sse: bool = True) -> dict[str, Any] | None:

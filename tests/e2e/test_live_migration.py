@@ -146,7 +146,7 @@ def test_failed_transfers_fall_back_to_recompute_counted_nothing_lost():
         async with emulated(["a", "b"]) as engs, servers(engs) as srvs, \
                 gateway(urls(srvs), policy=MIGRATE_HOT, health_interval=60.0) as (gw, url), \
                 aiohttp.ClientSession() as http:
-            real_step = gw._producer_step
+            real_step = gw.pipeline.forwarder.producer
             tamper = {}
 
             async def step(ticket, headers):
@@ -157,7 +157,7 @@ def test_failed_transfers_fall_back_to_recompute_counted_nothing_lost():
                     await srvs[ticket.source].close()  # the producer goes away between the two steps
                 return params
 
-            gw._producer_step = step
+            gw.pipeline.forwarder.producer = step
             s1 = list(range(1000, 1069))
             s2 = list(range(5000, 5069))
             h, _, _ = await post(http, url, s1, "s1")

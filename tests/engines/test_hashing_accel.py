@@ -1,28 +1,13 @@
-"""The C speedups' vLLM sha256 block-hash chain (gpuhit/_sha256.c) against hashlib and against
+"""The C speedups' vLLM sha256 block-hash chain (gpuhit/_speedups.c, hashed by OpenSSL) against
 BlockHasher's Python chain: the same digests for every input, None where the Python path must decide.
 Built for the test run by the ``c_speedups`` fixture (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import hashlib
-import random
-
 import numpy as np
 import pytest
 
-from engines import hashing
 from engines.hashing import BlockHasher
-
-# lengths around every SHA-256 padding boundary (55/56 bytes of a block: one or two final blocks)
-_LENGTHS = [*range(200), 255, 256, 1000, 4095, 4096, 100_003]
-
-
-@pytest.mark.parametrize("portable", [False, True])
-def test_sha256_equals_hashlib_at_every_length(c_speedups, portable):
-    rng = random.Random(7)
-    for n in _LENGTHS:
-        data = rng.randbytes(n)
-        assert c_speedups.sha256_digest(data, portable) == hashlib.sha256(data).digest(), n
 
 
 def _ids(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -62,15 +47,12 @@ def test_block_chain_leaves_what_it_cannot_lay_out_to_python(c_speedups):
         c_speedups.sha256_blocks(np.arange(16, dtype=np.uint64), 0, root)
 
 
-def test_hash_array_takes_the_c_chain_and_agrees(c_speedups, monkeypatch):
-    """BlockHasher.hash_array with the speedups loaded (as in a `make compile` build) gives what it
-    gives without them, chained from the root or from a parent, on the fast path and around it."""
+def test_hash_array_takes_the_c_chain_and_agrees(c_speedups):
+    """BlockHasher.hash_array given the speedups gives what it gives without them, chained from the
+    root or from a parent, on the fast path and around it."""
     rng = np.random.default_rng(11)
-    hasher = BlockHasher(16)
     cases = [(_ids(rng, n), p) for n in (16, 100, 1600, 20_000) for p in (None, rng.bytes(32))]
-    want = [hasher.hash_array(ids, p) for ids, p in cases]  # this checkout's path (C or Python)
-    monkeypatch.setattr(hashing, "ACCEL", None)
-    assert [hasher.hash_array(ids, p) for ids, p in cases] == want
+    want = [BlockHasher(16).hash_array(ids, p) for ids, p in cases]  # the Python chain
     calls = []
     real = c_speedups.sha256_blocks
 
@@ -79,7 +61,7 @@ def test_hash_array_takes_the_c_chain_and_agrees(c_speedups, monkeypatch):
             calls.append(len(args[0]))
             return real(*args)
 
-    monkeypatch.setattr(hashing, "ACCEL", Spy())
+    hasher = BlockHasher(16, accel=Spy())
     assert [hasher.hash_array(ids, p) for ids, p in cases] == want
     assert calls == [16, 16, 96, 96, 1600, 1600, 20_000, 20_000]
     assert [hasher.hash_blocks(ids.tolist(), p) for ids, p in cases] == want

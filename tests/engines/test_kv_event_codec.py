@@ -169,3 +169,22 @@ def test_the_typed_fast_path_decodes_as_the_general_one_and_leaves_token_ids_raw
     ids = ev.events[0].token_ids
     assert len(ids) == 70_000 and ids[:16] == tuple(range(16)) and ids._ids is None
     assert ids[69_999] == 69_999 and ids._ids is not None
+
+
+def test_runs_of_one_block_removals_merge_into_one_event():
+    """vLLM sends a BlockRemoved per evicted block; merged, each run of one medium and group is one
+    event with the hashes in order, a stored block or another medium ending the run."""
+    from engines import kv_event_codec as codec
+    from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+    stored = BlockStored((9,), None, tuple(range(16)), 16, medium="GPU", group_idx=0)
+    events = (*(BlockRemoved((h,), "GPU", 0) for h in (1, 2, 3)), BlockRemoved((4,), "CPU", 0),
+              BlockRemoved((5, 6), "CPU", 0), BlockRemoved((7,), "CPU", 1), stored, BlockRemoved((8,), "GPU", 0),
+              AllBlocksCleared(), BlockRemoved((), "GPU", 0))
+    want = (BlockRemoved((1, 2, 3), "GPU", 0), BlockRemoved((4, 5, 6), "CPU", 0), BlockRemoved((7,), "CPU", 1),
+            stored, BlockRemoved((8,), "GPU", 0), AllBlocksCleared(), BlockRemoved((), "GPU", 0))
+    batch = KVEventBatch(2.5, events, 0)
+    assert codec.merge_removed(batch) == KVEventBatch(2.5, want, 0)
+    payload = codec.encode_batch(batch, codec.VLLM)
+    assert codec.decode_batch(payload) == batch  # unmerged unless asked
+    assert codec.decode_batch(payload, merge=True) == KVEventBatch(2.5, want, 0)

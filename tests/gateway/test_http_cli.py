@@ -45,11 +45,12 @@ def test_nixl_producer_params_pass_to_the_consumer_as_they_are():
     vLLM) needs no bootstrap address: the gateway hands it to the consumer unchanged."""
     import asyncio
 
-    from gateway.http.app import Gateway
+    from gateway.http.producer import ProducerStep
+    from gateway.metrics import GatewayMetrics
 
-    gw = Gateway(gcfg.with_overrides(gcfg.GatewayConfig(), engines=["http://a:1", "http://b:1"]))
+    step = ProducerStep(None, None, ["a", "b"], [None, None], None, GatewayMetrics(), "m", None)  # type: ignore[arg-type]
     returned = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3, 4]],
                 "remote_engine_id": "8729d2e7", "remote_request_id": "cmpl-86e3-0-bf13", "remote_host": "127.0.0.1",
                 "remote_port": 49759, "tp_size": 1, "remote_num_tokens": 100, "remote_prefill_cached_tokens": 0}
-    params = asyncio.run(gw._consumer_params(0, "gpuhit-0-x", returned))
+    params = asyncio.run(step.consumer_params(0, "gpuhit-0-x", returned))
     assert params == returned

@@ -167,7 +167,7 @@ def test_decision_headers_are_the_same_on_both_transports_and_safe():
                     assert r.status == 200
                     seen.append({k: v for k, v in r.headers.items() if k.startswith("x-gpuhit-")})
                 odd = Decision(FORWARD, 1, "héllo\r\nworld " + "x" * 300)
-                lines = dict(gw._decision_headers(1, odd, 48))
+                lines = dict(gw.pipeline.decision_headers(1, odd, 48))
                 assert lines == {"x-gpuhit-instance": "e1", "x-gpuhit-decision": "forward",
                                  "x-gpuhit-reason": header_value(odd.reason), "x-gpuhit-predicted-hit": "48"}
         assert seen[0] == seen[1] and seen[0]["x-gpuhit-reason"].startswith("lpwl: pending 0 + new 40")

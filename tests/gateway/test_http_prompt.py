@@ -14,16 +14,6 @@ from gateway.http.prompt import PromptMemo, chat_text, fast_completion_ids, pars
 from gpuhit.errors import GpuhitError
 
 
-@pytest.fixture(params=["numpy", "C"])
-def parser(request, monkeypatch):
-    """Each fast-path test runs with the pure-Python parser and with the C speedups
-    (gpuhit/_speedups.c, built for the test run): their answers must be the same."""
-    from gateway.http import prompt
-
-    monkeypatch.setattr(prompt, "_ACCEL", request.getfixturevalue("c_speedups") if request.param == "C" else None)
-    return request.param
-
-
 def test_reference_vector_and_incremental_reuse():
     hasher = BlockHasher(16)
     cache = SessionHashCache(hasher)
@@ -72,7 +62,7 @@ def _random_body(rng: random.Random) -> bytes:
     return (rng.choice(_PRE) + arr + rng.choice(_POST)).encode()
 
 
-def test_fast_ids_equal_orjson_or_step_aside(parser):
+def test_fast_ids_equal_orjson_or_step_aside():
     """The fast path returns exactly what orjson parses (prompt as ids, the rest of the body equal),
     or None, for random odd bodies: whitespace, signs, floats, nested arrays, leading zeros,
     64-bit overflow, escaped / nested / duplicate "prompt" keys, invalid JSON."""
@@ -89,12 +79,12 @@ def test_fast_ids_equal_orjson_or_step_aside(parser):
         assert isinstance(doc, dict) and doc["prompt"] == ids.tolist(), raw
         assert all(type(x) is int and 0 <= x < 1 << 63 for x in doc["prompt"]), raw
         doc.pop("prompt")
-        body.pop("prompt")
+        assert "prompt" not in body, raw
         assert body == doc, raw
     assert taken > 150  # the generator does reach the fast path
 
 
-def test_parse_ids_large_and_rejects(parser):
+def test_parse_ids_large_and_rejects():
     rng = np.random.default_rng(18)
     ids = rng.integers(0, 10**18, 5000).tolist() + [0, 9, 10]
     for sep in (b",", b", ", b" ,\n"):
@@ -106,7 +96,7 @@ def test_parse_ids_large_and_rejects(parser):
         assert parse_ids(bad, 0, len(bad)) is None, bad
 
 
-def test_prompt_memo_parses_only_the_extension(parser):
+def test_prompt_memo_parses_only_the_extension():
     memo = PromptMemo()
     base = list(range(1000, 1300))
     for turn, (sep, more) in enumerate([(",", [5, 6]), (" , ", [7]), (",\n", list(range(40)))]):
@@ -162,30 +152,30 @@ def test_session_cache_array_path_matches_reference():
     assert cache.hashes_array(prompt[:40], "s") == hasher.event_ints(prompt[:40].tolist())
 
 
-def _gateway(**kw):
-    from gateway.config import EngineEntry, GatewayConfig
-    from gateway.http.app import Gateway
+def _completions(fast_ids: bool, **kw):
+    from gateway.http.parse import Completions, Prompts
 
-    cfg = GatewayConfig(engines=(EngineEntry("http://127.0.0.1:9", "e0"),), model="m", block_size=16, **kw)
-    return Gateway(cfg.validate())
+    prompts = Prompts("m", SessionHashCache(BlockHasher(16)), 16, max_model_len=200_000, **kw)
+    return Completions(prompts, fast_ids=fast_ids)
 
 
-def _outcome(fn):
+def _outcome(dialect, raw):
+    from gateway.http.prompt import TokenIds
+
     try:
-        n, mt, stream, hashes, ids = fn()
+        r = dialect.parse(raw, "s")
     except GpuhitError as exc:
-        return type(exc).__name__, str(exc), getattr(exc, "param", None), int(exc.http_status)
-    return n, mt, stream, hashes, list(ids)
+        return (type(exc).__name__, str(exc), getattr(exc, "param", None), int(exc.http_status)), False
+    fast = type(r.prompt_ids) is TokenIds
+    return (r.prompt_tokens, r.max_tokens, r.stream, list(r.block_hashes), None if r.prompt_ids is None else list(r.prompt_ids)), fast
 
 
-def test_gateway_fast_and_full_parse_agree_on_large_bodies(parser):
+def test_gateway_fast_and_full_parse_agree_on_large_bodies():
     """Bodies past FAST_PARSE_MIN_BYTES: the fast path's answer or error is exactly the full
-    parse's, and where it steps aside (None) the gateway parses whole as before."""
+    parse's, and where it steps aside the dialect parses whole as before."""
     from gateway.http.prompt import FAST_PARSE_MIN_BYTES
-    from gateway.http.transport import COMPLETIONS
 
-    gw = _gateway(vocab_size=150_000)
-    gw.max_model_len = 200_000
+    fast, full = _completions(True, vocab_size=150_000), _completions(False, vocab_size=150_000)
     rng = random.Random(7)
     big = ",".join(str(rng.randrange(150_000)) for _ in range(20_000))
     bodies = [
@@ -205,24 +195,13 @@ def test_gateway_fast_and_full_parse_agree_on_large_bodies(parser):
     ]
     took = 0
     for template in bodies:
-        text = template.replace("IDS", big)
-        raw = text.encode()
+        raw = template.replace("IDS", big).encode()
         assert len(raw) >= FAST_PARSE_MIN_BYTES
-
-        def full(raw=raw):
-            return gw._parse(COMPLETIONS, {}, gw._parse_body({}, raw), "s")
-
-        try:
-            fast = gw._parse_fast(raw, "s")
-        except GpuhitError as exc:
-            took += 1
-            fast_out = type(exc).__name__, str(exc), getattr(exc, "param", None), int(exc.http_status)
-        else:
-            if fast is None:
-                continue
-            took += 1
-            fast_out = _outcome(lambda fast=fast: fast[1])
-        assert fast_out == _outcome(full), text[-60:]
+        got, _ = _outcome(fast, raw)
+        want, full_fast = _outcome(full, raw)
+        assert not full_fast
+        took += fast_completion_ids(raw) is not None  # the fast path answered (or raised) this one
+        assert got == want, template[-40:]
     assert took >= 5
 
 
@@ -274,11 +253,8 @@ def test_the_index_search_over_lazy_hashes_answers_as_over_the_list_and_hashes_a
         assert lazy.computed <= min(300, 2 * max(hit, held) + 2)  # (a hole: searched to the held run's end)
 
 
-def test_ids_without_a_session_are_checked_whole_but_parsed_only_as_far_as_they_are_read(monkeypatch):
-    from gateway.http import prompt
+def test_ids_without_a_session_are_checked_whole_but_parsed_only_as_far_as_they_are_read():
     from gateway.http.prompt import LazyIds
-
-    monkeypatch.setattr(prompt, "_ACCEL", None)  # LazyIds is the numpy path's (C parses whole, faster)
 
     rng = random.Random(4)
     ids = [rng.randrange(0, 200_000) for _ in range(30_000)]
@@ -317,7 +293,7 @@ def test_completing_a_superseded_prompt_hashes_nothing():
     assert cache.blocks_hashed == 104 and list(second) == BlockHasher(16).event_ints(turn2.tolist())
 
 
-def test_the_prompt_memo_is_bounded_in_bytes(parser):
+def test_the_prompt_memo_is_bounded_in_bytes():
     memo = PromptMemo(max_sessions=100, max_bytes=1_000_000)
     for i in range(20):
         ids = np.arange(i, i + 20_000, dtype=np.uint64)
@@ -326,32 +302,35 @@ def test_the_prompt_memo_is_bounded_in_bytes(parser):
     assert len(memo._last) == 3
 
 
-def test_the_prompt_memo_serves_session_less_repeats_and_checks_what_it_learnt(parser):
+def test_the_prompt_memo_serves_session_less_repeats_and_checks_what_it_learnt():
     """Without a session the memo is keyed by how the array text starts: a repeated prompt reuses the
     ids, an extension parses only its new ids. An entry learnt from a body parsed whole is used only
     once its text is checked to be its ids' own: text with spaces, or a nested "prompt" array met
     before the top-level one, is forgotten at first use (the caller then parses whole, still right)."""
-    from gateway.http.prompt import MEMO_MIN_BYTES
+    from gateway.http.prompt import FAST_PARSE_MIN_BYTES
 
     memo = PromptMemo()
     ids = list(range(100_000, 100_000 + 1000))
     raw = orjson.dumps({"model": "m", "prompt": ids, "max_tokens": 4})
-    assert len(raw) >= MEMO_MIN_BYTES
-    assert fast_completion_ids(raw, memo, None, parse=False) is None  # nothing learnt yet: not parsed
-    memo.learn(raw, None, np.array(ids, dtype=np.uint64))
-    body, got = fast_completion_ids(raw, memo, None, parse=False)
-    assert got.tolist() == ids and body["max_tokens"] == 4 and memo.reused == 1
+    assert len(raw) >= FAST_PARSE_MIN_BYTES
+    body, got = fast_completion_ids(raw, memo, None)  # nothing learnt yet: parsed, then remembered
+    assert np.asarray(got).tolist() == ids and memo.reused == 0
+    body, got = fast_completion_ids(raw, memo, None)
+    assert np.asarray(got).tolist() == ids and body["max_tokens"] == 4 and memo.reused == 1
     longer = orjson.dumps({"model": "m", "prompt": ids + [5, 6, 7], "max_tokens": 4})
-    body, got = fast_completion_ids(longer, memo, None, parse=False)
+    body, got = fast_completion_ids(longer, memo, None)
     assert got.tolist() == ids + [5, 6, 7] and memo.reused == 2
-    # spaced text (json.dumps' default): learnt, refused at first use, forgotten
+    # spaced text (json.dumps' default), learnt from a body parsed whole: refused at first use,
+    # forgotten, and the body parsed anew
     spaced = json.dumps({"model": "m", "prompt": ids[::-1]}).encode()
     memo.learn(spaced, None, np.array(ids[::-1], dtype=np.uint64))
-    assert fast_completion_ids(spaced, memo, None, parse=False) is None and memo.reused == 2
+    body, got = fast_completion_ids(spaced, memo, None)
+    assert np.asarray(got).tolist() == ids[::-1] and memo.reused == 2
     assert all(t[2] for t in memo._last.values())
     # a nested "prompt" array before the top-level one: its text is not the learnt ids'
     nested = orjson.dumps({"x": {"prompt": ids[:500] * 2}, "prompt": ids[::-1]})
     memo.learn(nested, None, np.array(ids[::-1], dtype=np.uint64))
-    assert fast_completion_ids(nested, memo, None, parse=False) is None
+    assert fast_completion_ids(nested, memo, None) is None  # not the top-level prompt: parse it whole
     again = orjson.dumps({"model": "m", "prompt": ids[:500] * 2})
-    assert fast_completion_ids(again, memo, None, parse=False) is None and memo.reused == 2
+    body, got = fast_completion_ids(again, memo, None)
+    assert np.asarray(got).tolist() == ids[:500] * 2 and memo.reused == 2

@@ -1,8 +1,7 @@
 """``usage_from_tail``: the realized hit found in an answer's tail without parsing the rest. The
 plain-JSON case matches braces with C-level find / count; it must find exactly the object the
 byte-by-byte depth count finds (the reference below), on vLLM-shaped answers cut anywhere and on
-random brace soups. (The C speedups' ``usage_object`` is held to the same answers in
-``test_speedups.py``.)"""
+random brace soups."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ import asyncio
 
 import aiohttp
 import orjson
-import pytest
 
 from engines.fake import FakeEngine
 from gateway.http.forward import forwarded_body
@@ -17,10 +16,17 @@ from tests.e2e.helpers import gateway, servers
 def test_forwarded_body_is_the_clients_bytes_unless_the_router_adds_fields():
     body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}
     raw = orjson.dumps(body)
-    assert forwarded_body(body, raw, None, None) is raw
-    assert orjson.loads(forwarded_body(body, raw, None, 1234)) == {**body, "priority": 1234}
-    got = orjson.loads(forwarded_body(body, raw, {"do_remote_prefill": True}, 0))
+    assert forwarded_body(raw, {}) is raw
+    assert orjson.loads(forwarded_body(raw, {"priority": 1234})) == {**body, "priority": 1234}
+    got = orjson.loads(forwarded_body(raw, {"kv_transfer_params": {"do_remote_prefill": True}, "priority": 0}))
     assert got == {**body, "kv_transfer_params": {"do_remote_prefill": True}, "priority": 0}
+    # the client's bytes stay as they are (spacing, key order) and a field it sent too is overridden,
+    # as a JSON parser keeps a repeated key's last value
+    spaced = b'{ "priority": 5, "prompt" : [1,  2], "model":"m" }\n'
+    out = forwarded_body(spaced, {"priority": 9})
+    assert out.startswith(b'{ "priority": 5, "prompt" : [1,  2], "model":"m"')
+    assert orjson.loads(out) == {"priority": 9, "prompt": [1, 2], "model": "m"}
+    assert orjson.loads(forwarded_body(b"{}", {"priority": 1})) == {"priority": 1}
 
 
 def test_priority_policy_sets_vllm_priority_on_the_engine_request():
@@ -42,9 +48,9 @@ def test_priority_policy_sets_vllm_priority_on_the_engine_request():
     asyncio.run(main())
 
 
-def test_a_fast_parsed_prompt_is_restored_when_the_body_is_reserialized():
-    """Bodies over FAST_PARSE_MIN_BYTES are parsed without their prompt (a sentinel stands in); when a
-    policy's priority makes the gateway re-serialize the body, the engine still gets the client's ids."""
+def test_a_fast_parsed_prompt_reaches_the_engine_when_the_router_adds_fields():
+    """Bodies over FAST_PARSE_MIN_BYTES are parsed without building their prompt; when a policy's
+    priority adds a field, the engine still gets the client's ids (its bytes, with the field added)."""
     from gateway.http.prompt import FAST_PARSE_MIN_BYTES
 
     async def main():
@@ -65,12 +71,11 @@ def test_a_fast_parsed_prompt_is_restored_when_the_body_is_reserialized():
     asyncio.run(main())
 
 
-def test_reserializing_a_fast_parsed_body_without_its_ids_is_refused():
+def test_a_fast_parsed_body_has_no_prompt_and_forwarding_adds_to_the_clients_bytes():
     from gateway.http.prompt import fast_completion_ids
 
     raw = orjson.dumps({"model": "m", "prompt": list(range(20_000)), "max_tokens": 2})
     body, ids = fast_completion_ids(raw)
-    assert forwarded_body(body, raw, None, None) is raw  # nothing added: the client's bytes
-    assert orjson.loads(forwarded_body(body, raw, None, 7, ids.tolist()))["prompt"] == list(range(20_000))
-    with pytest.raises(ValueError, match="prompt ids"):
-        forwarded_body(body, raw, None, 7)
+    assert body == {"model": "m", "max_tokens": 2} and ids.tolist() == list(range(20_000))
+    assert orjson.loads(forwarded_body(raw, {"priority": 7})) == {"model": "m", "prompt": list(range(20_000)),
+                                                                  "max_tokens": 2, "priority": 7}

@@ -42,6 +42,7 @@ from engines.hashing import BlockHasher, SessionHashCache
 from engines.kv_event_codec import VLLM, encode_batch, encode_seq
 from engines.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from gateway.http.prompt import FAST_PARSE_MIN_BYTES, fast_completion_ids
+from gpuhit import speedups
 
 BLOCK_SIZE = 16
 OUT = 4
@@ -164,7 +165,8 @@ class _Store:
         self.answers: list[tuple[asyncio.Transport, bytes]] = []  # this step's answers, not written yet
         self._flush: asyncio.Handle | None = None
         # few sessions kept: a kept 100k-token prompt costs ~1.4 MB, and every prompt is kept once
-        self.hashes = SessionHashCache(BlockHasher(BLOCK_SIZE), max_sessions=128, max_tokens=4 << 20)
+        self.hashes = SessionHashCache(BlockHasher(BLOCK_SIZE, accel=speedups.load()), max_sessions=128,
+                                       max_tokens=4 << 20)
         self.stamp: dict[int, int] = {}  # cached block -> the latest use of it
         self.uses: deque[tuple[int, list[int]]] = deque()  # (use, its blocks), oldest first
         self.listed = 0  # blocks listed in self.uses, stale ones included

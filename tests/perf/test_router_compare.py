@@ -60,7 +60,16 @@ from gpuhit import speedups
 from tests.e2e.helpers import Proc, spawn
 
 HERE = pathlib.Path(__file__).resolve().parent
-CONCURRENCY = (1, 16, 64)
+CONCURRENCY = tuple(int(c) for c in os.environ.get("GPUHIT_BENCH_CONCURRENCY", "1,16,64").split(",") if c)
+STREAMS = tuple(s == "yes" for s in os.environ.get("GPUHIT_BENCH_STREAM", "no,yes").split(",") if s)
+# The target the ratio columns compare gpuhit with (paired per round): vllm-router, or a
+# GPUHIT_BENCH_BEFORE label for before/after tables.
+VS = os.environ.get("GPUHIT_BENCH_VS", "vllm-router")
+# Extra flags of this checkout's `gpuhit serve` (e.g. --no-c-speedups: its reference implementations
+# while the mock engines, from the same checkout, keep the C speedups).
+GPUHIT_ARGS = os.environ.get("GPUHIT_BENCH_GPUHIT_ARGS", "").split()
+# More paired comparisons, each "a/b" (target labels), printed after the main table.
+PAIRS = [p for p in os.environ.get("GPUHIT_BENCH_PAIRS", "").split(",") if p]
 SCALE = float(os.environ.get("GPUHIT_BENCH_SCALE", "1"))
 ROUNDS = int(os.environ.get("GPUHIT_BENCH_ROUNDS", "1"))
 WORKLOADS = ("chat", "2k", "2k-new", "100k", "100k+512")
@@ -277,21 +286,23 @@ def test_router_compare():
             engine_pids = [p.proc.pid for p in procs]
             targets: dict[str, tuple[int | None, list[str]]] = {"direct": (None, engines)}
             gw, url = await _spawn_url(["-m", "replayer.cli", "serve", "--port", "0", *eng_args, "--policy", "lpwl",
-                                        "--index", "precise", "--model", "m", "--max-prompt-tokens", "0"], " on ")
+                                        "--index", "precise", "--model", "m", "--max-prompt-tokens", "0",
+                                        *GPUHIT_ARGS], " on ")
+            print(f"gpuhit: {gw.first_line}", flush=True)
             procs.append(gw)
             targets["gpuhit"] = (gw.proc.pid, [url])
-            before = os.environ.get("GPUHIT_BENCH_BEFORE")
-            if before:  # another gpuhit checkout (e.g. main before a change), same flags: before/after in one run
+            for label, before, flags in _befores():  # other gpuhit checkouts: before/after in one run
                 # `python -m` would put this checkout (the cwd) first on sys.path: import from `before`
                 # the command line's module in that checkout (it moved from gpuhit/ to replayer/)
                 cli = "replayer.cli" if os.path.exists(os.path.join(before, "replayer", "cli.py")) else "gpuhit.cli"
                 boot = f"import runpy, sys; sys.path.insert(0, {before!r}); runpy.run_module({cli!r}, " \
                        "run_name='__main__', alter_sys=True)"
                 old = await spawn(["-c", boot, "serve", "--port", "0", *eng_args, "--policy", "lpwl", "--index",
-                                   "precise", "--model", "m", "--max-prompt-tokens", "0"])
+                                   "precise", "--model", "m", "--max-prompt-tokens", "0", *flags],
+                                  env={"PYTHONPATH": before})
                 procs.append(old)
-                label = os.environ.get("GPUHIT_BENCH_BEFORE_LABEL", "gpuhit-before")
                 targets[label] = (old.proc.pid, [old.first_line.split(" on ", 1)[1].split(" ", 1)[0]])
+                print(f"{label}: {old.first_line}", flush=True)
             if os.environ.get("GPUHIT_BENCH_RR") == "1":
                 rr, url = await _spawn_url(["-m", "replayer.cli", "serve", "--port", "0", *eng_args, "--policy",
                                             "round_robin", "--index", "precise", "--model", "m",
@@ -303,7 +314,7 @@ def test_router_compare():
             conf = 0
             for workload in (w for w in WORKLOADS if w in ONLY):
                 path = "/v1/chat/completions" if workload == "chat" else "/v1/completions"
-                for stream in (False, True):
+                for stream in STREAMS:
                     for c in CONCURRENCY:
                         n = max(c, int(REQUESTS[workload][c] * SCALE))
                         got: dict[str, list[tuple[float, float, float]]] = {t: [] for t in targets}
@@ -336,12 +347,33 @@ def test_router_compare():
             for p in procs:
                 await p.stop()
         _print_table(rows)
+        for pair in PAIRS:
+            _print_pair(rows, *pair.split("/", 1))
         for line in failed:
             print("errors:", line)
 
     import uvloop
 
     uvloop.run(main())
+
+
+def _befores() -> list[tuple[str, str, list[str]]]:
+    """(label, checkout, extra serve flags) of each other gpuhit to run beside this one:
+    ``GPUHIT_BENCH_BEFORE`` is a checkout (labelled ``$GPUHIT_BENCH_BEFORE_LABEL``, default
+    ``gpuhit-before``) or a comma-separated list of ``label=checkout[:flag...]`` (e.g.
+    ``after-pure=/src/gpuhit:--no-c-speedups``)."""
+    spec = os.environ.get("GPUHIT_BENCH_BEFORE", "")
+    if not spec:
+        return []
+    if "=" not in spec:
+        return [(os.environ.get("GPUHIT_BENCH_BEFORE_LABEL", "gpuhit-before"), spec, [])]
+    out = []
+    for part in spec.split(","):
+        if part:
+            label, rest = part.split("=", 1)
+            path, *flags = rest.split(":")
+            out.append((label, path, flags))
+    return out
 
 
 def _print_row(row) -> None:
@@ -391,7 +423,7 @@ def _print_table(rows) -> None:
     print()
     print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
           f", scale {SCALE}, rounds {ROUNDS}, mock KV events {MOCK_EVENTS}, mock cache {MOCK_BLOCKS} blocks, "
-          f"evictions {MOCK_REMOVED}, {'C speedups built' if speedups.ACCEL is not None else 'pure Python'} (gateway and "
+          f"evictions {MOCK_REMOVED}, {'C speedups built' if speedups.load() is not None else 'pure Python'} (gateway and "
           "mock engines)")
     head = "| workload | stream | c | n | direct p50 ms |"
     for t in routers:
@@ -407,21 +439,38 @@ def _print_table(rows) -> None:
         for t in routers:
             p50, cpu, rps = med[t][:3]
             line += f" {(p50 - d)*1e3:.2f} | {cpu:.3f} | {rps:.0f} |"
-        g, v = med["gpuhit"], med["vllm-router"]
+        g, v = med["gpuhit"], med[VS]
         line += f" {_added_ratio(g, v, direct, 0)} | {g[1] / max(v[1], 1e-9):.2f} | {g[2] / v[2]:.2f} |"
         # Each round runs every target back to back: the ratio within a round is a paired comparison.
         for i in (1, 2):
-            paired = [a[i] / max(b[i], 1e-9) for a, b in zip(got["gpuhit"], got["vllm-router"])]
+            paired = [a[i] / max(b[i], 1e-9) for a, b in zip(got["gpuhit"], got[VS])]
             line += f" {statistics.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] {_ratio_interval(paired)} |"
         # Within a round both routers' added p50s are over the same direct pass, which cancels from
         # their difference: gpuhit's p50 minus vllm-router's, round by round.
-        line += f" {_diff_interval([a[0] - b[0] for a, b in zip(got['gpuhit'], got['vllm-router'])])} |"
+        line += f" {_diff_interval([a[0] - b[0] for a, b in zip(got['gpuhit'], got[VS])])} |"
         line += f" {_added_ratio(g, v, direct, 3)} | {_added_ratio(g, v, direct, 4)} |"
         print(line)
-    print("(ratios are gpuhit / vllm-router: added p50 and CPU lower is better, req/s higher is better; "
+    print(f"(ratios are gpuhit / {VS}: added p50 and CPU lower is better, req/s higher is better; "
           "added mean and p99: the latency's mean and 99th percentile over direct's, the same way; "
           f"an added ratio is n/a where either added latency is at most {ADDED_MIN * 1e3:.2f} ms, within the direct "
           f"run's noise; per round: the median [min-max] of the {ROUNDS} rounds' paired ratios, then their "
           f"geometric mean and its 95% t-interval, n={ROUNDS}; added p50 difference: gpuhit's p50 minus "
           f"vllm-router's in the same round (the round's direct p50 cancels), mean and 95% t-interval over the "
           f"{ROUNDS} rounds: an interval below 0 says gpuhit adds less)")
+
+
+def _print_pair(rows, a: str, b: str) -> None:
+    """Target ``a`` against target ``b``, paired per round: CPU and throughput ratios and the
+    difference of their p50s (each round's direct pass cancels from it)."""
+    print()
+    print(f"{a} / {b}, paired per round (median [min-max] of the rounds, geometric mean and its 95% t-interval):")
+    print(f"| workload | stream | c | {a} CPU-ms/req | {b} CPU-ms/req | CPU ratio per round | req/s ratio per round "
+          f"| p50 difference per round ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for workload, stream, c, n, med, got in rows:
+        line = f"| {workload} | {'yes' if stream else 'no'} | {c} | {med[a][1]:.3f} | {med[b][1]:.3f} |"
+        for i in (1, 2):
+            paired = [x[i] / max(y[i], 1e-9) for x, y in zip(got[a], got[b])]
+            line += f" {statistics.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] {_ratio_interval(paired)} |"
+        line += f" {_diff_interval([x[0] - y[0] for x, y in zip(got[a], got[b])])} |"
+        print(line)

@@ -1,0 +1,271 @@
+"""Parse: from a request's bytes to what routing needs, as one :class:`ParsedRequest`.
+
+A prompt dialect (OpenAI completions, OpenAI chat; new ones alike) is a small object with a
+``path``, a ``parse`` from the body's bytes to a :class:`ParsedRequest`, and the two readers of
+what its engine reports back (the usage of a whole answer, and of a stream's tail), so the rest of
+the pipeline (route -> forward -> settle) is the same for every dialect. What dialects share (the
+served model, max_tokens / context checks, block hashes of token ids, the approximate hash of text
+the gateway cannot tokenize exactly) is :class:`Prompts`, built once per gateway. Adding a dialect:
+a class satisfying :class:`Dialect`, built from a :class:`Prompts`, listed in :data:`DIALECTS` (the
+gateway builds one of each; both transports serve :data:`PROMPT_PATHS`).
+
+Bad input raises a :class:`~gpuhit.errors.BadRequestError` with vLLM's words where vLLM has them;
+parsing never awaits (a parse is CPU work between two reads of the socket).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from engines.hashing import SessionHashCache
+from engines.vllm import protocol
+from gateway.http.prompt import (
+    CHARS_PER_TOKEN,
+    FAST_PARSE_MIN_BYTES,
+    LazyIds,
+    PromptMemo,
+    TokenIds,
+    chat_text,
+    fast_completion_ids,
+    pack_token_ids,
+    text_chunk_hashes,
+)
+from gateway.http.transport import CHAT, COMPLETIONS
+from gateway.http.usage import Usage, openai_usage, usage_from_tail, usage_of_json
+from gateway.tokenizer import NotExact, PromptTokenizer
+from gpuhit.errors import CapacityError, GpuhitError
+
+_bad = protocol.bad_request
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A valid request, as routing and forwarding read it. ``body``: the parsed JSON object (a
+    token-id prompt parsed apart may be missing from it: forwarding sends ``raw``, never ``body``);
+    ``prompt_tokens``: its length in tokens (estimated for text routed approximately);
+    ``max_tokens``: what the engine will run (clamped to the context left); ``block_hashes``: the
+    prompt's full blocks' hashes; ``prompt_ids``: its token ids when known (None for text routed
+    approximately)."""
+
+    dialect: Dialect
+    body: Mapping[str, Any]
+    raw: bytes
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    block_hashes: Sequence[int]
+    prompt_ids: Sequence[int] | None
+    session: str | None
+
+    @property
+    def endpoint(self) -> str:
+        return self.dialect.path
+
+
+class Dialect(Protocol):
+    """One prompt dialect: its path, its parse, and how its answers report usage."""
+
+    path: str
+
+    def parse(self, raw: bytes, session: str | None) -> ParsedRequest: ...
+
+    def usage_of_answer(self, data: bytes) -> Usage | None:
+        """The usage of a whole (non-streamed) 200 answer, None when it reports none."""
+        ...
+
+    def usage_of_stream(self, tail: bytes) -> Usage | None:
+        """The usage found in a completed stream's last bytes, None when there is none."""
+        ...
+
+
+class Prompts:
+    """What every dialect's parse shares: the served model and its limits, exact block hashes of
+    token ids (memoized per session, :class:`engines.hashing.SessionHashCache`), the engines'
+    tokenizer when there is one, and the approximate hash of text. ``not_exact`` counts the
+    requests routed by an approximate hash, by reason (``/debug/state``)."""
+
+    def __init__(self, model: str, hash_cache: SessionHashCache, block_size: int, *,
+                 tokenizer: PromptTokenizer | None = None, max_model_len: int | None = None,
+                 max_prompt_tokens: int = 0, vocab_size: int = 0, text_chunk_chars: int = 64,
+                 memo: PromptMemo | None = None):
+        self.model = model
+        self.hash_cache = hash_cache
+        self.block_size = block_size
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_prompt_tokens = max_prompt_tokens
+        self.vocab_size = vocab_size
+        self.text_chunk_chars = text_chunk_chars
+        self.memo = PromptMemo() if memo is None else memo
+        self.not_exact: dict[str, int] = {}
+        self._served = f" Served: `{model}`."
+
+    def body(self, raw: bytes) -> dict[str, Any]:
+        """The JSON object of ``raw``, for the served model (400 / 404 otherwise)."""
+        return protocol.parse_body(raw, self.model, self._served)
+
+    def check_model(self, body: Mapping[str, Any]) -> None:
+        protocol.check_model(body, self.model, self._served)
+
+    @staticmethod
+    def options(body: Mapping[str, Any], max_name: str = "max_tokens") -> tuple[int, bool]:
+        """(max_tokens, stream) of a body; ``max_name``: the dialect's name for max_tokens."""
+        mt = body.get(max_name, 16)
+        if mt is None:
+            mt = 16
+        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+            raise _bad(f"{max_name} must be a positive integer, got {mt!r}", max_name)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _bad("stream must be a boolean", "stream")
+        return mt, stream
+
+    def check_len(self, n: int, max_tokens: int) -> int:
+        """The max_tokens the engine will run (vLLM clamps it to the context left), or a 400 as vLLM's."""
+        if n <= 0:
+            raise _bad("prompt is empty", "prompt")
+        cap = self.max_prompt_tokens
+        if cap and n > cap:
+            raise CapacityError(f"prompt of {n} tokens exceeds the gateway's limit of {cap} tokens")
+        return protocol.check_context_length(n, max_tokens, self.max_model_len)
+
+    def approximate(self, reason: str) -> None:
+        self.not_exact[reason] = self.not_exact.get(reason, 0) + 1
+
+    def text(self, text: str) -> tuple[int, tuple[int, ...]]:
+        """(estimated tokens, approximate hashes) of text the gateway cannot tokenize exactly."""
+        hashes = text_chunk_hashes(text, self.text_chunk_chars)
+        return max(len(text) // CHARS_PER_TOKEN, len(hashes) * self.block_size, 1), tuple(hashes)
+
+    def exact(self, ids: list[int], session: str | None) -> Sequence[int]:
+        """Block hashes of a token-id list (the tokenizer's, or the client's)."""
+        if not ids:
+            raise _bad("prompt is empty", "prompt")
+        return self.hash_cache.hashes(ids, session)
+
+    def token_array(self, arr: np.ndarray | LazyIds, session: str | None) -> Sequence[int]:
+        """Block hashes of a non-empty uint64 token-id array (or :class:`LazyIds`, parsed as far
+        as hashing reads, and whole only when the vocabulary check needs every id)."""
+        if self.vocab_size and (top := int(arr.max())) >= self.vocab_size:
+            raise _bad(f"Token id {top} is out of vocabulary", "prompt")  # vLLM's words
+        return self.hash_cache.hashes_array(arr, session)
+
+
+class OpenAIDialect:
+    """The answers of OpenAI's dialects: ``usage`` last, ``prompt_tokens_details.cached_tokens``."""
+
+    path = ""
+
+    def __init__(self, prompts: Prompts):
+        self.prompts = prompts
+
+    def usage_of_answer(self, data: bytes) -> Usage | None:
+        return openai_usage(usage_of_json(data))
+
+    def usage_of_stream(self, tail: bytes) -> Usage | None:
+        return openai_usage(usage_from_tail(tail))
+
+
+class Completions(OpenAIDialect):
+    """``POST /v1/completions``: a token-id prompt (routed exactly), or text (exactly with a
+    tokenizer, else approximately). Token ids have one reference parse (orjson, the whole body) and
+    one fast path (``fast_ids``, for bodies of :data:`~gateway.http.prompt.FAST_PARSE_MIN_BYTES` and
+    more: :func:`gateway.http.prompt.fast_completion_ids`), which reads a flat id array without
+    building the ids as Python ints: from the prompt memo when the prompt repeats or extends one it
+    holds, else checked with numpy and parsed only as far as hashing reads."""
+
+    path = COMPLETIONS
+
+    def __init__(self, prompts: Prompts, fast_ids: bool = True):
+        super().__init__(prompts)
+        self.fast_ids = fast_ids  # False: every body parsed whole by orjson (the reference)
+
+    def parse(self, raw: bytes, session: str | None) -> ParsedRequest:
+        p = self.prompts
+        if self.fast_ids and len(raw) >= FAST_PARSE_MIN_BYTES and (
+                fast := fast_completion_ids(raw, p.memo, session)) is not None:
+            body, arr = fast
+            p.check_model(body)
+            max_tokens, stream = p.options(body)
+            hashes = p.token_array(arr, session)
+            n = len(arr)
+            return ParsedRequest(self, body, raw, n, p.check_len(n, max_tokens), stream, hashes, TokenIds(arr),
+                                 session)
+        body = p.body(raw)
+        max_tokens, stream = p.options(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids: list[int] | None = None
+            if p.tokenizer is not None:
+                ids = p.tokenizer.completion_ids(prompt, body)
+                hashes: Sequence[int] = p.exact(ids, session)
+                n = len(ids)
+            else:
+                p.approximate("text: no tokenizer")
+                n, hashes = p.text(prompt)
+            return ParsedRequest(self, body, raw, n, p.check_len(n, max_tokens), stream, hashes, ids, session)
+        if isinstance(prompt, list) and prompt and (packed := pack_token_ids(prompt)) is not None:
+            arr = np.frombuffer(packed, dtype=np.uint64)
+            if self.fast_ids and len(raw) >= FAST_PARSE_MIN_BYTES and prompt is body.get("prompt"):
+                p.memo.learn(raw, session, arr)  # the next repeat or extension skips the parse
+            hashes = p.token_array(arr, session)
+            n = len(arr)
+            return ParsedRequest(self, body, raw, n, p.check_len(n, max_tokens), stream, hashes, prompt, session)
+        raise _bad("prompt must be a string or a non-empty list of non-negative token ids (one prompt)", "prompt")
+
+
+class Chat(OpenAIDialect):
+    """``POST /v1/chat/completions``: messages rendered and tokenized as vLLM does when the gateway
+    has the engines' tokenizer and chat template, else routed by an approximate hash of their text."""
+
+    path = CHAT
+
+    def parse(self, raw: bytes, session: str | None) -> ParsedRequest:
+        p = self.prompts
+        body = p.body(raw)
+        max_tokens, stream = p.options(
+            body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise _bad("messages must be a non-empty list of objects", "messages")
+        if p.tokenizer is not None:
+            try:
+                ids = p.tokenizer.chat_ids(body, session)
+                hashes = p.exact(ids, session)
+                return ParsedRequest(self, body, raw, len(ids), p.check_len(len(ids), max_tokens), stream, hashes,
+                                     ids, session)
+            except NotExact as exc:
+                p.approximate(f"chat: {exc}")
+        else:
+            p.approximate("chat: no tokenizer")
+        n, text_hashes = p.text(chat_text(messages))
+        return ParsedRequest(self, body, raw, n, p.check_len(n, max_tokens), stream, text_hashes, None, session)
+
+
+class RequestParser:
+    """The gateway's dialects by path."""
+
+    def __init__(self, dialects: Sequence[Dialect]):
+        self.by_path: dict[str, Dialect] = {}
+        for d in dialects:
+            if d.path in self.by_path:
+                raise ValueError(f"two dialects for {d.path}")
+            self.by_path[d.path] = d
+
+    def parse(self, endpoint: str, raw: bytes, session: str | None) -> ParsedRequest:
+        """The :class:`ParsedRequest` of a POST to ``endpoint``; a GpuhitError for a bad one."""
+        dialect = self.by_path.get(endpoint)
+        if dialect is None:
+            raise GpuhitError(f"no prompt dialect serves {endpoint}")
+        return dialect.parse(raw, session)
+
+
+# The dialects every gateway serves, each built from the gateway's Prompts.
+DIALECTS: tuple[type[OpenAIDialect], ...] = (Completions, Chat)
+PROMPT_PATHS: tuple[str, ...] = tuple(d.path for d in DIALECTS)

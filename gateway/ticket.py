@@ -1,0 +1,214 @@
+"""A routed request's records and its ticket: what :class:`gateway.router.Router` is asked
+(:class:`RouteRequest`), what it logs (:class:`RouteRecord`), and the :class:`Ticket` that carries
+one decision through the KV two-step's producer step, the first token and the finish, keeping the
+router's running counters (in flight, pending prefill, decode slots, active blocks) exact. A ticket
+is the router's own accounting: it updates the router's counters directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from engines.base import GenerateRequest, GenerateResult
+from gpuhit.errors import ConfigError
+from policies.snapshot import FORWARD, Decision
+
+if TYPE_CHECKING:
+    from gateway.router import Router
+
+
+class RouteRequest(msgspec.Struct, frozen=True):
+    """What the router needs to know about one request. ``block_hashes``: the prompt's full blocks'
+    hashes, a tuple or a lazily hashed :class:`engines.hashing.PromptHashes` (the router reads only
+    as far as the index's search goes)."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    block_hashes: Sequence[int]
+    prompt_token_ids: Sequence[int] | None = None
+    session_id: str | None = None
+    parent_session: str | None = None
+    turn: int = 0
+
+
+class RouteRecord(msgspec.Struct, frozen=True):
+    """One routing decision, as logged through ``decision_sink``."""
+
+    request_id: str
+    session: str | None
+    policy: str
+    action: str
+    target: int
+    source: int | None
+    reason: str
+    scores: tuple[tuple[int, float], ...]
+    predicted_hit_blocks: int
+    now: float
+
+
+def producer_transfer_params(transfer_id: str) -> dict[str, Any]:
+    """kv_transfer_params of step (1) of vLLM's connector protocol (the producer)."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+
+
+class Ticket:
+    """One routed request's life in the router's counters. Not thread-safe (one event loop)."""
+
+    __slots__ = (
+        "_blocks",
+        "_done",
+        "_first",
+        "_pending",
+        "_prod_blocks",
+        "_prod_open",
+        "_prod_pending",
+        "action",
+        "decision",
+        "fallback",
+        "predicted_hit_tokens",
+        "producer_prefix_blocks",
+        "producer_result",
+        "request",
+        "router",
+        "source",
+        "target",
+        "transfer_id",
+    )
+
+    def __init__(self, router: Router, request: RouteRequest, decision: Decision):
+        self.router = router
+        self.request = request
+        self.decision = decision
+        self.action = decision.action
+        self.target = decision.target
+        self.source = decision.source
+        self.transfer_id: str | None = None
+        self.predicted_hit_tokens = 0
+        self.producer_prefix_blocks = 0
+        self.fallback = False
+        self.producer_result: GenerateResult | None = None
+        self._pending = 0
+        self._blocks = 0
+        self._prod_pending = 0
+        self._prod_blocks = 0
+        self._prod_open = False
+        self._first = False
+        self._done = False
+
+    # -- the KV-moving two-step (MIGRATE / FETCH / PD) ---------------------------------------------
+
+    @property
+    def needs_producer(self) -> bool:
+        return self.action != FORWARD and not self.fallback
+
+    def producer_request(self) -> GenerateRequest:
+        """Step (1): the request to send to ``self.source`` (max_tokens 1, do_remote_decode)."""
+        if not self.needs_producer or self.source is None or self.transfer_id is None:
+            raise ConfigError(f"request {self.request.request_id}: action {self.action} has no producer step")
+        req = self.request
+        # The whole prompt, for PD and for MIGRATE / FETCH alike (see the module docstring).
+        return GenerateRequest(
+            request_id=f"{req.request_id}::producer",
+            prompt_len=req.prompt_len,
+            max_tokens=1,
+            prompt_token_ids=req.prompt_token_ids,
+            block_hashes=req.block_hashes,  # type: ignore[arg-type]  # a Sequence (PromptHashes) is fine here
+            session_id=req.session_id,
+            kv_transfer_params=producer_transfer_params(self.transfer_id),
+            priority=self.decision.producer_priority or 0,
+        )
+
+    def producer_done(self, result: GenerateResult | None, error: str | None = None) -> Mapping[str, Any] | None:
+        """Close step (1). Returns the consumer's kv_transfer_params, or None after a failure, in
+        which case the ticket falls back to recomputing on the target (counted in stats.fallbacks)."""
+        if not self._prod_open:
+            raise ConfigError(f"request {self.request.request_id}: producer step already closed or absent")
+        r = self.router
+        self._prod_open = False
+        src = self.source
+        assert src is not None
+        r._in_flight[src] -= 1
+        r._pending[src] -= self._prod_pending
+        r._active_blocks[src] -= self._prod_blocks
+        self.producer_result = result
+        err = error or (result.error if result is not None else "no producer result")
+        params = None if err else (result.kv_transfer_params if result is not None else None)
+        if err or not params:
+            self._fall_back()
+            r._note_error(src, err or "producer returned no kv_transfer_params")
+            return None
+        return dict(params)
+
+    def _fall_back(self) -> None:
+        r = self.router
+        self.fallback = True
+        r.stats.fallbacks += 1
+        own = r.hit_tokens_of(self.target, self.request)
+        new_pending = self.request.prompt_len - own
+        if not self._first:
+            r._pending[self.target] += new_pending - self._pending
+        self._pending = new_pending
+        r.stats.predicted_hit_tokens += own - self.predicted_hit_tokens
+        self.predicted_hit_tokens = own
+
+    def consumer_request(self, kv_transfer_params: Mapping[str, Any] | None = None) -> GenerateRequest:
+        """The request for ``self.target`` (step (2) when ``kv_transfer_params`` is given)."""
+        req = self.request
+        return GenerateRequest(
+            request_id=req.request_id,
+            prompt_len=req.prompt_len,
+            max_tokens=req.max_tokens,
+            prompt_token_ids=req.prompt_token_ids,
+            block_hashes=req.block_hashes,  # type: ignore[arg-type]  # a Sequence (PromptHashes) is fine here
+            session_id=req.session_id,
+            kv_transfer_params=kv_transfer_params,
+            priority=self.decision.priority or 0,
+        )
+
+    # -- completion hooks --------------------------------------------------------------------------
+
+    def first_token(self) -> None:
+        """The target produced its first token: the request's prefill is no longer pending."""
+        if self._first or self._done:
+            return
+        self._first = True
+        r = self.router
+        r._pending[self.target] -= self._pending
+        r._decode[self.target] += 1
+
+    def finish(self, result: GenerateResult | None = None, error: str | None = None) -> None:
+        """Release the counters; record realized hits, transferred bytes and errors. Idempotent."""
+        if self._done:
+            return
+        if self._prod_open:  # aborted between the steps
+            self.producer_done(None, error or "aborted before the transfer")
+        self._done = True
+        r = self.router
+        t = self.target
+        if self._first:
+            r._decode[t] -= 1
+        else:
+            r._pending[t] -= self._pending
+        r._in_flight[t] -= 1
+        r._active_blocks[t] -= self._blocks
+        if self.request.session_id is not None:
+            r.residency.on_finished(self.request.session_id, t, r.now())
+        st = r.stats
+        st.finished += 1
+        err = error or (result.error if result is not None else None)
+        if err:
+            r._note_error(t, err)
+            return
+        r._consecutive_errors[t] = 0
+        if result is not None:
+            st.realized_hit_tokens += result.cached_tokens + result.external_cached_tokens
+            if self.action != FORWARD and not self.fallback:
+                moved = result.external_cached_tokens
+                st.transferred_tokens += moved
+                st.bytes_moved += moved * r.kv_bytes_per_token
+
+
