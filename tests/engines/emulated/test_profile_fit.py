@@ -1,0 +1,85 @@
+"""engines.emulated.profile_fit: the fit recovers known step costs and writes a loadable profile."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from engines.emulated.profile import load_profile
+from engines.emulated.profile_fit import (
+    PARAMS,
+    DecodeProbe,
+    PrefillProbe,
+    chunks,
+    fit_profile,
+    median_of_repeats,
+    predict_prefill,
+    predict_step,
+    profile_entry,
+)
+from gpuhit.errors import ConfigError
+
+TRUE = {"step_overhead_s": 0.004, "per_seq_overhead_s": 0.0008, "prefill_per_token_s": 7e-5,
+        "prefill_attn_s": 2e-8, "decode_per_ctx_token_s": 3e-7, "frontend_overhead_s": 0.003,
+        "frontend_per_token_s": 2e-6}
+MAX_BATCHED = 2048
+
+
+def synthetic() -> tuple[list[PrefillProbe], list[DecodeProbe]]:
+    prefill, decode = [], []
+    for new, ctx in [(32, 0), (100, 0), (400, 0), (900, 0), (2000, 0), (3000, 0), (100, 512), (900, 512),
+                     (100, 1024), (900, 1024), (64, 1536), (400, 1536)]:
+        p = PrefillProbe(new, ctx, 0.0, 0.0, 0.0)
+        engine = predict_prefill(TRUE, p, MAX_BATCHED)
+        front = TRUE["frontend_overhead_s"] + TRUE["frontend_per_token_s"] * (new + ctx)
+        prefill.append(PrefillProbe(new, ctx, engine, 0.001, engine + front))  # queue time is within front
+    for b in (1, 4, 8):
+        for ctx in (64, 900):
+            d = DecodeProbe(b, ctx, 32, 0.0)
+            decode.append(DecodeProbe(b, ctx, 32, predict_step(TRUE, d)))
+    return prefill, decode
+
+
+def test_fit_recovers_known_costs_and_predicts_held_out_probes():
+    prefill, decode = synthetic()
+    fit = fit_profile(prefill, decode, max_batched=MAX_BATCHED, hold_out_every=4)
+    for k in (*PARAMS, "frontend_overhead_s", "frontend_per_token_s"):
+        assert fit["params"][k] == pytest.approx(TRUE[k], rel=1e-3, abs=1e-12), k
+    for which in ("fit_error", "held_out_error"):
+        for kind in ("prefill", "ttft", "decode_step"):
+            assert fit[which][kind]["n"] > 0 and fit[which][kind]["max_abs_rel"] < 1e-3
+    assert fit["probes"]["prefill_held_out"] == 3 and fit["probes"]["decode_held_out"] == 2
+
+
+def test_chunked_prefill_counts_one_step_overhead_per_chunk():
+    assert [chunks(n, 2048) for n in (1, 2048, 2049, 6000)] == [1, 1, 2, 3]
+
+
+def test_profile_entry_has_the_engines_capacity_and_loads(tmp_path):
+    prefill, decode = synthetic()
+    fit = fit_profile(prefill, decode, max_batched=MAX_BATCHED)
+    entry = profile_entry(fit, model="m", gpu="cpu", num_gpu_blocks=256, block_size=32, max_model_len=2048,
+                          max_num_batched_tokens=MAX_BATCHED, max_num_seqs=128, kv_bytes_per_token=None,
+                          sources=["test"])
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"profiles": {"fitted": entry}}))
+    prof = load_profile(f"{path}#fitted")
+    assert prof.num_gpu_blocks() == 256 and prof.block_size == 32 and prof.max_model_len == 2048
+    assert any("kv_bytes_per_token unknown" in a for a in prof.assumptions)
+    assert math.isclose(prof.prefill_per_token_s, TRUE["prefill_per_token_s"], rel_tol=1e-3)
+
+
+def test_too_few_probes_is_a_clear_error():
+    prefill, decode = synthetic()
+    with pytest.raises(ConfigError, match="at least 3 prefill and 2 decode"):
+        fit_profile(prefill[:3], decode[:2], max_batched=MAX_BATCHED)
+
+
+def test_repeats_collapse_to_their_median_so_one_delayed_probe_does_not_move_the_fit():
+    a = PrefillProbe(100, 0, 0.010, 0.001, 0.020)
+    slow = PrefillProbe(100, 0, 0.090, 0.001, 0.200)  # the host was busy
+    pre, dec = median_of_repeats([a, slow, a, PrefillProbe(200, 0, 0.02, 0.0, 0.03)],
+                                 [DecodeProbe(2, 64, 8, 0.005), DecodeProbe(2, 64, 8, 0.007), DecodeProbe(2, 64, 8, 0.5)])
+    assert pre == [a, PrefillProbe(200, 0, 0.02, 0.0, 0.03)] and dec == [DecodeProbe(2, 64, 8, 0.007)]

@@ -1,0 +1,56 @@
+"""replayer.sim_vs_real's pure parts: paired attribution, rankings and Kendall tau, the per-policy document."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from replayer.records import RequestRecord, records_to_frame
+from replayer.sim_vs_real import METRICS, attribution, compare_rate, kendall
+
+
+def recs(hits, ttft, tpot, out=5, predicted=None):
+    predicted = predicted or hits
+    return records_to_frame([RequestRecord(session="s", turn=i, arrival=0.0, first_token=t, finish=t + p * (out - 1),
+                                           output_tokens=out, input_tokens=100, realized_hit_tokens=h,
+                                           predicted_hit_tokens=q)
+                             for i, (h, t, p, q) in enumerate(zip(hits, ttft, tpot, predicted))])
+
+
+def test_attribution_pairs_requests_and_separates_hits_from_time():
+    real = recs([0, 64, 96], [0.2, 0.1, 0.1], [0.01, 0.01, 0.01], predicted=[0, 96, 96])
+    sim = recs([0, 64, 0], [0.1, 0.05, 0.3], [0.02, 0.02, 0.02])
+    a = attribution(real, sim, block_size=32)
+    assert a["paired"] == 3
+    assert a["hit_mismatch_share"] == pytest.approx(1 / 3)
+    assert a["same_hit_ttft_ratio"] == pytest.approx(0.5)  # the two same-hit requests, both halved
+    assert a["tpot_ratio"] == pytest.approx(2.0)
+    assert a["live_mispredicted_share"] == pytest.approx(1 / 3)  # the gateway expected 96, vLLM served 64
+
+
+def test_kendall_tau_of_rankings():
+    assert kendall(["a", "b", "c"], ["a", "b", "c"]) == pytest.approx(1.0)
+    assert kendall(["a", "b", "c"], ["c", "b", "a"]) == pytest.approx(-1.0)
+    assert math.isnan(kendall(["a"], ["a"]))
+
+
+def run(policy, seed, scale, apc):
+    d = {m: scale for m in METRICS}
+    d.update(policy=policy, seed=seed, apc_realized=apc, n_rejected=0, n_failed=1,
+             per_instance={"gpu0": {"routed": 3}, "gpu1": {"routed": 1}})
+    return d
+
+
+def test_compare_rate_reports_every_field_per_policy():
+    live = [run("rr", s, 2.0, 0.5) for s in (0, 1)] + [run("lpwl", s, 1.0, 0.8) for s in (0, 1)]
+    sim = [run("rr", s, 1.8, 0.45) for s in (0, 1)] + [run("lpwl", s, 1.1, 0.8) for s in (0, 1)]
+    att = {"rr": [{"paired": 4, "hit_mismatch_share": 0.3, "same_hit_ttft_ratio": 0.9, "tpot_ratio": 1.0}]}
+    doc = compare_rate(live, sim, ["rr", "lpwl"], att)
+    rr = doc["policies"]["rr"]
+    assert rr["n_seeds"] == 2 and rr["rel_error"]["latency_mean"] == pytest.approx(-0.1)
+    assert rr["apc_diff"] == pytest.approx(-0.05) and rr["load_real"] == {"gpu0": 0.75, "gpu1": 0.25}
+    assert rr["rejected_failed_real"] == [0, 2] and "KV placement" in rr["explained_by"]
+    assert doc["policies"]["lpwl"]["explained_by"] == ""  # no paired requests given
+    for r in doc["rankings"].values():
+        assert r["real"] == r["sim"] == ["lpwl", "rr"] and r["kendall_tau"] == pytest.approx(1.0) and r["same_best"]
