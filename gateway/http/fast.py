@@ -12,7 +12,7 @@ routing. Here each side is one ``asyncio.Protocol`` fed by httptools' C parser (
   a client's FIN is taken as its disconnect (no half-closed connections: that is what lets a
   client that leaves cancel its request at once),
   malformed requests -> 400 and closed, unknown paths 404, wrong methods 405. Streams go out
-  chunked, what is written of them in one loop iteration in one write (head, chunks and end of a
+  chunked (to an HTTP/1.0 client unchunked, ended by closing the connection), what is written of them in one loop iteration in one write (head, chunks and end of a
   short answer: one syscall); writes wait while the client's socket buffer is full. A client that
   disconnects cancels its request's task, which closes the upstream connection (the engine aborts).
   One loop timer per connection watches its current deadline (head, body, keep-alive idle), moved
@@ -90,10 +90,11 @@ class _Request:
     :class:`~gateway.http.transport.Downstream` the gateway's request logic writes to (one object
     per request, not a request and a downstream)."""
 
-    __slots__ = ("body", "conn", "head_only", "headers", "keep_alive", "method", "path", "reject", "started")
+    __slots__ = ("body", "chunked", "conn", "head_only", "headers", "keep_alive", "method", "path", "reject",
+                 "started")
 
     def __init__(self, conn: _ServerConn, method: bytes, path: str, headers: dict[str, str], body: bytes,
-                 keep_alive: bool, reject: GpuhitError | None = None):
+                 keep_alive: bool, reject: GpuhitError | None = None, http10: bool = False):
         self.conn = conn
         self.method = method
         self.path = path
@@ -103,6 +104,9 @@ class _Request:
         self.reject = reject  # answer with this error, then close the connection
         self.head_only = method == b"HEAD"  # a HEAD request: the GET answer's head, no body
         self.started = False
+        # RFC 9112 7.1: no chunked transfer coding toward an HTTP/1.0 client; its stream is
+        # delimited by closing the connection instead.
+        self.chunked = not http10
 
     def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
         # The gateway's own headers come encoded (HeaderLines): their bytes, without two Python calls.
@@ -121,18 +125,23 @@ class _Request:
 
     async def start_stream(self, headers: Mapping[str, str]) -> None:
         self.started = True
-        self.conn.write_soon(self._head(200, headers, b"content-type: text/event-stream\r\n"
-                                                      b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n"))
+        if self.chunked:
+            extra = b"content-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n"
+        else:
+            self.keep_alive = False  # the close ends the body
+            extra = b"content-type: text/event-stream\r\ncache-control: no-cache\r\n"
+        self.conn.write_soon(self._head(200, headers, extra))
 
     async def write(self, data: bytes) -> None:
         if data:
             conn = self.conn
-            conn.write_soon(b"%x\r\n%b\r\n" % (len(data), data))
+            conn.write_soon(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
             if conn.paused:
                 await conn.drain()
 
     async def end(self) -> None:
-        self.conn.write_soon(b"0\r\n\r\n")
+        if self.chunked:
+            self.conn.write_soon(b"0\r\n\r\n")
 
 
 class _ServerConn(asyncio.Protocol):
@@ -387,8 +396,9 @@ class _ServerConn(asyncio.Protocol):
         self._head_room = _HEAD_MAX
         self._disarm()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._enqueue(_Request(self, self.parser.get_method(), self._path, self._headers, body,
-                               self.parser.should_keep_alive()))
+        p = self.parser
+        self._enqueue(_Request(self, p.get_method(), self._path, self._headers, body, p.should_keep_alive(),
+                               http10=p.get_http_version() == "1.0"))
 
     # -- request processing
 
