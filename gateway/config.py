@@ -14,6 +14,8 @@ Example::
     timeout = 0                  # whole-request cap, seconds (0 = none); cuts long generations too
     ttfb_timeout = 60.0          # seconds to the engine's first answer byte (0 = none); then:
     idle_timeout = 60.0          # seconds between two chunks of a streamed answer (0 = none)
+    unary_timeout = 600.0        # cap on a non-streamed answer's ttfb + idle x max_tokens budget (0 = none)
+    stall_timeout = 5.0          # an engine with requests in flight and no progress this long is ejected (0 = off)
     breaker_threshold = 3        # consecutive timeouts / broken connections that eject an engine
     breaker_connect_threshold = 1  # consecutive refused connects that eject it
     breaker_cooldown = 2.0       # seconds before the half-open probe; doubles per failed probe
@@ -111,6 +113,11 @@ class GatewayConfig:
     # A wedged engine (see gateway/breaker.py and README "Gateway")
     ttfb_timeout: float = 60.0  # request sent -> first answer byte (a streamed chunk); 0 = none
     idle_timeout: float = 60.0  # between two upstream chunks of a stream; 0 = none
+    # A non-streamed answer waits ttfb + idle x max_tokens, at most this (0 = no cap).
+    unary_timeout: float = 600.0
+    # No answer byte from any of an engine's in-flight requests and no progress counter moving for
+    # this long: the engine is ejected while another takes traffic (0 = off).
+    stall_timeout: float = 5.0
     breaker_threshold: int = 3  # consecutive timeouts / broken connections that open an engine's breaker
     breaker_connect_threshold: int = 1  # consecutive refused connects that open it
     breaker_cooldown: float = 2.0  # seconds open before the half-open probe (x2 per failed probe)
@@ -156,7 +163,7 @@ class GatewayConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "timeout", "vocab_size", "upstream_max_idle", "ttfb_timeout",
-                     "idle_timeout"):
+                     "idle_timeout", "unary_timeout", "stall_timeout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.breaker_policy()

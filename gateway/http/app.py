@@ -227,7 +227,11 @@ class Gateway:
             await eng.start(scrape=True, kv_events=cfg.index == "precise")
         health = self.health = HealthMonitor(session, urls, self._on_unhealthy, self._on_healthy, cfg.health_interval,
                                              fail_threshold=cfg.health_fail_threshold)
-        deadlines = self.deadlines = Deadlines(loop, len(names), cfg.ttfb_timeout, cfg.idle_timeout)
+        scrapers = [e.scraper for e in self.engines]
+        deadlines = self.deadlines = Deadlines(loop, len(names), cfg.ttfb_timeout, cfg.idle_timeout,
+                                               stall=cfg.stall_timeout,
+                                               on_stall=lambda i, why: self.breakers.stalled(i, why),
+                                               counters_at=lambda i: scrapers[i].progress_at)
         breakers = self.breakers = Breakers(names, cfg.breaker_policy(), loop, router, health, upstream, deadlines,
                                             metrics, model, probe_limit=cfg.ttfb_timeout + cfg.idle_timeout or 60.0)
         health.start()
@@ -243,7 +247,7 @@ class Gateway:
         producer = ProducerStep(upstream, session, names, [e.bootstrap for e in cfg.engines], breakers, metrics,
                                 model, limit=cfg.ttfb_timeout + cfg.idle_timeout if cfg.ttfb_timeout else None)
         forwarder = Forwarder(upstream, names, urls, breakers, deadlines, settle, self.replies, producer, loop.time,
-                              cfg.ttfb_timeout, cfg.idle_timeout)
+                              cfg.ttfb_timeout, cfg.idle_timeout, cfg.unary_timeout)
         self.pipeline = Pipeline(RequestParser([d(prompts) for d in DIALECTS]), router, forwarder, settle,
                                  self.replies, self.access, metrics, names, self.policy_name, loop, self.tracer,
                                  cfg.timeout)

@@ -3,7 +3,7 @@
 
 The forwarder (:mod:`gateway.http.forward`) reports each exchange: :meth:`Breakers.answered`
 (a first answer byte) or :meth:`Breakers.failed` (TTFB / idle timeout, refused connect, broken
-connection). When an engine's breaker opens, the engine leaves the policy's healthy set, every
+connection); the deadlines' stall check reports an engine where nothing moved (:meth:`Breakers.stalled`). When an engine's breaker opens, the engine leaves the policy's healthy set, every
 request in flight to it ends at once with a clear error (its :class:`~gateway.http.forward_deadlines.Watchdog`
 is aborted), and a probe is scheduled after the cool-down: the health check plus one real request
 (``max_tokens`` 1, not streamed, under the TTFB + idle budget). Success re-admits the engine;
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import orjson
 
 from engines.vllm.health import HealthMonitor
-from gateway.breaker import HALF_OPEN, OPEN, BreakerPolicy, CircuitBreaker
+from gateway.breaker import HALF_OPEN, OPEN, STALL, BreakerPolicy, CircuitBreaker
 from gateway.http.forward_deadlines import Deadlines
 from gateway.http.transport import COMPLETIONS, Upstream
 from gateway.metrics import GatewayMetrics
@@ -79,6 +79,15 @@ class Breakers:
         self.sync_routable(i)
         self.deadlines.abort(i, f"circuit breaker open: {b.reason}")
         self._schedule_probe(i)
+
+    def stalled(self, i: int, why: str) -> None:
+        """Engine ``i`` made no progress on any request in flight for the stall window: eject it
+        at once (its requests end with 502, a probe re-admits it) while another engine takes
+        traffic; the last one left keeps its traffic, each request under its own budget."""
+        if not any(self.router.healthy(j) for j in range(len(self._breakers)) if j != i):
+            log.warning("instance %s stalled (%s) but no other instance is routable: kept", self.names[i], why)
+            return
+        self.failed(i, STALL, f"stalled: {why}")
 
     def sync_routable(self, i: int) -> None:
         """The router's healthy flag of engine ``i``: its health checks pass and its breaker is closed."""

@@ -1,11 +1,21 @@
 """Deadlines of the gateway's upstream exchanges: a time-to-first-byte limit, then an idle limit
 between chunks (instead of one cap on a whole stream, which would cut a long generation), and an
 abort for the exchanges of an engine whose circuit breaker opened. Used by
-:mod:`gateway.http.forward`; one timer per gateway checks them all (no timer per request)."""
+:mod:`gateway.http.forward`; one timer per gateway checks them all (no timer per request).
+
+The same timer watches each engine as a whole: one that has requests in flight and for
+``stall`` seconds sent no byte for any of them, and whose scraped progress counters did not move
+(:data:`engines.vllm.metrics_scrape.PROGRESS`: a long non-streamed answer still moves them), is
+stalled (a stuck generation loop, a SIGSTOPped process), whatever each request's own budget;
+``on_stall`` gets it (the breakers eject it). One request's TTFB budget must cover a long queue
+and a long prefill; an engine where nothing at all moves has no such excuse.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
+from collections.abc import Callable
 
 TTFB = "ttfb"
 IDLE = "idle"
@@ -91,10 +101,17 @@ class Deadlines:
     twentieth of the shortest limit, within [10 ms, 1 s]). :meth:`abort` ends an engine's
     exchanges at once."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, n: int, ttfb: float, idle: float):
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int, ttfb: float, idle: float, stall: float = 0.0,
+                 on_stall: Callable[[int, str], None] | None = None,
+                 counters_at: Callable[[int], float | None] | None = None):
         self.loop = loop
         self.in_flight: list[set[Watchdog]] = [set() for _ in range(n)]
-        limits = [x for x in (ttfb, idle) if x > 0]
+        self.stall = stall if on_stall is not None else 0.0
+        self._on_stall = on_stall
+        self._counters_at = counters_at  # when engine i's progress counters last moved (scrapes)
+        # Loop time of engine i's last answer byte (or of its first request in flight after none).
+        self.progress_at: list[float] = [-math.inf] * n
+        limits = [x for x in (ttfb, idle, self.stall) if x > 0]
         self.tick = min(max(min(limits) / 20, 0.01), 1.0) if limits else None
         self._active = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -105,6 +122,8 @@ class Deadlines:
         task = asyncio.current_task(self.loop)
         assert task is not None, "Deadlines.enter() outside a task"
         wd = Watchdog(self, i, first, idle, task)
+        if not self.in_flight[i]:
+            self.progress_at[i] = wd.last  # an idle engine owed nothing: its window starts now
         self.in_flight[i].add(wd)  # a new watchdog: not in the set yet
         self._active += 1
         if self._timer is None and self.tick is not None:
@@ -127,8 +146,26 @@ class Deadlines:
         for s in self.in_flight:
             for wd in list(s):
                 wd.check(now)
+        if self.stall:
+            self._check_stalls(now)
         if self._active and self.tick is not None:
             self._timer = self.loop.call_later(self.tick, self._sweep)
+
+    def _check_stalls(self, now: float) -> None:
+        counters_at = self._counters_at
+        for i, s in enumerate(self.in_flight):
+            # Only exchanges waiting on the engine: one writing to a slow client owes it nothing.
+            if not s or all(wd.last is None for wd in s):
+                continue
+            last = self.progress_at[i]
+            if counters_at is not None and (c := counters_at(i)) is not None and c > last:
+                last = c
+            if now - last < self.stall:
+                continue
+            self.progress_at[i] = now  # re-armed: reported again after another window without progress
+            assert self._on_stall is not None
+            self._on_stall(i, f"no progress for {now - last:.3g} s with {len(s)} request(s) in flight "
+                              f"(stall timeout {self.stall:g} s)")
 
     def close(self) -> None:
         if self._timer is not None:
