@@ -83,8 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= N with 400 (vLLM's check)")
     p.add_argument("--model-config", default=None, metavar="PATH",
                    help="the model's config.json (or its folder): its vocab_size, as --vocab-size")
-    p.add_argument("--max-connections", type=int, default=None, help="client connections held at once (4096)")
-    p.add_argument("--header-timeout", type=float, default=None, help="seconds to receive a request head (10)")
+    p.add_argument("--max-connections", type=int, default=None, help="client connections held at once (4096; fast transport only: refused with aiohttp)")
+    p.add_argument("--header-timeout", type=float, default=None, help="seconds to receive a request head (10; fast transport only: refused with aiohttp)")
     p.add_argument("--body-timeout", type=float, default=None, help="seconds to receive a request body (60)")
     p.add_argument("--keepalive-timeout", type=float, default=None, help="idle keep-alive seconds (60)")
     p.add_argument("--otel", action="store_true", default=None,

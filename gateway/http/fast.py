@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import httptools
 
+from gateway.config import HEADER_TIMEOUT, MAX_CONNECTIONS
 from gateway.http.parse import PROMPT_PATHS
 from gateway.http.transport import (
     GET_PATHS,
@@ -571,8 +572,8 @@ class FastServer:
     def __init__(self, gw: Gateway, cfg: GatewayConfig):
         self.gw = gw
         self.max_body_bytes = cfg.max_body_bytes
-        self.max_connections = cfg.max_connections
-        self.header_timeout = cfg.header_timeout
+        self.max_connections: int = cfg.max_connections or MAX_CONNECTIONS  # (validate() fills them in)
+        self.header_timeout: float = cfg.header_timeout or HEADER_TIMEOUT
         self.body_timeout = cfg.body_timeout
         self.keepalive_timeout = cfg.keepalive_timeout
         self.conns: set[_ServerConn] = set()

@@ -272,7 +272,7 @@ def test_upstream_answer_head_read_in_any_split():
 def test_http10_client_gets_an_unchunked_stream_ended_by_close():
     """RFC 9112: no transfer-encoding toward an HTTP/1.0 client; the stream's end is the close."""
     async def main():
-        async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport="fast") as (gw, url):
+        async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport="fast") as (_gw, url):
             port = int(url.rsplit(":", 1)[1])
             out = []
             for keep in ("", "Connection: keep-alive\r\n"):

@@ -189,11 +189,11 @@ def test_gateway_replicas_send_distinct_upstream_ids():
     async def main():
         async with servers([Recording("a", decode_s_per_token=1e-4)]) as srvs:
             urls = [s_url(s) for s in srvs]
-            async with gateway(urls, policy="round_robin") as (_g1, u1), gateway(urls, policy="round_robin") as (_g2, u2):
-                async with aiohttp.ClientSession() as http:
-                    for url in (u1, u2) * 3:
-                        async with http.post(url + "/v1/completions", json=body([1, 2, 3], stream=False)) as r:
-                            assert r.status == 200, await r.text()
+            async with gateway(urls, policy="round_robin") as (_g1, u1), \
+                    gateway(urls, policy="round_robin") as (_g2, u2), aiohttp.ClientSession() as http:
+                for url in (u1, u2) * 3:
+                    async with http.post(url + "/v1/completions", json=body([1, 2, 3], stream=False)) as r:
+                        assert r.status == 200, await r.text()
 
     run(main())
     assert len(seen) == 6 and len(set(seen)) == 6, seen
