@@ -62,7 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cap on a non-streamed answer's budget, --ttfb-timeout + --idle-timeout x max_tokens "
                         "(600; 0 = no cap)")
     p.add_argument("--stall-timeout", type=float, default=None,
-                   help="seconds without an answer byte from any of an engine's in-flight requests and without "
+                   help="seconds with streamed requests in flight and without an answer byte from any of an engine's "
+                        "requests and without "
                         "its vLLM progress counters moving, after which it is ejected while another engine "
                         "takes traffic (5; 0 = off)")
     p.add_argument("--breaker-threshold", type=int, default=None,

@@ -121,8 +121,8 @@ class GatewayConfig:
     idle_timeout: float = 60.0  # between two upstream chunks of a stream; 0 = none
     # A non-streamed answer waits ttfb + idle x max_tokens, at most this (0 = no cap).
     unary_timeout: float = 600.0
-    # No answer byte from any of an engine's in-flight requests and no progress counter moving for
-    # this long: the engine is ejected while another takes traffic (0 = off).
+    # Streamed requests in flight, no answer byte from any of an engine's requests and no progress
+    # counter moving for this long: the engine is ejected while another takes traffic (0 = off).
     stall_timeout: float = 5.0
     breaker_threshold: int = 3  # consecutive timeouts / broken connections that open an engine's breaker
     breaker_connect_threshold: int = 1  # consecutive refused connects that open it

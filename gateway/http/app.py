@@ -238,7 +238,8 @@ class Gateway:
         deadlines = self.deadlines = Deadlines(loop, len(names), cfg.ttfb_timeout, cfg.idle_timeout,
                                                stall=cfg.stall_timeout,
                                                on_stall=lambda i, why: self.breakers.stalled(i, why),
-                                               counters_at=lambda i: scrapers[i].progress_at)
+                                               counters_at=lambda i: scrapers[i].progress_at,
+                                               on_suspect=lambda i, on: self.breakers.suspect(i, on))
         breakers = self.breakers = Breakers(names, cfg.breaker_policy(), loop, router, health, upstream, deadlines,
                                             metrics, model, probe_limit=cfg.ttfb_timeout + cfg.idle_timeout or 60.0)
         health.start()

@@ -103,7 +103,7 @@ class Forwarder:
             first = first + idle * ticket.request.max_tokens if first and idle else 0.0
             if self.unary_timeout and (not first or first > self.unary_timeout):
                 first = self.unary_timeout
-        wd = self.deadlines.enter(ticket.target, first, idle)
+        wd = self.deadlines.enter(ticket.target, first, idle, req.stream)
         try:
             await self._exchange(down, req, raw, ticket, res, headers, up_headers, own_hit, wd)
         except BaseException as exc:

@@ -31,18 +31,20 @@ def test_a_stalled_engine_is_ejected_after_one_window_and_its_requests_end(trans
                                stall_timeout=1.0, breaker_cooldown=30.0, breaker_max_cooldown=30.0,
                                timeout=60.0) as (gw, url), aiohttp.ClientSession() as http:
                 await control(http, url_w, wedged=True)
-                # Round robin: e0 (wedged) gets the 1st and 3rd, e1 the 2nd and 4th.
-                streamed = asyncio.create_task(post(http, url, stream=True, max_tokens=16))
+                # Round robin: the first request goes to e0 (wedged) and hangs there.
+                first = asyncio.create_task(post(http, url, stream=True, max_tokens=16))
                 await wait_until(lambda: gw.router.counters()[0]["in_flight"] == 1, what="a stream on e0")
-                assert (await post(http, url, stream=True))[:2] == (200, "e1")
-                unary = asyncio.create_task(post(http, url, stream=False, max_tokens=16))
-                await wait_until(lambda: gw.router.counters()[0]["in_flight"] == 2, what="a unary on e0")
-                assert (await post(http, url, stream=False))[:2] == (200, "e1")
-                for task in (streamed, unary):
-                    status, inst, (doc,) = await task
-                    assert (status, inst) == (502, "e0"), doc
-                    msg = doc["error"]["message"]
-                    assert "ejected while this request was in flight" in msg and "stalled" in msg, msg
+                # The first sign (no progress for a fifth of the window): e0 takes no new request
+                # while e1 does, though round robin would give it every other one.
+                await wait_until(lambda: gw.deadlines.suspected[0], what="e0 suspected")
+                assert "no progress" in gw.router.unhealthy_reason[0]
+                served = [(await post(http, url, stream=k % 2 == 0))[:2] for k in range(4)]
+                assert served == [(200, "e1")] * 4
+                # The stall window passes: e0 is ejected and its request ends with a clear 502.
+                status, inst, (doc,) = await first
+                assert (status, inst) == (502, "e0"), doc
+                msg = doc["error"]["message"]
+                assert "ejected while this request was in flight" in msg and "stalled" in msg, msg
                 assert not gw.router.healthy(0) and gw.breakers[0].state == "open"
                 assert "no progress" in gw.breakers[0].reason
                 served = [(await post(http, url, stream=k % 2 == 0))[:2] for k in range(6)]

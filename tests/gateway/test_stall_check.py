@@ -51,3 +51,52 @@ def test_an_engine_idle_before_its_first_request_starts_its_window_then():
         d.close()
 
     asyncio.run(main())
+
+
+def test_suspected_after_a_fifth_of_the_window_and_cleared_when_it_moves():
+    async def main():
+        loop = asyncio.get_running_loop()
+        seen: list[tuple[int, bool]] = []
+        d = Deadlines(loop, 2, ttfb=100.0, idle=100.0, stall=5.0, on_stall=lambda i, why: None,
+                      on_suspect=lambda i, on: seen.append((i, on)))
+        wd = d.enter(1, 100.0, 100.0)
+        t0 = d.progress_at[1]
+        d._check_stalls(t0 + 0.9)
+        assert seen == []
+        d._check_stalls(t0 + 1.0)
+        assert seen == [(1, True)] and d.suspected == [False, True]
+        d._check_stalls(t0 + 1.5)
+        assert seen == [(1, True)]  # once
+        d.progress_at[1] = t0 + 1.6  # a byte came
+        d._check_stalls(t0 + 1.7)
+        assert seen == [(1, True), (1, False)]
+        d._check_stalls(t0 + 2.7)
+        assert seen[-1] == (1, True)
+        wd.leave(cancelled=False)  # nothing in flight any more: nothing owed
+        d._check_stalls(t0 + 50.0)
+        assert seen[-1] == (1, False) and d.suspected == [False, False]
+        d.close()
+
+    asyncio.run(main())
+
+
+def test_non_streamed_exchanges_owe_no_byte_before_their_end():
+    async def main():
+        loop = asyncio.get_running_loop()
+        stalls: list[int] = []
+        d = Deadlines(loop, 1, ttfb=100.0, idle=100.0, stall=5.0, on_stall=lambda i, why: stalls.append(i))
+        unary = d.enter(0, 100.0, 100.0, streamed=False)
+        t0 = unary.last
+        d._check_stalls(t0 + 50.0)
+        assert stalls == []
+        stream = d.enter(0, 100.0, 100.0)  # the window starts with the first stream
+        d._check_stalls(stream.last + 4.0)
+        assert stalls == []
+        d._check_stalls(stream.last + 5.0)
+        assert stalls == [0]
+        stream.leave(cancelled=False)
+        unary.leave(cancelled=False)
+        assert d.streams == [0]
+        d.close()
+
+    asyncio.run(main())
