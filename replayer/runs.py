@@ -69,7 +69,7 @@ def synth_for(seed: int, block_size: int) -> Any:
     key = (seed, block_size)
     synth = _SYNTHS.get(key)
     if synth is None:
-        synth = _SYNTHS[key] = TokenSynthesizer(seed=seed, engine_block_size=block_size)
+        synth = _SYNTHS[key] = TokenSynthesizer(seed=seed, engine_block_size=block_size, identity="chain")
     return synth
 
 

@@ -33,12 +33,26 @@ inside their trace block, so a turn that extends an earlier one hashes only its 
 Only trace blocks that are full, covered by an id and inside the prompt are memoized; engine blocks
 past them (a partial last trace block, the tail) depend on the cut and are hashed from the actual
 tokens on every call.
+
+**Identity.** ``identity="vllm"`` (the default) gives vLLM's exact hashes: what a live replay sends
+and what the emulated HTTP server publishes, which real gateways check against vLLM's.
+``identity="chain"`` is for virtual time, where the hashes go only to in-process engines and the
+router, which compare them for equality and nothing else: each engine block gets a small integer,
+fresh when its chain is first seen, so no block's tokens are synthesized or hashed. Two blocks get
+the same id exactly when their token chains are equal by construction: a block wholly inside a
+model's system prompt is that model's block ``j`` (shared across namespaces, as the tokens are);
+any other block's chain holds namespace-scoped tokens, so it is the trie node's (root, hash-id
+path) block, or, past the ids, the turn's own tail. vLLM's hashes would differ from this only where
+independent random blocks collide (probability ``vocab_size ** -engine_block_size``) or sha256
+does; equal-id structure, hence every decision and record, is the same (``tests/replayer/
+test_records_pinned.py`` runs both). The ids are consecutive along a chain, which also makes the
+engines' and the index's hash tables cheaper to probe than with scattered 64-bit hashes.
 """
 
 from __future__ import annotations
 
 import hashlib
-from itertools import chain
+from itertools import chain as iter_chain
 
 import numpy as np
 
@@ -46,6 +60,8 @@ from engines.hashing import BlockHasher, common_prefix_len
 from gpuhit.errors import ConfigError
 from replayer.trace import Session
 
+#: block identities: vLLM's exact hashes, or the simulator's chain ids (see the module docstring)
+IDENTITIES = ("vllm", "chain")
 _MASK = (1 << 64) - 1
 _STEP = np.uint64(0xD1B54A32D192ED03)  # odd constant: consecutive positions land far apart
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -79,7 +95,10 @@ class TokenSynthesizer:
         engine_block_size: int = 16,
         hash_name: str = "sha256",
         system_prompts: bool = True,
+        identity: str = "vllm",
     ):
+        if identity not in IDENTITIES:
+            raise ConfigError(f"identity must be one of {', '.join(IDENTITIES)}, got {identity!r}")
         if type(vocab_size) is not int or vocab_size < 1000:
             raise ConfigError(f"vocab_size must be an integer >= 1000, got {vocab_size!r}")
         if type(engine_block_size) is not int or engine_block_size <= 0:
@@ -88,6 +107,7 @@ class TokenSynthesizer:
         self.vocab_size = vocab_size
         self.engine_block_size = engine_block_size
         self.system_prompts = system_prompts
+        self.identity = identity
         self.hasher = BlockHasher(engine_block_size, hash_name)
         self._vocab = np.uint64(vocab_size)
         self._stream_keys: dict[tuple[str, ...], np.uint64] = {}
@@ -107,6 +127,13 @@ class TokenSynthesizer:
         # session id) -> (root key, hash ids walked, trie node after each of them (path[0] =
         # root), their engine-block hashes as one tuple).
         self._resume: dict[tuple[str, str], tuple[tuple, tuple[int, ...], list[int], tuple[int, ...]]] = {}
+        # chain identity only (see "Identity" in the module docstring): the next fresh block id, the
+        # ids of system-prompt blocks per (model, block index), the ids past the memoized trace
+        # blocks per turn, and each namespace's trace block size
+        self._next_id = 1
+        self._system_ids: dict[tuple[str, int], int] = {}
+        self._tail_ids: dict[tuple[str, str, int], tuple[int, ...]] = {}
+        self._ns_block_size: dict[str, int] = {}
 
     # ---------------------------------------------------------------- tokens
 
@@ -203,11 +230,13 @@ class TokenSynthesizer:
     # ---------------------------------------------------------------- hashes
 
     def block_hashes(self, session: Session, turn_index: int) -> tuple[int, ...]:
-        """vLLM event-int hashes of every full engine block of the turn's prompt (memoized).
+        """Identities of every full engine block of the turn's prompt (memoized).
 
-        Equal to ``BlockHasher(engine_block_size, hash_name).event_ints(prompt_tokens(...))``.
-        Cost: one dict probe per memoized trace block plus building the tuple; SHA-256 only for
-        engine blocks not seen before and for those past the last full, covered trace block.
+        With ``identity="vllm"``: vLLM's event-int hashes, equal to
+        ``BlockHasher(engine_block_size, hash_name).event_ints(prompt_tokens(...))``. With
+        ``"chain"``: the chain ids of the module docstring. Cost: one dict probe per memoized trace
+        block plus building the tuple; new identities only for engine blocks not seen before and
+        (vllm) for those past the last full, covered trace block.
         """
         turn = session.turns[turn_index]
         bs, es = session.block_size, self.engine_block_size
@@ -222,6 +251,11 @@ class TokenSynthesizer:
             self._roots[root_key] = node
         # Resume from this session's previous walk where the ids agree: the trie maps equal id
         # prefixes to equal nodes, so the first c blocks' node and hashes are the recorded ones.
+        chain = self.identity == "chain"
+        if chain and self._ns_block_size.setdefault(session.namespace, bs) != bs:
+            raise ConfigError(f"namespace {session.namespace!r} has sessions of trace block sizes "
+                              f"{self._ns_block_size[session.namespace]} and {bs}: the chain identity needs one "
+                              "block size per namespace (use identity='vllm')")
         skey = (session.namespace, session.session_id)
         prev = self._resume.get(skey)
         k = 0
@@ -255,28 +289,26 @@ class TokenSynthesizer:
             last_end = hi if lo < hi else last_end
             k += 1
         digest = self._node_digest[node]
-        hash_fn, root, extra = self.hasher.hash_fn, self.hasher.root, self.hasher.extra_keys
         if k < m:
-            # cold part: hash the engine blocks of trace blocks k..m-1 and record them as nodes
+            # cold part: identities of the engine blocks of trace blocks k..m-1, recorded as nodes
             done = (k * bs) // es  # engine blocks complete before trace block k
-            tokens = self._tokens_at(session, turn_index, done * es, ((m * bs) // es) * es).tolist()
-            new: list[int] = []
+            stop = (m * bs) // es
             first = len(self._store)
+            if chain:
+                new, digests = self._chain_ids(done, stop, session.model, s_len), None
+            else:
+                new, digests = self._sha_ids(session, turn_index, digest, done, stop)
             j = done
             for kk in range(k, m):
                 end_j = ((kk + 1) * bs) // es
-                node_lo = first + len(new)
-                while j < end_j:
-                    off = (j - done) * es
-                    digest = hash_fn((digest or root, tuple(tokens[off : off + es]), extra))
-                    new.append(int.from_bytes(digest[-8:], "big"))  # = to_event_int
-                    j += 1
-                child = self._new_node(node_lo, first + len(new), digest)
+                if digests is not None and end_j > j:
+                    digest = digests[end_j - done - 1]
+                child = self._new_node(first + j - done, first + end_j - done, digest)
                 children[(node, ids[kk])] = child
                 node = child
                 add_path(child)
+                j = end_j
             self._store.extend(new)
-            self.hashed_blocks += len(new)
             if new:
                 if first == last_end:
                     ranges[-1][1] = first + len(new)
@@ -284,20 +316,81 @@ class TokenSynthesizer:
                     ranges.append([first, first + len(new)])
         store = self._store
         if ranges:
-            head += tuple(chain.from_iterable(store[lo:hi] for lo, hi in ranges))
+            head += tuple(iter_chain.from_iterable(store[lo:hi] for lo, hi in ranges))
         self._resume[skey] = (root_key, ids[:m], path, head)
         # uncached remainder: engine blocks that reach past the last memoizable trace block
         done = (m * bs) // es
         total = n_in // es
         if done >= total:
             return head
-        out = list(head)
-        tokens = self._tokens_at(session, turn_index, done * es, total * es).tolist()
+        if chain:
+            return head + self._chain_remainder(session, turn_index, node, m, done, total, s_len)
+        new, _ = self._sha_ids(session, turn_index, digest, done, total)
+        return head + tuple(new)
+
+    def _sha_ids(self, session: Session, turn_index: int, parent: bytes | None, lo: int,
+                 hi: int) -> tuple[list[int], list[bytes]]:
+        """vLLM's event ints (and digests) of engine blocks ``lo..hi-1``, chained on ``parent``."""
+        es = self.engine_block_size
+        hash_fn, root, extra = self.hasher.hash_fn, self.hasher.root, self.hasher.extra_keys
+        tokens = self._tokens_at(session, turn_index, lo * es, hi * es).tolist()
+        ints: list[int] = []
+        digests: list[bytes] = []
+        digest = parent
         for off in range(0, len(tokens), es):
             digest = hash_fn((digest or root, tuple(tokens[off : off + es]), extra))
-            out.append(int.from_bytes(digest[-8:], "big"))
-        self.hashed_blocks += total - done
-        return tuple(out)
+            digests.append(digest)
+            ints.append(int.from_bytes(digest[-8:], "big"))  # = to_event_int
+        self.hashed_blocks += hi - lo
+        return ints, digests
+
+    def _chain_ids(self, lo: int, hi: int, model: str, s_len: int) -> list[int]:
+        """Fresh chain ids for engine blocks ``lo..hi-1`` of one chain; a block wholly inside the
+        system prompt takes its model's shared id instead (its whole chain is that prompt)."""
+        es = self.engine_block_size
+        out: list[int] = []
+        sys_hi = min(hi, s_len // es)
+        if lo < sys_hi:
+            ids = self._system_ids
+            for j in range(lo, sys_hi):
+                i = ids.get((model, j))
+                if i is None:
+                    i = ids[(model, j)] = self._next_id
+                    self._next_id += 1
+                out.append(i)
+        first = max(lo, sys_hi)
+        if first < hi:
+            n = self._next_id
+            out.extend(range(n, n + hi - first))
+            self._next_id = n + hi - first
+        self.hashed_blocks += hi - lo
+        return out
+
+    def _chain_remainder(self, session: Session, turn_index: int, node: int, m: int, done: int, total: int,
+                         s_len: int) -> tuple[int, ...]:
+        """Chain ids of engine blocks ``done..total-1``, past the last full, covered trace block ``m-1``.
+
+        If the prompt ends inside trace block ``m`` (an id covers it), those blocks hold that trace
+        block's leading tokens, exactly as the full block's first engine blocks: they are read off
+        (or recorded as) the trie node of ``(node, id m)``. Otherwise they reach into the turn's own
+        tail, which nothing else shares: ids of their own, kept per turn.
+        """
+        ids = session.turns[turn_index].hash_ids
+        if m < len(ids):
+            child = self._children.get((node, ids[m]))
+            if child is None:
+                bs, es = session.block_size, self.engine_block_size
+                lo = len(self._store)
+                self._store.extend(self._chain_ids(done, ((m + 1) * bs) // es, session.model, s_len))
+                child = self._new_node(lo, len(self._store), None)
+                self._children[(node, ids[m])] = child
+            lo = self._node_start[child]
+            return tuple(self._store[lo : lo + total - done])
+        key = (session.namespace, session.session_id, turn_index)
+        tail = self._tail_ids.get(key)
+        if tail is None:
+            tail = self._tail_ids[key] = tuple(self._chain_ids(done, total, session.model, s_len))
+        return tail
 
     def _new_node(self, start: int, end: int, digest: bytes | None) -> int:
         """A trie node whose engine-block hashes are ``_store[start:end]``."""
@@ -319,3 +412,7 @@ class TokenSynthesizer:
         self._node_digest.clear()
         self._store.clear()
         self._resume.clear()
+        self._next_id = 1
+        self._system_ids.clear()
+        self._tail_ids.clear()
+        self._ns_block_size.clear()

@@ -265,6 +265,9 @@ class BlockPool:
         self.block_size = block_size
         self.ref_cnt = np.zeros(num_blocks, np.int32)
         self.block_hash = np.full(num_blocks, None, object)
+        # block_hash[id] is not None, kept beside it so that masks over many blocks are one numpy
+        # operation instead of a Python comparison per object
+        self.has_hash = np.zeros(num_blocks, bool)
         # the parent's hash, kept so an eviction to a lower tier can publish the chain link
         self.parent_hash = np.full(num_blocks, None, object)
         self.free_queue = FreeBlockQueue(num_blocks, np.arange(num_blocks, dtype=BLOCK_ID))
@@ -304,6 +307,7 @@ class BlockPool:
     def reset_cache(self) -> None:
         """Forget every cached hash (vLLM's prefix-cache reset); the caller checked nothing is in use."""
         self.block_hash[:] = None
+        self.has_hash[:] = False
         self.parent_hash[:] = None
         self._cached.clear()
         self._dups.clear()
@@ -345,11 +349,11 @@ class BlockPool:
                 return ids
             hs = (h,)
         else:
-            hl = self.block_hash[ids].tolist()
-            misses = hl.count(None)  # in a full cache nearly every popped block is cached
-            if misses == n:
+            cached = self.has_hash[ids]
+            n_cached = int(np.count_nonzero(cached))  # in a full cache nearly every popped block is cached
+            if not n_cached:
                 return ids
-            hs = tuple(hl) if not misses else tuple(h for h in hl if h is not None)
+            hs = tuple(self.block_hash[ids if n_cached == n else ids[cached]].tolist())
         if self.watching and not self.watch_dirty and self._watched_any(ids):
             self.watch_dirty = True
         if self._dups or self.on_evict is not None:
@@ -358,8 +362,9 @@ class BlockPool:
                     self._evict(b)
         else:
             # no duplicates anywhere: each hash maps to the block being evicted
-            deque(map(self._cached.__delitem__, hs), 0)
+            deque(map(self._cached.pop, hs), 0)  # pop: a fast call, unlike the __delitem__ wrapper
             self.block_hash[ids] = None  # parent_hash is left stale: read only while cached
+            self.has_hash[ids] = False
         if self.enable_events:
             self.events.append(BlockRemoved(hs, GPU))
         return ids
@@ -385,6 +390,7 @@ class BlockPool:
         if self.on_evict is not None:
             self.on_evict(h, self.parent_hash[b])
         self.block_hash[b] = None
+        self.has_hash[b] = False
         self.parent_hash[b] = None
 
     def _distinct(self, ids: np.ndarray) -> bool:
@@ -439,7 +445,7 @@ class BlockPool:
         if len(joining):
             # vLLM 0.32: blocks holding no hash can never be a hit, so they are reused first
             # (put at the head, for GPU locality); cached ones join the tail in LRU order
-            uncached = np.equal(self.block_hash[joining], None)
+            uncached = ~self.has_hash[joining]
             if uncached.any():
                 if uncached.all():
                     self.free_queue.prepend_many(joining)
@@ -480,6 +486,7 @@ class BlockPool:
                 if c != b:  # vLLM keeps the duplicate blocks, first cached one in the map
                     dups.setdefault(h, []).append(b)
         self.block_hash[seg] = _objects(hs)
+        self.has_hash[seg] = True
         if self.on_evict is not None:
             # parent_hash is read only by on_evict (the CPU tier's BlockStored)
             self.parent_hash[seg] = _objects((parent, *hs[:-1]))

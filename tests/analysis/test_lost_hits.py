@@ -8,7 +8,7 @@ import math
 import pandas as pd
 
 from analysis import lost_hits
-from gpuhit import cli
+from replayer import cli
 from replayer.records import COLUMNS, RecordWriter, RequestRecord
 
 BS = 16

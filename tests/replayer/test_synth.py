@@ -232,3 +232,75 @@ def test_prefix_identity_property(pair, system_prompts):
     assert _leading_common(ha, hb) == common // E
     if not system_prompts:
         assert common == _spec_common_tokens(a, b)
+
+
+# ---------------------------------------------------------------- the chain identity
+
+def _same_equalities(pairs) -> None:
+    """``pairs``: (vLLM hashes, chain ids) of prompts; equal hashes <=> equal ids, block by block."""
+    v_to_c: dict[int, int] = {}
+    c_to_v: dict[int, int] = {}
+    for hv, hc in pairs:
+        assert len(hv) == len(hc)
+        for v, c in zip(hv, hc):
+            assert v_to_c.setdefault(v, c) == c
+            assert c_to_v.setdefault(c, v) == v
+
+
+@st.composite
+def chain_trace(draw):
+    es = draw(st.sampled_from([16, 24, 64]))
+    bs_of = {ns: draw(st.sampled_from([16, 64, 512, 24])) for ns in ("ns", "other")}
+    sessions = []
+    for i in range(draw(st.integers(1, 4))):
+        ns = draw(st.sampled_from(["ns", "ns", "other"]))
+        bs = bs_of[ns]
+        base = draw(st.lists(st.integers(0, 12), max_size=6))
+        model = draw(st.sampled_from(["m1", "m1", "m2"]))
+        turns = []
+        for _ in range(draw(st.integers(1, 3))):
+            ids = tuple(base[: draw(st.integers(0, len(base)))]) + tuple(draw(st.lists(st.integers(0, 30), max_size=3)))
+            style = draw(st.sampled_from(["ceil", "floor", "none"]))
+            if style == "none" or not ids:
+                ids, length = (), draw(st.integers(0, 3 * bs))
+            elif style == "ceil":
+                length = (len(ids) - 1) * bs + draw(st.integers(1, bs))
+            else:
+                length = len(ids) * bs + draw(st.integers(0, bs - 1))
+            turns.append(Turn(length, 1, ids, model=draw(st.sampled_from(["", model, "helper"]))))
+        system = draw(st.sampled_from([0, 5, 40, 200, 1000]))
+        sessions.append(Session(f"s{i}", tuple(turns), bs, ns, model=model, system_tokens=system))
+    keys = [(i, k) for i, s in enumerate(sessions) for k in range(len(s.turns))]
+    order = draw(st.permutations(keys))
+    return sessions, order + order[: draw(st.integers(0, len(order)))], es
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(chain_trace())
+def test_chain_ids_have_the_equalities_of_vllm_hashes(case):
+    """Across prompts of several sessions, namespaces, system prompts, partial trace blocks, tails and
+    engine blocks that straddle trace blocks, in any order and repeated: two blocks have equal chain
+    ids exactly when their vLLM hashes are equal (what every engine and index decision reads)."""
+    sessions, order, es = case
+    exact = TokenSynthesizer(seed=3, engine_block_size=es)
+    cheap = TokenSynthesizer(seed=3, engine_block_size=es, identity="chain")
+    _same_equalities((exact.block_hashes(sessions[i], k), cheap.block_hashes(sessions[i], k)) for i, k in order)
+
+
+@pytest.mark.parametrize("es", [16, 48])
+def test_chain_ids_on_the_bundled_slice(es):
+    tr = load_trace(bundled_path("weka")).trace
+    exact = TokenSynthesizer(seed=1, engine_block_size=es)
+    cheap = TokenSynthesizer(seed=1, engine_block_size=es, identity="chain")
+    turns = [(s, k) for s in tr.sessions[:12] for k in range(0, len(s.turns), 3)]
+    _same_equalities((exact.block_hashes(s, k), cheap.block_hashes(s, k)) for s, k in turns)
+    assert cheap.cache_info()["cached_blocks"] > 1000
+
+
+def test_chain_identity_needs_one_block_size_per_namespace():
+    synth = TokenSynthesizer(identity="chain")
+    synth.block_hashes(Session("a", (Turn(64, 1, (1,)),), 64, "ns"), 0)
+    with pytest.raises(ConfigError, match="one block size per namespace"):
+        synth.block_hashes(Session("b", (Turn(64, 1, (1,)),), 16, "ns"), 0)
+    with pytest.raises(ConfigError, match="identity"):
+        TokenSynthesizer(identity="md5")
