@@ -208,9 +208,11 @@ class _Collector:
 
 class GatewayMetrics:
     """Every metric of one gateway; ``render()`` is the ``/metrics`` body (``CONTENT_TYPE``).
-    ``wall`` is the clock of the histograms' ``_created`` series (prometheus_client's: Unix time)."""
+    ``wall`` is the clock of the histograms' ``_created`` series (prometheus_client's: Unix time);
+    ``endpoints``: the routed paths (the gateway's prompt dialects), each with its latency series."""
 
-    def __init__(self, wall: Callable[[], float] = time.time) -> None:
+    def __init__(self, wall: Callable[[], float] = time.time,
+                 endpoints: Iterable[str] = ("/v1/completions", "/v1/chat/completions")) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter("gpuhit_gateway_requests_total", "Requests answered, by endpoint and HTTP status.",
                                 ("endpoint", "code"))
@@ -245,8 +247,9 @@ class GatewayMetrics:
                               LATENCY_BUCKETS, ("endpoint",), wall=wall)
         self.histograms = (self.routing, self.latency, self.ttft)
         self._routing = self.routing.labels()
-        self._latency = {e: self.latency.labels(e) for e in ("/v1/completions", "/v1/chat/completions")}
-        self._ttft = {e: self.ttft.labels(e) for e in ("/v1/completions", "/v1/chat/completions")}
+        endpoints = tuple(endpoints)
+        self._latency = {e: self.latency.labels(e) for e in endpoints}
+        self._ttft = {e: self.ttft.labels(e) for e in endpoints}
         self.registry.register(_Collector(self))
 
     # A request's counter updates are two calls, their dict increments inline: a method call per

@@ -15,6 +15,23 @@ parameter: the window is derived from the traffic itself, and it is 0 (only in-f
 count) until the first gap has been seen. A session idle longer than the window is forgotten: if
 it comes back, its KV was probably evicted anyway (LRU), and it counts again from its next turn.
 
+Two more observations feed the adaptive policy (``policies/adaptive.py``), both running totals of
+the same routing history:
+
+* **Return rates.** Of the turns after which a session went idle, the share whose session sent
+  another turn: one rate after a session's first turn, one after later turns (agentic traces:
+  nearly every turn is followed by another; chat traces such as Mooncake's: most sessions are a
+  single turn). :meth:`SessionResidency.expected_resident_blocks` weights an idle live session's
+  context by its rate, so a working set counts what is likely to come back, not every session that
+  ended recently. The rate is ``(returns + 1) / (finishes + 1)`` (Laplace's rule of succession: 1,
+  every idle session counted as :meth:`resident_blocks` counts them, before any finish); a finish
+  whose return is still to come counts as a non-return, which biases the rate low by at most the
+  sessions idle right now.
+* **Service time.** The median and the 90th percentile, over the most recent finished turns, of
+  the time from a turn's arrival at the gateway to its finish (:attr:`SessionResidency.service_s`,
+  :attr:`SessionResidency.service_p90_s`): the observed time a request takes here, queueing
+  included, the scale of the priority's aging.
+
 Everything here is routing history (session ids, prompt lengths, finish times), which a real
 gateway in front of vLLM has; nothing reads engine internals.
 """
@@ -28,12 +45,14 @@ from collections import deque
 _GAPS_KEPT = 512
 _REFRESH = 32
 LIVE_QUANTILE = 0.9
+_SERVICE_KEPT = 512  # finished turns whose service time the median is taken over
 
 
 class SessionResidency:
     """Session -> (instance, context blocks, in-flight count, last finish) and the live window."""
 
-    __slots__ = ("_gaps", "_idle_since", "_n_gaps", "_sessions", "_started", "window_s")
+    __slots__ = ("_arrived", "_finishes", "_gaps", "_idle_since", "_n_gaps", "_n_service", "_returns", "_service",
+                 "_sessions", "_started", "_turns", "service_p90_s", "service_s", "window_s")
 
     def __init__(self) -> None:
         # session -> [instance, blocks, in_flight, idle_since (None while in flight)]
@@ -45,6 +64,17 @@ class SessionResidency:
         self._gaps: deque[float] = deque(maxlen=_GAPS_KEPT)
         self._n_gaps = 0
         self.window_s = 0.0
+        # Return rates (module docstring): per bucket (0: after a session's first turn, 1: after a
+        # later one), turns after which the session went idle, and those followed by another turn.
+        self._turns: dict[str, int] = {}  # session -> turns arrived so far
+        self._finishes = [0, 0]
+        self._returns = [0, 0]
+        # Service time: session -> arrival of its turn in flight; recent service times; their median.
+        self._arrived: dict[str, float] = {}
+        self._service: deque[float] = deque(maxlen=_SERVICE_KEPT)
+        self._n_service = 0
+        self.service_s: float | None = None
+        self.service_p90_s: float | None = None
 
     def started_at(self, session: str | None) -> float | None:
         """When the gateway first saw ``session`` (None: never, or no session id)."""
@@ -55,9 +85,13 @@ class SessionResidency:
         if session is None:
             return
         self._started.setdefault(session, now)
+        turns = self._turns.get(session, 0)
+        self._turns[session] = turns + 1
+        self._arrived[session] = now
         idle_since = self._idle_since.pop(session, None)
         if idle_since is not None:
             self._observe_gap(now - idle_since)
+            self._returns[0 if turns <= 1 else 1] += 1
 
     def on_routed(self, session: str | None, instance: int, blocks: int) -> None:
         """The session's context (``blocks`` KV blocks after this turn) now lives on ``instance``."""
@@ -74,13 +108,34 @@ class SessionResidency:
 
     def on_finished(self, session: str | None, instance: int, now: float) -> None:
         """A turn of ``session`` on ``instance`` ended (ok or not)."""
-        e = self._sessions.get(session) if session is not None else None
+        if session is None:
+            return
+        arrived = self._arrived.pop(session, None)
+        if arrived is not None:
+            self._observe_service(now - arrived)
+        e = self._sessions.get(session)
         if e is None:
             return
         e[2] = max(0, e[2] - 1)
         if e[2] == 0:
             e[3] = now
             self._idle_since[session] = now
+            self._finishes[0 if self._turns.get(session, 1) <= 1 else 1] += 1
+
+    def return_rate(self, after_first_turn: bool) -> float:
+        """The observed share of idle sessions that sent another turn, after their first turn or
+        after a later one (module docstring)."""
+        b = 0 if after_first_turn else 1
+        # Laplace's rule of succession: 1 before any finish, no jump to 0 on the first one
+        return min(1.0, (self._returns[b] + 1) / (self._finishes[b] + 1))
+
+    def _observe_service(self, seconds: float) -> None:
+        self._service.append(max(0.0, seconds))
+        self._n_service += 1
+        if self._n_service % _REFRESH == 1:
+            g = sorted(self._service)
+            self.service_s = g[len(g) // 2]
+            self.service_p90_s = g[min(len(g) - 1, int(0.9 * len(g)))]
 
     def _observe_gap(self, gap: float) -> None:
         self._gaps.append(max(0.0, gap))
@@ -92,7 +147,20 @@ class SessionResidency:
     def resident_blocks(self, n: int, now: float, exclude: str | None) -> list[int]:
         """Per instance, the context blocks of live sessions other than ``exclude`` (forgets the
         sessions idle beyond the live window)."""
-        out = [0] * n
+        return self.working_sets(n, now, exclude)[0]
+
+    def expected_resident_blocks(self, n: int, now: float, exclude: str | None) -> list[int]:
+        """Per instance, the context blocks of the live sessions other than ``exclude``, each idle
+        one weighted by its bucket's :meth:`return_rate` (in-flight ones count in full)."""
+        return self.working_sets(n, now, exclude)[1]
+
+    def working_sets(self, n: int, now: float, exclude: str | None) -> tuple[list[int], list[int]]:
+        """Both per-instance sums, :meth:`resident_blocks` and :meth:`expected_resident_blocks`, in
+        one pass over the live sessions (forgetting those idle beyond the live window)."""
+        rate = (self.return_rate(True), self.return_rate(False))
+        turns = self._turns
+        live = [0] * n
+        expected = [0.0] * n
         dead = []
         w = self.window_s
         for sid, (inst, blocks, inflight, idle_since) in self._sessions.items():
@@ -100,10 +168,11 @@ class SessionResidency:
                 dead.append(sid)
                 continue
             if sid != exclude and 0 <= inst < n:
-                out[inst] += blocks
+                live[inst] += blocks
+                expected[inst] += blocks if inflight else blocks * rate[0 if turns.get(sid, 1) <= 1 else 1]
         for sid in dead:
             del self._sessions[sid]
-        return out
+        return live, [round(x) for x in expected]
 
     def live_sessions(self) -> int:
         """Sessions currently tracked (debug)."""

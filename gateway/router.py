@@ -289,7 +289,8 @@ class Router:
         else:
             hits = [(0, 0)] * n
         now = self.now()
-        resident = self.residency.resident_blocks(n, now, req.session_id) if self._reads_residency else [0] * n
+        res = self.residency
+        resident, expected = res.working_sets(n, now, req.session_id) if self._reads_residency else ([0] * n,) * 2
         use_stats = self.use_engine_stats
         names, roles, healthy = self.names, self.roles, self._healthy
         in_flight, pending, decode, active, routed = (self._in_flight, self._pending, self._decode,
@@ -300,7 +301,7 @@ class Router:
             g, c = hits[i]
             states.append(InstanceState(i, names[i], roles[i], healthy[i], in_flight[i], pending[i], decode[i],
                                         active[i], st.running, st.waiting, st.kv_usage, st.kv_capacity_blocks, g, c,
-                                        routed[i], resident[i]))
+                                        routed[i], resident[i], expected[i]))
         view = RequestView(
             req.request_id,
             req.prompt_len,
@@ -313,11 +314,12 @@ class Router:
             next(self._seq),
         )
         session = req.session_id
+        service = (res.service_s, res.service_p90_s) if self._reads_residency else (None, None)
         if session is None:  # no binding, migration or start to look up
-            return Snapshot(now, view, tuple(states))
+            return Snapshot(now, view, tuple(states), None, None, None, *service)
         b = self.bindings
         return Snapshot(now, view, tuple(states), b.get(session), b.last_migrated_at(session),
-                        self.residency.started_at(session))
+                        res.started_at(session), *service)
 
     def decide(self, req: RouteRequest) -> Decision:
         """Snapshot + policy + validation (sync). Logs nothing and changes no counters."""
@@ -359,6 +361,23 @@ class Router:
         """Decide and account the request as routed (counters, binding, approximate index, log)."""
         snap, d = self._decide(req)
         return self._begin(req, snap, d)
+
+    def begin_on(self, req: RouteRequest, target: int, reason: str) -> Ticket:
+        """Account a request that must run on ``target`` (it names state only that engine holds,
+        e.g. a stored response): no policy choice, the same bookkeeping and predicted hit as
+        :meth:`begin`. An unhealthy target is a :class:`NoInstanceError` naming it."""
+        self._check(target)
+        if not self._healthy[target]:
+            raise NoInstanceError(f"engine {self.names[target]} is unhealthy ({self.unhealthy_reason[target]}) "
+                                  f"and {reason}")
+        snap = self.snapshot(req, self._reads_hits)
+        hit = snap.instances[target].gpu_hit_blocks
+        if not self._reads_hits and req.block_hashes:
+            hit = self._match_one(target, req.block_hashes)[0]
+            insts = list(snap.instances)
+            insts[target] = msgspec.structs.replace(insts[target], gpu_hit_blocks=hit)
+            snap = msgspec.structs.replace(snap, instances=tuple(insts))
+        return self._begin(req, snap, Decision(FORWARD, target, reason, predicted_hit_blocks=hit))
 
     def _begin(self, req: RouteRequest, snap: Snapshot, d: Decision) -> Ticket:
         t = Ticket(self, req, d)

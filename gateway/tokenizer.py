@@ -13,8 +13,9 @@ into ids in two steps:
    template already wrote BOS and friends).
 
 Completions with a text prompt are tokenized with ``add_special_tokens=True`` (vLLM's default for
-``/v1/completions``). Message content given as a list of parts is joined with newlines, as vLLM's
-"string" content format does for text parts. What this module cannot reproduce exactly (images or
+``/v1/completions``). Messages and tools reach the template as vLLM hands them over
+(:mod:`engines.vllm.chat_messages`: text parts joined with newlines, null content as "", tool-call
+arguments parsed, developer messages folded into system). What this module cannot reproduce exactly (images or
 other non-text parts, ``continue_final_message``, a per-request ``chat_template``) raises
 :class:`NotExact`; the gateway then routes that request by an approximate hash and counts it.
 
@@ -34,13 +35,10 @@ from datetime import datetime
 from typing import Any, ClassVar
 
 from engines.hashing import common_prefix_len
+from engines.vllm.chat_messages import NotExact, conversation, tool_dicts
 from gpuhit.errors import BadRequestError, ConfigError, UnavailableError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-class NotExact(Exception):
-    """A request this module cannot tokenize exactly as vLLM would (the reason is the message)."""
 
 
 def _token_str(value: Any) -> str | None:
@@ -178,9 +176,16 @@ class PromptTokenizer:
         extra = body.get("chat_template_kwargs") or {}
         if not isinstance(extra, Mapping):
             raise BadRequestError("chat_template_kwargs must be an object")
-        messages = [_message(m) for m in body["messages"]]
-        kwargs: dict[str, Any] = {**self.special_tokens, **extra}
-        kwargs.update(messages=messages, tools=body.get("tools"), documents=body.get("documents"),
+        messages = conversation(body["messages"], self.chat_template)
+        effort = body.get("reasoning_effort")
+        # vLLM's merge: the request's own kwargs, overridden by the set ones of these (None and
+        # "auto" leave the request's value); enable_thinking opts templates into reasoning.
+        ours = {"add_generation_prompt": gen, "continue_final_message": False,
+                "documents": body.get("documents"), "reasoning_effort": effort,
+                "enable_thinking": effort != "none" if effort is not None and "enable_thinking" not in extra else None}
+        kwargs: dict[str, Any] = {**self.special_tokens, **extra,
+                                  **{k: v for k, v in ours.items() if v is not None and v != "auto"}}
+        kwargs.update(messages=messages, tools=tool_dicts(body.get("tools")), documents=body.get("documents"),
                       add_generation_prompt=gen)
         try:
             return self._template().render(**kwargs)
@@ -191,26 +196,6 @@ class PromptTokenizer:
         if self._compiled is None:
             self._compiled = compile_template(self.chat_template or "")
         return self._compiled
-
-
-def _message(m: Mapping[str, Any]) -> dict[str, Any]:
-    """One message as vLLM hands it to the template (string content format)."""
-    out: dict[str, Any] = {"role": m.get("role")}
-    content = m.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
-                raise NotExact("message content parts other than text")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    elif content is not None and not isinstance(content, str):
-        raise BadRequestError("messages[].content must be a string or a list of content parts")
-    out["content"] = content
-    for key in ("name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"):
-        if m.get(key) is not None:
-            out[key] = m[key]
-    return out
 
 
 def compile_template(source: str) -> Any:

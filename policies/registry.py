@@ -41,6 +41,7 @@ _REGISTRY: dict[str, Factory] = {}
 # Modules that register policy types; imported lazily on first lookup so importing the registry
 # stays cheap and import cycles cannot bite.
 _POLICY_MODULES: tuple[str, ...] = (
+    "policies.adaptive",
     "policies.baselines",
     "policies.cache_aware",
     "policies.lpwl",

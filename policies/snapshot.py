@@ -46,6 +46,9 @@ class InstanceState(msgspec.Struct, frozen=True, gc=False):
     # flight, or idle for less than the live window (see gateway/residency.py). The working set this
     # instance should keep in HBM. Filled only for policies with ``reads_residency = True`` (else 0).
     resident_blocks: int = 0
+    # The same sessions with each idle one weighted by the observed share of idle sessions that
+    # return (the gateway's residency observer); filled with resident_blocks.
+    expected_resident_blocks: int = 0
 
 
 class RequestView(msgspec.Struct, frozen=True, gc=False):
@@ -67,6 +70,10 @@ class Snapshot(msgspec.Struct, frozen=True, gc=False):
     binding: int | None = None  # instance the session is bound to, if any
     last_migrated_at: float | None = None  # when this session was last migrated
     session_started_at: float | None = None  # when the gateway first saw this session (None: first turn)
+    # Median time from a turn's arrival at the gateway to its finish over recent turns (None before
+    # the first finish): observed by the gateway's residency observer, filled for residency readers.
+    observed_service_s: float | None = None
+    observed_service_p90_s: float | None = None  # the same turns' 90th percentile
 
     def hit_tokens(self, i: int) -> int:
         """GPU prefix-hit tokens of this request on instance ``i``, as vLLM serves them: whole

@@ -27,6 +27,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "replayer.cli_attention",  # gpuhit attention ...
     "analysis.cli_compare",  # gpuhit compare
     "analysis.lost_hits",  # gpuhit lost-hits
+    "analysis.fairness",  # gpuhit fairness
 )
 
 

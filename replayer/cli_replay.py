@@ -136,6 +136,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action="store_true", help="show the progress line even when stderr is not a TTY")
     p.add_argument("--gateway", default=None, metavar="URL",
                    help="live mode: replay against a running gpuhit gateway at URL instead of simulating")
+    p.add_argument("--api", choices=("completions", "chat", "messages", "responses"), default="completions",
+                   help="live mode: the API each turn is sent through: completions (token ids, the default), chat, "
+                        "messages (Anthropic) or responses (OpenAI); the text APIs send the turns as a conversation")
     p.add_argument("--gpu-util", action="append", default=[], metavar="NAME=SPEC",
                    help="live mode: where engine NAME's GPU utilization comes from: busy:URL (the emulator's "
                         "busy-seconds counter at URL/metrics), dcgm:URL[#gpu=N] or nvml:N (needs the nvml extra); "
@@ -255,6 +258,8 @@ def main(args: argparse.Namespace) -> int:
         from replayer.cli_replay_live import live
 
         return live(args)
+    if getattr(args, "api", "completions") != "completions":
+        raise ConfigError("--api chooses the API of a live replay: give --gateway URL (a simulation has no HTTP)")
     return _simulated(args)
 
 
@@ -367,13 +372,15 @@ def _simulated(args: argparse.Namespace) -> int:
     plots: list[pathlib.Path] = []
     if not args.no_plots:
         plots = replay_report.plots(out, results)
+    from analysis.fairness import write_folder_section as write_fairness
     from analysis.lost_hits import write_folder_section
     from analysis.report import write_report
 
     lost_text, lost_plots = write_folder_section(out, plots=not args.no_plots, profile=args.profile)
+    fair_text = write_fairness(out)
     write_report(out / "report.html", title=f"gpuhit replay: {trace.name} on {args.instances} instances",
                  comparison=doc, table_text=table, plots=plots + lost_plots, meta=meta, runs=summaries,
-                 sections=[("Lost hits (gpuhit lost-hits)", lost_text)])
+                 sections=[("Lost hits (gpuhit lost-hits)", lost_text), ("Who waits (gpuhit fairness)", fair_text)])
     if args.json:
         print(to_json({"meta": meta, "comparison": doc, "runs": summaries, "out": str(out)}))
     else:

@@ -98,7 +98,8 @@ def live(args: argparse.Namespace) -> int:
             dcfg = DriverConfig(arrival=acfg, open_loop=args.open_loop, think_time_scale=arr["think_time_scale"],
                                 max_think_time=arr["max_think_time"], max_sessions=args.max_sessions,
                                 max_requests=left, run_id=f"live-s{seed}", policy="gateway", seed=seed)
-            target = HttpTarget(args.gateway, synth, http, model=gw["model"], max_model_len=gw["max_model_len"])
+            target = HttpTarget(args.gateway, synth, http, model=gw["model"], max_model_len=gw["max_model_len"],
+                                api=args.api)
             bar = Progress(total, label="live", force=args.progress)
             n = [0]
 

@@ -15,10 +15,12 @@
    swept rate qualifies, the knee is the highest rate swept and the report says the knee was *not
    reached* (sweep higher). ``--knee R`` skips the sweep and takes ``R`` as the knee.
 3. **Compare** every policy (``--policies``, default all registered) at ``--low-factor`` (0.7) x the
-   knee and at the knee, with ``--seeds`` paired seeds (default 5): paired differences against
+   knee, at the knee and at ``--high-factor`` (1.3) x the knee (past it: overload; 0 leaves that
+   point out), with ``--seeds`` paired seeds (default 5): paired differences against
    ``--reference`` (default lpwl) with t intervals (:mod:`analysis.compare`).
-4. **Write one report**: ``OUT/report.html`` (sweep, knee, both comparisons with legends, the
-   plots of both points), ``OUT/comparison-<point>.txt/.json``, ``OUT/knee.json``,
+4. **Write one report**: ``OUT/report.html`` (sweep, knee, each point's comparison with its legend,
+   its first-turn and session-start-quintile view (:mod:`analysis.fairness`) and its plots),
+   ``OUT/comparison-<point>.txt/.json``, ``OUT/knee.json``,
    ``OUT/experiment.json`` (the command and every replay it ran), and one ``gpuhit replay``
    results folder per run set under ``OUT/sweep/`` and ``OUT/points/``.
 
@@ -49,6 +51,7 @@ P90_FACTOR = 2.0  # p90 at least this multiple of the lowest rate's p90: explode
 APC_DROP = 0.10  # realized APC this much (absolute fraction) below the lowest rate's: collapsed
 DEFAULT_SEEDS = 5
 DEFAULT_LOW_FACTOR = 0.7
+DEFAULT_HIGH_FACTOR = 1.3
 DEFAULT_RATE_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)  # x replay's default session rate
 
 
@@ -154,8 +157,8 @@ def _rate_label(rate: float) -> str:
 def register(subparsers: Any) -> None:
     """Adds ``ab`` under ``gpuhit experiment`` (called by the experiment command's register)."""
     p = subparsers.add_parser(
-        "ab", help="the A/B protocol: sweep the session rate to the knee, compare every policy at 0.7x knee "
-                   "and at the knee with paired seeds, one report",
+        "ab", help="the A/B protocol: sweep the session rate to the knee, compare every policy at 0.7x knee, "
+                   "the knee and 1.3x knee with paired seeds, one report",
         description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--trace", action="append", metavar="PATH", default=None,
                    help="trace file or folder (repeatable; default: the bundled WEKA slice)")
@@ -169,6 +172,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--knee", type=float, default=None, metavar="R", help="skip the sweep: take R sessions/s as the knee")
     p.add_argument("--low-factor", type=float, default=DEFAULT_LOW_FACTOR,
                    help=f"the lower comparison point as a fraction of the knee (default {DEFAULT_LOW_FACTOR})")
+    p.add_argument("--high-factor", type=float, default=DEFAULT_HIGH_FACTOR,
+                   help=f"the overload comparison point as a multiple of the knee (default {DEFAULT_HIGH_FACTOR}; "
+                        "0: none)")
     p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, metavar="K",
                    help=f"paired seeds per comparison point (default {DEFAULT_SEEDS}; at least 2)")
     p.add_argument("--sweep-seeds", type=int, default=1, metavar="K", help="seeds per swept rate (default 1)")
@@ -213,6 +219,8 @@ def _rates(args: argparse.Namespace) -> list[float]:
 
 def main(args: argparse.Namespace) -> int:
     from analysis.compare import compare, format_table, to_json
+    from analysis.fairness import analyze_folder as analyze_fairness
+    from analysis.fairness import report_markdown as fairness_markdown
     from policies.registry import available
 
     if args.seeds < 2:
@@ -221,6 +229,8 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--sweep-seeds must be positive")
     if not 0 < args.low_factor < 1:
         raise ConfigError("--low-factor must be within (0, 1)")
+    if not (args.high_factor == 0 or args.high_factor > 1):
+        raise ConfigError("--high-factor must be above 1 (or 0 for no overload point)")
     if args.knee is not None and args.knee <= 0:
         raise ConfigError("--knee must be a positive session rate")
     if args.max_sessions is not None and args.max_sessions <= 0:
@@ -253,8 +263,10 @@ def main(args: argparse.Namespace) -> int:
     (out / "knee.json").write_text(to_json(knee, indent=1), encoding="utf-8")
     _say(args, f"knee: {knee['knee']:.4g} sessions/s ({knee['why']})")
 
-    # 3: compare at low_factor x knee and at the knee
+    # 3: compare at low_factor x knee, at the knee and at high_factor x knee
     points = [(f"{args.low_factor:g}x-knee", args.low_factor * knee["knee"]), ("knee", knee["knee"])]
+    if args.high_factor:
+        points.append((f"{args.high_factor:g}x-knee", args.high_factor * knee["knee"]))
     n_policies = None
     comparisons: dict[str, dict[str, Any]] = {}
     for label, rate in points:
@@ -272,10 +284,11 @@ def main(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(f"{label}: {exc}") from None
         table = format_table(cmp)
+        fair = fairness_markdown(analyze_fairness(folder))
         comparisons[label] = {"rate": rate, "folder": str(folder), "comparison": cmp, "table": table,
-                              "meta": doc.get("meta", {})}
+                              "fairness": fair, "meta": doc.get("meta", {})}
         (out / f"comparison-{label}.txt").write_text(
-            f"{label}: {rate:.6g} sessions/s\n\n{table}\n", encoding="utf-8")
+            f"{label}: {rate:.6g} sessions/s\n\n{table}\n\n{fair}\n", encoding="utf-8")
         (out / f"comparison-{label}.json").write_text(to_json(dict(cmp, rate=rate), indent=1), encoding="utf-8")
 
     command = "gpuhit experiment ab " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["experiment", "ab"] else sys.argv[1:])
@@ -327,6 +340,8 @@ def write_ab_report(path: pathlib.Path, *, knee: Mapping[str, Any], comparisons:
         parts.append(f"<h2>{html.escape(label)}: {c['rate']:.4g} sessions/s</h2>")
         parts.append(comparison_html(c["comparison"]))
         parts.append(legend_html(c["comparison"]))
+        if c.get("fairness"):
+            parts.append(f"<pre>{html.escape(c['fairness'])}</pre>")
         for png in sorted(pathlib.Path(c["folder"]).glob("*.png")):
             data = base64.b64encode(png.read_bytes()).decode("ascii")
             parts.append(f"<h3>{html.escape(png.stem.replace('_', ' '))}</h3>"

@@ -31,6 +31,7 @@ from engines.vllm.client import iter_sse
 from engines.vllm.metrics_scrape import BUSY, DCGM_UTIL, UtilizationMeter
 from gpuhit.aio import cancel_and_wait
 from gpuhit.errors import BadRequestError, ConfigError, UnavailableError
+from replayer import dialects
 from replayer.driver import TurnRequest, request_max_tokens
 from replayer.records import RequestRecord
 
@@ -40,8 +41,13 @@ class HttpTarget:
 
     def __init__(self, base_url: str, synth: Any, session: aiohttp.ClientSession | None = None,
                  model: str | None = None, timeout: float | None = None, tracer: Any = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, api: str = "completions"):
         self.base_url = base_url.rstrip("/")
+        if api not in dialects.APIS:
+            raise ConfigError(f"--api {api!r}: choose one of {', '.join(dialects.APIS)}")
+        # completions: token ids; chat / messages / responses: the turns as a conversation (replayer.dialects)
+        self.api = api
+        self._conversations = dialects.Conversations(synth)
         self.max_model_len = max_model_len  # the gateway's (/v1/models): max_tokens is clamped as vLLM would
         self.synth = synth
         # No session given: one is made on first use (inside the running loop) and closed by
@@ -92,7 +98,12 @@ class HttpTarget:
                 max_tokens, rec.note = request_max_tokens(turn.output_length, turn.input_length, self.max_model_len)
             except BadRequestError:
                 max_tokens = max(turn.output_length, 1)
-            body = protocol.completion_request(self.synth.prompt_tokens(s, k), max_tokens, await self._model())
+            ids = self.synth.prompt_tokens(s, k)
+            if self.api == "completions":
+                body = protocol.completion_request(ids, max_tokens, await self._model())
+            else:
+                body = dialects.request_body(self.api, self._conversations.messages(s, k, ids), max_tokens,
+                                             await self._model())
             rec.arrival = loop.time()
             await self._send(body, headers, rec)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
@@ -107,7 +118,7 @@ class HttpTarget:
 
     async def _send(self, body: dict[str, Any], headers: dict[str, str], rec: RequestRecord) -> None:
         loop = asyncio.get_running_loop()
-        async with self.session.post(self.base_url + "/v1/completions", json=body, headers=headers,
+        async with self.session.post(self.base_url + dialects.PATHS[self.api], json=body, headers=headers,
                                      timeout=self.timeout) as resp:
             h = resp.headers
             rec.instance = h.get("x-gpuhit-instance", "")
@@ -129,6 +140,15 @@ class HttpTarget:
                     done = True
                     break
                 obj = json.loads(data)
+                if self.api != "completions":
+                    if "error" in obj:
+                        err = obj["error"]
+                        rec.error = str(err.get("message") if isinstance(err, dict) else err)
+                    dialects.observe(self.api, obj, rec, loop.time())
+                    if dialects.finished(self.api, obj):
+                        done = True
+                        break
+                    continue
                 if "error" in obj:
                     rec.error = str(obj["error"].get("message") if isinstance(obj["error"], dict) else obj["error"])
                     continue
@@ -141,7 +161,8 @@ class HttpTarget:
                     rec.output_tokens = int(u.get("completion_tokens") or 0)
                     rec.realized_hit_tokens = protocol.cached_tokens_of(u) or 0
             if not done and not rec.error:
-                rec.error = "stream ended without [DONE]"
+                rec.error = "stream ended without [DONE]" if self.api in ("completions", "chat") else \
+                    "stream ended without its final event"
 
     # ----------------------------------------------------------------------------- tracing
 

@@ -49,6 +49,7 @@ from typing import Any
 from aiohttp import web
 
 from engines.base import GenerateRequest, GenerateResult
+from engines.emulated.dialect_routes import DialectRoutes
 from engines.hashing import BlockHasher
 from engines.kv_event_codec import VLLM
 from engines.kv_events import KVEventBatch
@@ -226,6 +227,9 @@ class EmulatedServer:
                 web.post("/reset_prefix_cache", self.reset_prefix_cache),
             ]
         )
+        # /v1/messages, /v1/responses (+ stored responses), over this server's chat tokenization
+        self.dialects = DialectRoutes(self, TOKEN_TEXT, _Progress, self._chat_ids)
+        self.dialects.mount(self.app)
         self.bootstrap = None
         self._advertise_host = advertise_host
         if kv_transfer is None:
@@ -351,6 +355,12 @@ class EmulatedServer:
                 f"request needs {need} KV cache blocks ({n} prompt + {max_tokens} output tokens) but the "
                 f"engine holds only {cap}"
             )
+
+    def _chat_ids(self, messages: list[Mapping[str, Any]]) -> list[int]:
+        """Chat messages as this server's chat route tokenizes them (the dialect routes' too)."""
+        if self.tokenizer is not None:
+            return self.tokenizer.encode_chat(messages)
+        return simple_tokenize(chat_template(messages))
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         """vLLM's dev route: ``{"success": bool}``; false while blocks are in use (callers may retry)."""

@@ -31,8 +31,10 @@ class Admin:
 
     def __init__(self, engines: Sequence[VLLMEngine], router: Router, session: aiohttp.ClientSession,
                  metrics: GatewayMetrics, breakers: Breakers, kv_streams: KVStreams, prompts: Prompts,
-                 setup: Mapping[str, Any], share: Any = None, verifier: HashVerifier | None = None):
+                 setup: Mapping[str, Any], share: Any = None, verifier: HashVerifier | None = None,
+                 cards: Sequence[Mapping[str, Any]] = ()):
         self.engines = list(engines)
+        self.cards = list(cards)
         self.router = router
         self.session = session
         self.metrics = metrics
@@ -73,10 +75,7 @@ class Admin:
         if path == "/health":
             return 200, "text/plain", b""
         if path == "/v1/models":
-            model = self.prompts.model
-            card = {"id": model, "object": "model", "owned_by": "gpuhit", "root": model, "parent": None,
-                    "max_model_len": self.prompts.max_model_len}
-            return 200, "application/json", orjson.dumps({"object": "list", "data": [card]})
+            return 200, "application/json", orjson.dumps({"object": "list", "data": self.models()})
         if path == "/ready":
             router = self.router
             ok = any(router.healthy(i) for i in range(len(self.engines)))
@@ -86,6 +85,23 @@ class Admin:
         if path == "/debug/state":
             return 200, "application/json", orjson.dumps(self.debug_state())
         return None
+
+    def models(self) -> list[dict[str, Any]]:
+        """``/v1/models``: the engines' cards merged by id (the served model, and any adapters they
+        list), each with the smallest ``max_model_len`` among the engines; the gateway's own card
+        for its model when no engine's card was read."""
+        merged: dict[str, dict[str, Any]] = {}
+        for c in self.cards:
+            have = merged.get(c["id"])
+            if have is None:
+                merged[c["id"]] = dict(c)
+            elif isinstance(c.get("max_model_len"), int) and isinstance(have.get("max_model_len"), int):
+                have["max_model_len"] = min(have["max_model_len"], c["max_model_len"])
+        model = self.prompts.model
+        if model not in merged:
+            merged = {model: {"id": model, "object": "model", "owned_by": "gpuhit", "root": model, "parent": None,
+                              "max_model_len": self.prompts.max_model_len}, **merged}
+        return list(merged.values())
 
     def debug_state(self) -> dict[str, Any]:
         router = self.router

@@ -113,8 +113,26 @@ def build_app(gw: Gateway) -> web.Application:
         status, ctype, body = await gw.reset_prefix_cache()
         return web.Response(body=body, status=status, content_type=ctype)
 
+    async def other(request: web.Request) -> web.StreamResponse:
+        """Any other route: forwarded to an engine (gateway.http.passthrough)."""
+        path = request.path
+        if path in PROMPT_PATHS or path in GET_PATHS or path == RESET_PREFIX_CACHE:  # the gateway's own
+            raise web.HTTPMethodNotAllowed(request.method, [])
+        down = AioDownstream(request)
+        try:
+            async with asyncio.timeout(cfg.body_timeout):
+                raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            await gw.replies.send(down, gw.body_limit_error(None), "other")
+        else:
+            query = "?" + request.query_string if request.query_string else ""
+            assert gw.passthrough is not None
+            await gw.passthrough.handle(request.method, request.path, query, request.headers, raw, down)
+        assert down.resp is not None
+        return down.resp
+
     app.add_routes([web.post(p, post(p)) for p in PROMPT_PATHS] + [web.post(RESET_PREFIX_CACHE, reset)]
-                   + [web.get(p, get(p)) for p in GET_PATHS])
+                   + [web.get(p, get(p)) for p in GET_PATHS] + [web.route("*", "/{tail:.*}", other)])
     app.on_startup.append(lambda app: gw.start())
     app.on_cleanup.append(lambda app: gw.close())
     return app

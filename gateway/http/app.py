@@ -49,19 +49,22 @@ from engines.vllm.client import VLLMEngine
 from engines.vllm.health import HealthMonitor
 from gateway.bindings import SessionBindings
 from gateway.config import GatewayConfig
+from gateway.dialects.history import ResponseHistory
 from gateway.hash_check import HashVerifier
 from gateway.http.admin import Admin
+from gateway.http.agentic import Messages, Responses, anthropic_error_body
 from gateway.http.forward import Forwarder
 from gateway.http.forward_breakers import Breakers
 from gateway.http.forward_deadlines import Deadlines
 from gateway.http.kv_streams import KVStreams
-from gateway.http.parse import DIALECTS, Prompts, RequestParser
+from gateway.http.parse import DIALECTS, PROMPT_PATHS, Prompts, RequestParser
+from gateway.http.passthrough import Passthrough
 from gateway.http.pipeline import Pipeline
 from gateway.http.producer import ProducerStep
 from gateway.http.prompt import PromptMemo, vocab_size_of
 from gateway.http.replies import Access, Replies
 from gateway.http.settle import Settler
-from gateway.http.transport import AioUpstream, Downstream, Upstream
+from gateway.http.transport import MESSAGES, AioUpstream, Downstream, Upstream
 from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router
@@ -84,7 +87,7 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig, tracer: Any = None):
         self.cfg = cfg
         self.tracer = tracer
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(endpoints=PROMPT_PATHS)
         self.policy = registry.build(cfg.policy)
         self.policy_name = str(getattr(self.policy, "name", cfg.policy))
         # Block size: the configured one, else what the engines report (set in start()).
@@ -100,6 +103,8 @@ class Gateway:
         self.tokenizer: PromptTokenizer | None = PromptTokenizer(cfg.tokenizer) if cfg.tokenizer else None
         self.vocab_size = cfg.vocab_size or (vocab_size_of(cfg.model_config) if cfg.model_config else 0)
         self.replies = Replies(self.metrics)
+        # Stored Responses: which engine holds each (bounded; see gateway.http.agentic).
+        self.responses = ResponseHistory()
         self.access = Access(cfg.api_key, cfg.metrics_auth, cfg.max_body_bytes)
         self.error_payload = self.replies.payload
         self.auth_error = self.access.denied
@@ -122,6 +127,8 @@ class Gateway:
         self.prompts: Prompts | None = None
         self.pipeline: Pipeline | None = None
         self.admin: Admin | None = None
+        self.passthrough: Passthrough | None = None  # every other vLLM route (built by start())
+        self.engine_cards: list[dict[str, Any]] = []  # the engines' /v1/models cards, read at start
         self._app: web.Application | None = None
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         self._server: Any = None  # the running transport (AppRunner or FastServer)
@@ -256,14 +263,18 @@ class Gateway:
                                 model, limit=cfg.ttfb_timeout + cfg.idle_timeout if cfg.ttfb_timeout else None)
         forwarder = Forwarder(upstream, names, urls, breakers, deadlines, settle, self.replies, producer, loop.time,
                               cfg.ttfb_timeout, cfg.idle_timeout, cfg.unary_timeout)
-        self.pipeline = Pipeline(RequestParser([d(prompts) for d in DIALECTS]), router, forwarder, settle,
+        agentic = [Messages(prompts), Responses(prompts, self.responses, names)]
+        self.replies.error_bodies[MESSAGES] = anthropic_error_body
+        self.pipeline = Pipeline(RequestParser([*(d(prompts) for d in DIALECTS), *agentic]), router, forwarder, settle,
                                  self.replies, self.access, metrics, names, self.policy_name, loop, self.tracer,
                                  cfg.timeout)
         self.handle = self.pipeline.handle
+        self.passthrough = Passthrough(session, names, urls, router, self.responses, self.replies, breakers,
+                                       self.tracer)
         self.admin = Admin(self.engines, router, session, metrics, breakers, kv_streams, prompts,
                            {"policy": self.policy_name, "index": cfg.index, "transport": cfg.transport,
                             "c_speedups": self.accel is not None},
-                           share=self.share, verifier=self.verifier)
+                           share=self.share, verifier=self.verifier, cards=self.engine_cards)
 
     def _build_router(self) -> Router:
         """The router over the configured KV index (precise: the engines' KV events; approximate:
@@ -309,8 +320,11 @@ class Gateway:
         mm = root = None
         try:
             async with self.probe_session.get(eng.base_url + "/v1/models") as r:  # type: ignore[union-attr]
-                card = (await r.json(content_type=None))["data"][0]
+                cards = (await r.json(content_type=None))["data"]
+                card = cards[0]
                 mm, root = card.get("max_model_len"), card.get("root")
+                # the gateway's /v1/models merges every engine's cards (its model, their adapters)
+                self.engine_cards.extend(c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str))
         except (aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError):
             pass
         if isinstance(mm, int) and (self.max_model_len is None or mm < self.max_model_len):

@@ -49,7 +49,7 @@ from gateway.http.transport import (
     header_block,
     nodelay,
 )
-from gpuhit.errors import BadRequestError, GpuhitError, NotFoundError
+from gpuhit.errors import BadRequestError, GpuhitError
 
 _log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class _Request:
     :class:`~gateway.http.transport.Downstream` the gateway's request logic writes to (one object
     per request, not a request and a downstream)."""
 
-    __slots__ = ("body", "chunked", "conn", "head_only", "headers", "keep_alive", "method", "path", "reject",
+    __slots__ = ("body", "chunked", "conn", "head_only", "headers", "keep_alive", "method", "path", "query", "reject",
                  "started")
 
     def __init__(self, conn: _ServerConn, method: bytes, path: str, headers: dict[str, str], body: bytes,
@@ -108,6 +108,7 @@ class _Request:
         # RFC 9112 7.1: no chunked transfer coding toward an HTTP/1.0 client; its stream is
         # delimited by closing the connection instead.
         self.chunked = not http10
+        self.query = ""  # "?..." when the URL had one (forwarded routes keep it)
 
     def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
         # The gateway's own headers come encoded (HeaderLines): their bytes, without two Python calls.
@@ -174,6 +175,7 @@ class _ServerConn(asyncio.Protocol):
         self._url: list[bytes] = []
         self._url_len = 0
         self._path = ""
+        self._query = ""
         self._headers: dict[str, str] = {}
         self._header_bytes = 0
         self._body: list[bytes] = []
@@ -367,6 +369,7 @@ class _ServerConn(asyncio.Protocol):
         url = b"".join(self._url)
         q = url.find(b"?")
         self._path = path = (url if q < 0 else url[:q]).decode("latin-1")
+        self._query = "" if q < 0 else url[q:].decode("latin-1")
         h = self._headers
         denied = self.gw.auth_error(h, path)
         if denied is not None:  # before any byte of the body is read
@@ -398,8 +401,11 @@ class _ServerConn(asyncio.Protocol):
         self._disarm()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         p = self.parser
-        self._enqueue(_Request(self, p.get_method(), self._path, self._headers, body, p.should_keep_alive(),
-                               http10=p.get_http_version() == "1.0"))
+        req = _Request(self, p.get_method(), self._path, self._headers, body, p.should_keep_alive(),
+                       http10=p.get_http_version() == "1.0")
+        if self._query:
+            req.query = self._query
+        self._enqueue(req)
 
     # -- request processing
 
@@ -489,10 +495,11 @@ class _ServerConn(asyncio.Protocol):
             return
         if path in PROMPT_PATHS or path in GET_PATHS or path == RESET_PREFIX_CACHE:
             err: GpuhitError = MethodNotAllowedError(f"method {method.decode('latin-1')} is not allowed on {path}")
-        else:
-            err = NotFoundError(f"no such endpoint: {path}")
-        status, data = gw.error_payload(err, path if path in PROMPT_PATHS else "other")
-        await req.respond(status, {}, data, "application/json")
+            status, data = gw.error_payload(err, path if path in PROMPT_PATHS else "other")
+            return await req.respond(status, {}, data, "application/json")
+        # Any other route: forwarded to an engine (gateway.http.passthrough).
+        assert gw.passthrough is not None
+        await gw.passthrough.handle(method.decode("latin-1"), path, req.query, req.headers, req.body, req)
 
     # -- writing
 

@@ -147,6 +147,7 @@ class Forwarder:
                 ticket.first_token()
                 res.first_token_time = self.clock()
                 self.settle.ok(endpoint, ticket, res, req.dialect.usage_of_answer(data), own_hit)
+                req.dialect.answered(req, i, data, False)
                 return await down.respond(200, headers, data, "application/json")
             return await self._stream(down, req, up, ticket, res, headers, own_hit, wd)
         finally:
@@ -209,14 +210,15 @@ class Forwarder:
             why = f"engine {name} died mid-stream: {exc}"
         else:
             wd.done()
-            if tail.rstrip().endswith(b"[DONE]"):
+            if req.dialect.stream_complete(tail):
                 self.settle.ok(endpoint, ticket, res, req.dialect.usage_of_stream(tail), own_hit)
+                req.dialect.answered(req, ticket.target, tail, True)
                 try:
                     await down.end()
                 except ConnectionError:
                     pass
                 return
-            why = f"engine {name} ended the stream without [DONE]"
+            why = f"engine {name} ended the stream without its final event"
         wd.done()
         self.settle.failed(ticket, why, "midstream")
         self.breakers.failed(ticket.target, breaker.CLOSED_CONN, why)

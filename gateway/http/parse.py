@@ -34,7 +34,7 @@ from gateway.http.prompt import (
     pack_token_ids,
     text_chunk_hashes,
 )
-from gateway.http.transport import CHAT, COMPLETIONS
+from gateway.http.transport import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from gateway.http.usage import Usage, openai_usage, usage_from_tail, usage_of_json
 from gateway.tokenizer import NotExact, PromptTokenizer
 from gpuhit.errors import CapacityError, GpuhitError
@@ -60,6 +60,10 @@ class ParsedRequest:
     block_hashes: Sequence[int]
     prompt_ids: Sequence[int] | None
     session: str | None
+    # The engine the request must run on (it names state only that engine holds), else None: the policy's choice.
+    pin: int | None = None
+    # What the dialect keeps of the request until its answer is relayed (Dialect.answered).
+    state: Any = None
 
     @property
     def endpoint(self) -> str:
@@ -79,6 +83,15 @@ class Dialect(Protocol):
 
     def usage_of_stream(self, tail: bytes) -> Usage | None:
         """The usage found in a completed stream's last bytes, None when there is none."""
+        ...
+
+    def stream_complete(self, tail: bytes) -> bool:
+        """Whether a stream whose last bytes are ``tail`` ended with its dialect's final event."""
+        ...
+
+    def answered(self, req: ParsedRequest, target: int, data: bytes, streamed: bool) -> None:
+        """``req``'s 200 answer was relayed from engine ``target`` (``data``: the whole answer, or
+        a stream's tail): what the dialect learns from it (the Responses history)."""
         ...
 
 
@@ -168,6 +181,13 @@ class OpenAIDialect:
 
     def usage_of_stream(self, tail: bytes) -> Usage | None:
         return openai_usage(usage_from_tail(tail))
+
+    @staticmethod
+    def stream_complete(tail: bytes) -> bool:
+        return tail.rstrip().endswith(b"[DONE]")
+
+    def answered(self, req: ParsedRequest, target: int, data: bytes, streamed: bool) -> None:
+        return None
 
 
 class Completions(OpenAIDialect):
@@ -268,4 +288,5 @@ class RequestParser:
 
 # The dialects every gateway serves, each built from the gateway's Prompts.
 DIALECTS: tuple[type[OpenAIDialect], ...] = (Completions, Chat)
-PROMPT_PATHS: tuple[str, ...] = tuple(d.path for d in DIALECTS)
+# The agentic dialects (gateway.http.agentic) need the gateway's response history: built apart.
+PROMPT_PATHS: tuple[str, ...] = (*(d.path for d in DIALECTS), MESSAGES, RESPONSES)

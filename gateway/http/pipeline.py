@@ -92,6 +92,7 @@ class Pipeline:
             req = self.parser.parse(endpoint, raw, session)
         except GpuhitError as exc:
             return await self.replies.send(down, exc, endpoint)
+        session = req.session  # a dialect may name it from the body (gateway.dialects.sessions)
         router = self.router
         rid = headers.get("x-request-id") or f"{self._id_prefix}{next(self._ids)}"
         span = tracing.start_gateway_span(self.tracer, headers, endpoint) if self.tracer is not None else None
@@ -99,7 +100,9 @@ class Pipeline:
             n = req.prompt_tokens
             hashes = req.block_hashes
             try:
-                ticket = router.begin(RouteRequest(rid, n, req.max_tokens, hashes, req.prompt_ids, session))
+                rreq = RouteRequest(rid, n, req.max_tokens, hashes, req.prompt_ids, session)
+                ticket = router.begin(rreq) if req.pin is None else \
+                    router.begin_on(rreq, req.pin, "holds the stored response this request continues")
             except ConfigError as exc:  # a request the router cannot take (e.g. inconsistent sizes)
                 return await self.replies.send(down, protocol.bad_request(str(exc)), endpoint)
             except GpuhitError as exc:

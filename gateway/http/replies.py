@@ -6,7 +6,8 @@ Every answer of this kind is counted once, here, in ``gpuhit_gateway_requests_to
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import orjson
 
@@ -21,11 +22,19 @@ class Replies:
 
     def __init__(self, metrics: GatewayMetrics):
         self.metrics = metrics
+        # Endpoints whose API has its own error shape (Anthropic's for /v1/messages), as vLLM answers
+        # there: endpoint -> (message, status, error type) -> body. Others: vLLM's OpenAI shape.
+        self.error_bodies: dict[str, Callable[[str, int, str | None], dict[str, Any]]] = {}
 
     def payload(self, exc: GpuhitError, endpoint: str) -> tuple[int, bytes]:
-        """(status, JSON body) of an error answer in vLLM's shape; counted."""
+        """(status, JSON body) of an error answer in the endpoint's API's shape (vLLM's); counted."""
         status = int(exc.http_status)
-        body = protocol.error_body(str(exc), status, getattr(exc, "param", None), getattr(exc, "error_type", None))
+        shape = self.error_bodies.get(endpoint)
+        if shape is not None:
+            body = shape(str(exc), status, getattr(exc, "error_type", None))
+        else:
+            body = protocol.error_body(str(exc), status, getattr(exc, "param", None),
+                                       getattr(exc, "error_type", None))
         self.metrics.requests.inc((endpoint, str(status)))
         return status, orjson.dumps(body)
 
@@ -42,9 +51,14 @@ class Replies:
             return await self.send(down, exc, endpoint, headers)
         status, body = protocol.error_from_exc(exc)
         self.metrics.requests.inc((endpoint, str(status)))
+        shape = self.error_bodies.get(endpoint)
         try:
-            await down.write(protocol.sse(body))
-            await down.write(protocol.SSE_DONE)
+            if shape is not None:  # Anthropic's stream: an `error` event, no [DONE]
+                data = orjson.dumps(shape(str(exc), status, getattr(exc, "error_type", None)))
+                await down.write(b"event: error\ndata: %b\n\n" % data)
+            else:
+                await down.write(protocol.sse(body))
+                await down.write(protocol.SSE_DONE)
             await down.end()
         except ConnectionError:
             pass

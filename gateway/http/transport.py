@@ -29,6 +29,8 @@ from gpuhit.errors import BadRequestError, EngineError, GpuhitError
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"  # Anthropic Messages (gateway.http.agentic)
+RESPONSES = "/v1/responses"  # OpenAI Responses (gateway.http.agentic)
 RESET_PREFIX_CACHE = "/reset_prefix_cache"  # admin: fans out to every engine (vLLM dev route)
 GET_PATHS = ("/v1/models", "/health", "/ready", "/metrics", "/debug/state")
 # Answered without the API key: load balancers' probes.

@@ -24,6 +24,10 @@ from engines.vllm.venv import missing_reason, vllm_python
 COLLECTOR = pathlib.Path(__file__).with_name("otlp_collector.py")
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 4096
+# --enable-scale-out serves the render routes (the exact ids vLLM runs for a request). No tool-call
+# parser: with one, vLLM streams no chunk for the tiny model's empty token texts (tests send tools
+# with tool_choice none, which needs none).
+ENGINE_ARGS = ("--enable-scale-out",)
 
 
 @dataclasses.dataclass
@@ -74,9 +78,11 @@ class _Launcher:
                                           stderr=subprocess.DEVNULL)
         assert self.collector.stdout is not None
         port = int(self.collector.stdout.readline().decode().strip())
-        otel = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm"}
-        servers = [make_server(log_dir, f"vllm{i}", env=otel, block_size=BLOCK_SIZE,
-                               max_model_len=MAX_MODEL_LEN,
+        # Stored responses (previous_response_id): what Responses clients need from the engines.
+        env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm",
+               "VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+        servers = [make_server(log_dir, f"vllm{i}", env=env, block_size=BLOCK_SIZE,
+                               max_model_len=MAX_MODEL_LEN, extra=ENGINE_ARGS,
                                otlp_traces_endpoint=f"http://127.0.0.1:{port}/v1/traces")
                    for i in range(2)]
         for s in servers:

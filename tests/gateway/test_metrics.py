@@ -95,7 +95,8 @@ def test_histograms_render_as_prometheus_clients_own():
 
     from gateway.metrics import LATENCY_BUCKETS, ROUTING_BUCKETS
 
-    ours = GatewayMetrics(wall=lambda: 1234.5)
+    eps = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+    ours = GatewayMetrics(wall=lambda: 1234.5, endpoints=eps)
     reg = CollectorRegistry(auto_describe=False)
     routing = Histogram("gpuhit_gateway_routing_seconds", "Time to route one request (parse, hash, snapshot, decide).",
                         buckets=ROUTING_BUCKETS, registry=reg)
@@ -104,19 +105,18 @@ def test_histograms_render_as_prometheus_clients_own():
                         buckets=LATENCY_BUCKETS, registry=reg)
     ttft = Histogram("gpuhit_gateway_ttft_seconds", "Routed requests: arrival to the engine's first answer byte.",
                      ("endpoint",), buckets=LATENCY_BUCKETS, registry=reg)
-    eps = ("/v1/completions", "/v1/chat/completions")
     for e in eps:
         latency.labels(e)
         ttft.labels(e)
     for k, v in enumerate((0.0, 25e-6, 3e-5, 0.1, 0.2, 1e9, 0.005, 4.2)):
         ours.routing.observe(v)
         routing.observe(v)
-        ours.answered(eps[k % 2], v, v if k % 3 else None)
-        latency.labels(eps[k % 2]).observe(v)
+        ours.answered(eps[k % 4], v, v if k % 3 else None)
+        latency.labels(eps[k % 4]).observe(v)
         if k % 3:
-            ttft.labels(eps[k % 2]).observe(v)
+            ttft.labels(eps[k % 4]).observe(v)
     created = re.compile(r"(_created(\{[^}]*\})?) \S+$", re.MULTILINE)
     theirs = created.sub(r"\1 T", generate_latest(reg).decode())
     mine = ours.render()
-    assert re.findall(r"^gpuhit\S*_created\S* (\S+)$", mine, re.MULTILINE) == ["1234.5"] * 5
+    assert re.findall(r"^gpuhit\S*_created\S* (\S+)$", mine, re.MULTILINE) == ["1234.5"] * 9
     assert created.sub(r"\1 T", mine).startswith(theirs)  # the counters and gauges follow

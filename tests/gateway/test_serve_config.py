@@ -95,6 +95,12 @@ def test_vllm_cmd_lines():
                         "--bootstrap http://127.0.0.1:8998 --bootstrap http://127.0.0.1:8999")
 
 
+def test_vllm_cmd_asks_for_priority_scheduling_when_the_policy_sets_priorities():
+    assert "--scheduling-policy" not in vllm_commands(1, "m", policy="lpwl")[0]
+    first = shlex.split(vllm_commands(1, "m", policy="lpwl_auto")[0])
+    assert first[first.index("--scheduling-policy") + 1] == "priority"
+
+
 def test_vllm_cmd_shared_gpu_splits_memory(capsys):
     assert main(["vllm-cmd", "--instances", "2", "--model", "m", "--gpu-ids", "3,3"]) == 0
     out = capsys.readouterr().out.splitlines()

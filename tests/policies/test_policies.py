@@ -27,7 +27,7 @@ def build(cfg):
 
 def test_registry_lists_every_policy():
     assert registry.available() == [
-        "least_request", "linear", "lmetric", "lmetric_plus1", "lpwl", "lpwl_migrate", "lpwl_migrate_prio",
+        "least_request", "linear", "lmetric", "lmetric_plus1", "lpwl", "lpwl_auto", "lpwl_migrate", "lpwl_migrate_prio",
         "lpwl_resident", "lpwl_resident_prio", "pd_disagg", "round_robin",
         "route_query", "sticky", "unified",
     ]

@@ -24,8 +24,8 @@ def test_replay_json_table_and_files(tmp_path, capsys):
         assert 0 < r["gpu_util_median"] <= 1 and 0 < r["apc_realized"] <= r["apc_implied"] + 1e-9
     assert doc["comparison"]["table"]["lpwl"]["latency_p90"]["n"] == 1
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["comparison.json", "comparison.txt", "lost_hits.md", "plan.json", "records", "report.html", "runs",
-                     "summary.json"]
+    assert names == ["comparison.json", "comparison.txt", "fairness.md", "lost_hits.md", "plan.json", "records",
+                     "report.html", "runs", "summary.json"]
     assert "| lpwl-seed0 |" in (out / "lost_hits.md").read_text()
     assert sorted(p.name for p in (out / "records").iterdir()) == ["lpwl-seed0.csv", "round_robin-seed0.csv"]
     table = (out / "comparison.txt").read_text().splitlines()

@@ -61,12 +61,14 @@ def test_experiment_ab_end_to_end_and_resume(tmp_path, capsys):
     assert [p["rate"] for p in exp["knee"]["sweep"]] == [0.01, 1.0]
     knee = exp["knee"]["knee"]
     assert exp["points"]["knee"]["rate"] == knee and exp["points"]["0.7x-knee"]["rate"] == pytest.approx(0.7 * knee)
-    assert [r["status"] for r in exp["replays"]] == ["ran"] * 4
-    for label in ("0.7x-knee", "knee"):
+    assert exp["points"]["1.3x-knee"]["rate"] == pytest.approx(1.3 * knee)
+    assert [r["status"] for r in exp["replays"]] == ["ran"] * 5
+    for label in ("0.7x-knee", "knee", "1.3x-knee"):
         c = doc["comparisons"][label]
         assert c["reference"] == "round_robin" and c["seeds"] == {"lpwl": [0, 1], "round_robin": [0, 1]}
         assert c["diff"]["lpwl"]["latency_p90"]["n"] == 2
-        assert (out / f"comparison-{label}.txt").read_text().count("paired difference to round_robin") == 1
+        text = (out / f"comparison-{label}.txt").read_text()
+        assert text.count("paired difference to round_robin") == 1 and "first-turn TTFT p90" in text
     html = (out / "report.html").read_text()
     assert "Knee" in html and "<dt>amplif</dt>" in html and "Paired difference to round_robin" in html
     made = json.loads((out / "points" / f"knee-rate-{knee:.6g}" / "summary.json").read_text())["meta"]["command"]
@@ -76,7 +78,7 @@ def test_experiment_ab_end_to_end_and_resume(tmp_path, capsys):
     # run again: every run set is read back, none rerun
     assert main(argv) == 0
     again = json.loads(capsys.readouterr().out)
-    assert [r["status"] for r in again["experiment"]["replays"]] == ["reused"] * 4
+    assert [r["status"] for r in again["experiment"]["replays"]] == ["reused"] * 5
     assert [p.stat().st_mtime_ns for p in records] == stamps
     assert again["comparisons"]["knee"]["table"] == doc["comparisons"]["knee"]["table"]
     # an interrupted point (no summary.json, one run unsaved): resumed, only that run is redone
@@ -86,7 +88,7 @@ def test_experiment_ab_end_to_end_and_resume(tmp_path, capsys):
     lost.unlink()
     assert main(argv) == 0
     resumed = json.loads(capsys.readouterr().out)
-    assert sorted(r["status"] for r in resumed["experiment"]["replays"]) == ["ran"] + ["reused"] * 3
+    assert sorted(r["status"] for r in resumed["experiment"]["replays"]) == ["ran"] + ["reused"] * 4
     redone = point / "records" / (lost.stem + ".csv")
     assert [p.stat().st_mtime_ns for p in records if p != redone] == [s for p, s in zip(records, stamps) if p != redone]
     assert resumed["comparisons"]["knee"]["table"] == doc["comparisons"]["knee"]["table"]
@@ -103,3 +105,6 @@ def test_experiment_ab_bad_options(tmp_path, capsys):
     assert main([*base, "--rates", "0.01"]) == 2
     assert "at least 2 rates" in capsys.readouterr().err
     assert main([*base, "--low-factor", "1.5"]) == 2
+    capsys.readouterr()
+    assert main([*base, "--high-factor", "0.9"]) == 2
+    assert "--high-factor" in capsys.readouterr().err

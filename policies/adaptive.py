@@ -1,0 +1,139 @@
+"""GPU-hit-first routing that adapts to the traffic it sees: ``lpwl_auto``.
+
+Why ``lpwl_resident`` loses on chat-shaped traffic (seen in the lost-hit and per-instance views of
+``gpuhit lost-hits``):
+
+* It counts every session that finished a turn within the live window as HBM the instance must
+  keep. On a trace where most sessions are a single turn (the bundled Mooncake conversation trace:
+  three in four), that working set is mostly sessions that never return, more than the cluster's
+  HBM; every instance then "overflows", the overflow charge cancels the prefix hit everywhere, and
+  placement degenerates into ranking instances by how many dead sessions they hosted.
+* LPWL's score (``pending prefill + input - hit``) counts the new request's own wait but not what
+  its prefill does to the requests already on the instance. Under vLLM's chunked prefill a step
+  carries every running decode plus a chunk of prefill, and its duration is dominated by the chunk
+  (the H20 profile: 43 us per prefill token against 41 ns per decoded context token), so each
+  prefill token delays every co-running request by about one prefill-token time. Where prompts are
+  mostly new (low reuse), that externality is most of the latency: LMetric's ``P x batch`` ranks
+  by it, LPWL ignores it.
+
+``lpwl_auto`` prices both, in prefill tokens, with no parameter. For each healthy instance ``i``:
+
+    new_i      = input - gpu_hit_i                         this request's prefill there
+    need       = ceil((input + output) / block_size)        its blocks after the turn
+    overflow_i = max(0, E_i + need - C_i)                    E_i: expected resident blocks
+    lost_i     = min(gpu_hit_blocks_i, overflow_i)
+    cost_i     = pending_i + new_i * (1 + in_flight_i) + block_size * (lost_i + overflow_i)
+
+and routes to ``argmin cost_i`` (ties: :func:`~policies.common.tie_key`). ``pending_i + new_i`` is
+LPWL (the request's own time to first token); ``new_i * in_flight_i`` the delay its prefill adds to
+the ``in_flight_i`` requests sharing the instance's steps; the residency charge is
+``lpwl_resident``'s, over ``E_i`` = :attr:`InstanceState.expected_resident_blocks`: in-flight
+sessions in full, idle live ones weighted by the observed share of idle sessions that come back
+(``gateway/residency.py``). Where reuse is high (a warm agentic session: ``new`` a few hundred
+tokens on its holder) the externality is small and the session sticks, as under LPWL; where it is
+low (``new`` ~ the whole prompt everywhere) the rule balances by ``in_flight`` and pending work,
+as load balancers do; the observed return rate decides how much of the idle working set to keep.
+
+Priority (default ``aged``): vLLM's per-request ``priority`` (lower runs first under
+``--scheduling-policy priority``) is the integer milliseconds of
+
+    max(session_start, now - observed_service_s)
+
+Program-level FCFS (Continuum, arXiv 2511.02230; the session's start) keeps an older session's
+continuation turn ahead of newer work, so it runs before its prefix is evicted from the queue; the
+cap at ``now - service`` bounds it, as Autellix (arXiv 2502.13965) promotes a program whose wait
+grows large against its service time: a continuation turn gains at most one observed median
+service time (gateway-measured, queueing included) over a request arriving at the same moment.
+So a request arriving at ``t`` (a first turn's key is ``t`` itself) is overtaken only by requests
+that arrived before ``t + service``, never without bound. Before the first observed finish the
+key is the arrival time (FCFS). ``priority: none`` forwards no priority (engines under FCFS);
+``session_start`` is the uncapped program-level FCFS of ``lpwl_resident_prio``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
+from policies.registry import register
+from policies.snapshot import FORWARD, Decision, InstanceState, Snapshot
+
+PRIORITIES = ("aged", "session_start", "none")
+AGING = ("p50", "p90")
+
+
+def auto_cost(snapshot: Snapshot, s: InstanceState) -> tuple[int, int, int, int]:
+    """``(cost, new, overflow, lost)`` of placing this request on ``s`` (the module docstring's rule)."""
+    req = snapshot.request
+    bs = req.block_size
+    new = new_prefill_tokens(snapshot, s)
+    cost = s.pending_prefill_tokens + new * (1 + s.in_flight)
+    cap = s.capacity_blocks
+    if cap is None:
+        return cost, new, 0, 0
+    need = -(-(req.input_tokens + req.output_tokens) // bs)
+    overflow = max(0, s.expected_resident_blocks + need - cap)
+    lost = min(s.gpu_hit_blocks, overflow)
+    return cost + bs * (lost + overflow), new, overflow, lost
+
+
+def aged_priority(snapshot: Snapshot, aging: str = "p50") -> int:
+    """``max(session_start, now - service)`` in integer milliseconds (module docstring), ``service``
+    the observed median (``aging`` p50) or 90th percentile (p90) service time."""
+    now = snapshot.now
+    start = now if snapshot.session_started_at is None else snapshot.session_started_at
+    service = snapshot.observed_service_s if aging == "p50" else snapshot.observed_service_p90_s
+    key = now if service is None else max(start, now - service)
+    return round(1000.0 * key)
+
+
+@dataclass(frozen=True, slots=True)
+class LPWLAuto:
+    name: str = "lpwl_auto"
+    type: str = "lpwl_auto"
+    priority: str = "aged"
+    aging: str = "p50"
+    reads_residency = True  # the router fills the resident blocks and the observed service time
+
+    @property
+    def scheduling_policy(self) -> str:
+        """The vLLM ``--scheduling-policy`` the engines need for this policy's decisions."""
+        return "fcfs" if self.priority == "none" else "priority"
+
+    def _priority(self, snapshot: Snapshot) -> int | None:
+        if self.priority == "none":
+            return None
+        if self.priority == "session_start":
+            t = snapshot.session_started_at
+            return round(1000.0 * (snapshot.now if t is None else t))
+        return aged_priority(snapshot, self.aging)
+
+    def decide(self, snapshot: Snapshot) -> Decision:
+        keyed = []
+        for s in healthy(snapshot):
+            cost, new, overflow, lost = auto_cost(snapshot, s)
+            keyed.append((cost, tie_key(s), s.index, new, overflow, lost))
+        cost, _, target, new, overflow, lost = min(keyed)
+        inst = snapshot.instances[target]
+        room = "capacity unknown: no residency charge" if inst.capacity_blocks is None else (
+            f"expected resident {inst.expected_resident_blocks} of {inst.capacity_blocks} blocks: "
+            f"overflow {overflow}, hit lost {lost}")
+        return Decision(
+            FORWARD, target,
+            f"{self.name}: pending {inst.pending_prefill_tokens} + new {new} x (1 + {inst.in_flight} in flight) "
+            f"(hit {inst.gpu_hit_blocks} blocks); {room}; cost {cost} is the least",
+            scores=tuple((k[2], float(k[0])) for k in keyed),
+            predicted_hit_blocks=inst.gpu_hit_blocks, priority=self._priority(snapshot),
+        )
+
+
+@register("lpwl_auto")
+def _lpwl_auto(name: str, params: Mapping[str, Any]) -> LPWLAuto:
+    p = parse_params(
+        "lpwl_auto", params,
+        {"priority": Param("str", "aged", lambda v: v in PRIORITIES, " | ".join(PRIORITIES)),
+         "aging": Param("str", "p50", lambda v: v in AGING, " | ".join(AGING))},
+    )
+    return LPWLAuto(name=name, **p)

@@ -1,0 +1,118 @@
+"""lpwl_auto: LPWL plus the delay a prefill adds to the requests beside it, the residency charge over
+the expected working set, and the aged program-level priority (exact choices on tiny snapshots)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.base import GenerateResult
+from engines.fake import FakeEngine
+from gateway.kv_index import PreciseKVIndex
+from gateway.residency import SessionResidency
+from gateway.router import Router, RouteRequest
+from gpuhit.errors import ConfigError
+from policies import registry
+from policies.snapshot import InstanceState, RequestView, Snapshot
+
+BS = 16
+
+
+def inst(i, **kw):
+    return InstanceState(index=i, name=f"i{i}", **kw)
+
+
+def snap(instances, *, input_tokens=1600, output=16, now=100.0, started=None, service=None, service90=None):
+    req = RequestView("r", input_tokens, input_tokens // BS, BS, output, "s", None, 0, 0)
+    return Snapshot(now, req, tuple(instances), None, None, started, service, service90)
+
+
+def test_a_warm_session_stays_on_its_busy_holder():
+    # holder: 99 of 100 blocks cached (1,584 tokens), 6 in flight: 16 new tokens x 7 = 112 < 1,600 cold
+    insts = [inst(0, in_flight=6, gpu_hit_blocks=99), inst(1)]
+    d = registry.build("lpwl_auto").decide(snap(insts))
+    assert d.target == 0 and d.scores == ((0, 112.0), (1, 1600.0))
+
+
+def test_a_cold_prefill_goes_where_it_delays_fewest_requests():
+    # 0: nothing queued but 4 requests decoding; 1: 1,000 tokens queued, nothing else
+    insts = [inst(0, in_flight=4, decode_seqs=4), inst(1, pending_prefill_tokens=1000, in_flight=1)]
+    assert registry.build("lpwl").decide(snap(insts)).target == 0  # 1,600 < 2,600 of prefill work
+    d = registry.build("lpwl_auto").decide(snap(insts))  # 1,600 x 5 = 8,000 > 1,000 + 1,600 x 2 = 4,200
+    assert d.target == 1 and d.scores == ((0, 8000.0), (1, 4200.0))
+
+
+def test_residency_is_charged_on_the_expected_working_set_not_every_live_session():
+    # 950 live blocks on the holder, of which 400 are expected back: 400 + 101 fits in 1,000 -> stay
+    insts = [inst(0, gpu_hit_blocks=99, capacity_blocks=1000, resident_blocks=950, expected_resident_blocks=400),
+             inst(1, capacity_blocks=1000)]
+    assert registry.build("lpwl_resident").decide(snap(insts)).target == 1
+    assert registry.build("lpwl_auto").decide(snap(insts)).target == 0
+    # all 950 expected back: overflow 51, hit lost 51 -> 16 + 16 x 102 = 1,648 > 1,600 cold: move
+    insts[0] = inst(0, gpu_hit_blocks=99, capacity_blocks=1000, resident_blocks=950, expected_resident_blocks=950)
+    d = registry.build("lpwl_auto").decide(snap(insts))
+    assert d.target == 1 and d.scores == ((0, 1648.0), (1, 1600.0))
+    # capacity unknown (before the first scrape): no residency charge
+    insts = [inst(0, gpu_hit_blocks=99, expected_resident_blocks=5000), inst(1)]
+    assert registry.build("lpwl_auto").decide(snap(insts)).target == 0
+
+
+def test_aged_priority_caps_the_session_start_one_service_time_back():
+    insts = [inst(0), inst(1)]
+    p = registry.build("lpwl_auto")
+    assert p.scheduling_policy == "priority"
+    assert p.decide(snap(insts, started=10.0, service=30.0)).priority == 70_000  # old session: now - 30 s
+    assert p.decide(snap(insts, started=80.0, service=30.0)).priority == 80_000  # younger: its start
+    assert p.decide(snap(insts, started=None, service=30.0)).priority == 100_000  # first turn: now
+    assert p.decide(snap(insts, started=10.0, service=None)).priority == 100_000  # nothing observed: FCFS
+    a90 = registry.build({"type": "lpwl_auto", "params": {"aging": "p90"}})
+    assert a90.decide(snap(insts, started=10.0, service=30.0, service90=60.0)).priority == 40_000
+    ss = registry.build({"type": "lpwl_auto", "params": {"priority": "session_start"}})
+    assert ss.decide(snap(insts, started=10.0, service=30.0)).priority == 10_000
+    none = registry.build({"type": "lpwl_auto", "params": {"priority": "none"}})
+    assert none.scheduling_policy == "fcfs" and none.decide(snap(insts, started=10.0)).priority is None
+    with pytest.raises(ConfigError, match="priority"):
+        registry.build({"type": "lpwl_auto", "params": {"priority": "vip"}})
+
+
+def test_residency_observes_return_rates_and_the_median_service_time():
+    r = SessionResidency()
+    assert r.return_rate(True) == 1.0 and r.service_s is None
+    for s in ("a", "b", "c", "d"):  # four sessions, one turn each, 0 -> 2 s
+        r.on_arrival(s, 0.0)
+        r.on_routed(s, 0, 10)
+    for k, s in enumerate("abcd"):
+        r.on_finished(s, 0, 2.0 + k)  # service 2, 3, 4, 5 s: the median (upper) is taken on the first
+    assert r.service_s == 2.0 and r.service_p90_s == 2.0
+    r.on_arrival("a", 6.0)  # one of the four came back after its first turn
+    r.on_routed("a", 0, 20)
+    r.on_finished("a", 0, 7.0)
+    # (returns + 1) / (finishes + 1): 1 of 4 came back after a first turn, 0 of 1 after a later one
+    assert r.return_rate(True) == 2 / 5 and r.return_rate(False) == 1 / 2
+    r.window_s = 100.0  # every idle session still live
+    assert r.resident_blocks(2, 8.0, exclude=None) == [50, 0]
+    # b, c, d idle after a first turn: 30 x 0.4; a idle after its second: 20 x 0.5
+    assert r.expected_resident_blocks(2, 8.0, exclude=None) == [22, 0]
+    r.on_arrival("a", 9.0)  # a returned after a later turn
+    r.on_routed("a", 0, 30)
+    assert r.return_rate(False) == 1.0
+    assert r.expected_resident_blocks(2, 9.0, exclude="b") == [8 + 30, 0]  # a in flight: in full
+
+
+def _req(rid, nblocks, session, base):
+    return RouteRequest(rid, nblocks * BS + 8, 4, tuple(range(base, base + nblocks)), session_id=session)
+
+
+def test_router_fills_the_expected_working_set_and_the_service_time():
+    engines = [FakeEngine(f"e{i}", capacity_blocks=64) for i in range(2)]
+    now = [5.0]
+    router = Router(engines, registry.build("lpwl_auto"), index=PreciseKVIndex(2), clock=lambda: now[0])
+    t1 = router.begin(_req("a0", 10, "a", 1000))
+    assert t1.consumer_request().priority == 5000  # nothing observed yet: the arrival
+    now[0] = 8.0
+    t1.finish(GenerateResult("a0", 168, 4))
+    router.residency.window_s = 60.0
+    s = router.snapshot(_req("b0", 10, "b", 5000))
+    assert s.observed_service_s == 3.0 and s.observed_service_p90_s == 3.0
+    # a went idle after its first turn and no session has returned yet: (0 + 1) / (1 + 1) of its 11 blocks
+    assert [x.resident_blocks for x in s.instances] == [11, 0]
+    assert [x.expected_resident_blocks for x in s.instances] == [round(5.5), 0]
