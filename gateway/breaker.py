@@ -9,7 +9,8 @@ The breaker watches the requests themselves. States:
   answered) resets the count; a failure (time-to-first-byte or idle timeout, a broken connection)
   adds one. ``failure_threshold`` consecutive failures open the breaker; a refused or broken
   connection (the engine process is likely gone) counts against ``connect_threshold`` (default 1:
-  ejected at once, as the health checks would soon do).
+  ejected at once, as the health checks would soon do). A stall (no byte from any of the engine's
+  in-flight requests and no progress counter moving for the stall window) opens it at once.
 * ``open``: the engine is ejected (the gateway removes it from the policy's healthy set and ends its
   in-flight requests). After ``cooldown`` seconds a probe is due (the gateway also probes at once
   when the engine's health checks recover from failing: a restarted engine).
@@ -35,11 +36,13 @@ OPEN = "open"
 STATES = (CLOSED, HALF_OPEN, OPEN)  # gauge value = index: 0 closed, 1 half-open, 2 open
 
 # Failure kinds: a timeout (TTFB or idle), a refused / unreachable connect, a connection that broke
-# after the request was sent (mid-stream death, truncated answer).
+# after the request was sent (mid-stream death, truncated answer), an engine that made no progress
+# on any of its requests for the stall window (gateway/http/forward_deadlines.py; opens at once).
 TIMEOUT = "timeout"
 CONNECT = "connect"
 CLOSED_CONN = "closed"
-KINDS = (TIMEOUT, CONNECT, CLOSED_CONN)
+STALL = "stall"
+KINDS = (TIMEOUT, CONNECT, CLOSED_CONN, STALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,8 @@ class CircuitBreaker:
         if self.state != CLOSED:
             return False
         self.consecutive += 1
-        limit = self.policy.failure_threshold if kind == TIMEOUT else self.policy.connect_threshold
+        limit = (1 if kind == STALL else self.policy.failure_threshold if kind == TIMEOUT
+                 else self.policy.connect_threshold)
         if self.consecutive < limit:
             return False
         self._open(f"{self.consecutive} consecutive failures, last: {why}")

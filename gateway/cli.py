@@ -54,9 +54,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     # wedged engines
     p.add_argument("--ttfb-timeout", type=float, default=None,
                    help="seconds from sending a request to the engine's first answer byte (60; 0 = none); a "
-                        "non-streamed answer gets this plus --idle-timeout per requested token")
+                        "non-streamed answer gets this plus --idle-timeout per requested token, at most "
+                        "--unary-timeout")
     p.add_argument("--idle-timeout", type=float, default=None,
                    help="seconds between two chunks of a streamed answer (60; 0 = none)")
+    p.add_argument("--unary-timeout", type=float, default=None,
+                   help="cap on a non-streamed answer's budget, --ttfb-timeout + --idle-timeout x max_tokens "
+                        "(600; 0 = no cap)")
+    p.add_argument("--stall-timeout", type=float, default=None,
+                   help="seconds with streamed requests in flight and without an answer byte from any of an engine's "
+                        "requests and without "
+                        "its vLLM progress counters moving, after which it is ejected while another engine "
+                        "takes traffic (5; 0 = off)")
     p.add_argument("--breaker-threshold", type=int, default=None,
                    help="consecutive timeouts / broken connections that eject an engine (3)")
     p.add_argument("--breaker-connect-threshold", type=int, default=None,
@@ -75,8 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= N with 400 (vLLM's check)")
     p.add_argument("--model-config", default=None, metavar="PATH",
                    help="the model's config.json (or its folder): its vocab_size, as --vocab-size")
-    p.add_argument("--max-connections", type=int, default=None, help="client connections held at once (4096)")
-    p.add_argument("--header-timeout", type=float, default=None, help="seconds to receive a request head (10)")
+    p.add_argument("--max-connections", type=int, default=None, help="client connections held at once (4096; fast transport only: refused with aiohttp)")
+    p.add_argument("--header-timeout", type=float, default=None, help="seconds to receive a request head (10; fast transport only: refused with aiohttp)")
     p.add_argument("--body-timeout", type=float, default=None, help="seconds to receive a request body (60)")
     p.add_argument("--keepalive-timeout", type=float, default=None, help="idle keep-alive seconds (60)")
     p.add_argument("--otel", action="store_true", default=None,
@@ -165,6 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
         otel=args.otel, metrics_auth=args.metrics_auth, vocab_size=args.vocab_size, model_config=args.model_config,
         max_connections=args.max_connections, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         keepalive_timeout=args.keepalive_timeout, ttfb_timeout=args.ttfb_timeout, idle_timeout=args.idle_timeout,
+        unary_timeout=args.unary_timeout, stall_timeout=args.stall_timeout,
         breaker_threshold=args.breaker_threshold, breaker_connect_threshold=args.breaker_connect_threshold,
         breaker_cooldown=args.breaker_cooldown, breaker_max_cooldown=args.breaker_max_cooldown,
         share=args.share, share_channel=args.share_channel,

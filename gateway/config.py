@@ -14,6 +14,8 @@ Example::
     timeout = 0                  # whole-request cap, seconds (0 = none); cuts long generations too
     ttfb_timeout = 60.0          # seconds to the engine's first answer byte (0 = none); then:
     idle_timeout = 60.0          # seconds between two chunks of a streamed answer (0 = none)
+    unary_timeout = 600.0        # cap on a non-streamed answer's ttfb + idle x max_tokens budget (0 = none)
+    stall_timeout = 5.0          # an engine with requests in flight and no progress this long is ejected (0 = off)
     breaker_threshold = 3        # consecutive timeouts / broken connections that eject an engine
     breaker_connect_threshold = 1  # consecutive refused connects that eject it
     breaker_cooldown = 2.0       # seconds before the half-open probe; doubles per failed probe
@@ -26,7 +28,7 @@ Example::
     otel = false
     metrics_auth = false         # true: /metrics needs the API key too (/debug/state always does)
     vocab_size = 151936          # optional: token ids beyond it get 400 (or model_config = "config.json")
-    max_connections = 4096       # client connections; header_timeout / body_timeout / keepalive_timeout
+    max_connections = 4096       # client connections; header_timeout (both fast transport only) / body_timeout / keepalive_timeout
     upstream_max_idle = 64       # idle connections kept per engine (upstream_idle_timeout = 30 s)
     transport = "fast"           # fast (httptools on uvloop, default) | aiohttp
 
@@ -56,6 +58,9 @@ from gateway.breaker import BreakerPolicy
 from gpuhit.errors import ConfigError
 
 INDEXES = ("precise", "approximate")
+MAX_CONNECTIONS = 4096
+HEADER_TIMEOUT = 10.0
+_FAST_ONLY = ("max_connections", "header_timeout")  # limits aiohttp's server has no hook for
 TRANSPORTS = ("fast", "aiohttp")
 
 
@@ -102,8 +107,11 @@ class GatewayConfig:
     metrics_auth: bool = False  # /metrics needs the API key too (/debug/state always does)
     vocab_size: int = 0  # token ids >= this get 400 (0: from model_config, else unchecked)
     model_config: str | None = None  # the model's HF config.json (or its folder): vocab_size
-    max_connections: int = 4096  # client connections held at once; more get 503 and are closed
-    header_timeout: float = 10.0  # seconds from a request's first byte to its complete head
+    # Client connections held at once (more get 503 and are closed), and seconds from a request's
+    # first byte to its complete head: the fast transport's (None: MAX_CONNECTIONS, HEADER_TIMEOUT);
+    # the aiohttp transport cannot enforce either, so setting one with it is an error.
+    max_connections: int | None = None
+    header_timeout: float | None = None
     body_timeout: float = 60.0  # seconds from the head to the complete body
     keepalive_timeout: float = 60.0  # idle seconds before a keep-alive client connection is closed
     upstream_max_idle: int = 64  # idle keep-alive connections kept per engine
@@ -111,6 +119,11 @@ class GatewayConfig:
     # A wedged engine (see gateway/breaker.py and README "Gateway")
     ttfb_timeout: float = 60.0  # request sent -> first answer byte (a streamed chunk); 0 = none
     idle_timeout: float = 60.0  # between two upstream chunks of a stream; 0 = none
+    # A non-streamed answer waits ttfb + idle x max_tokens, at most this (0 = no cap).
+    unary_timeout: float = 600.0
+    # Streamed requests in flight, no answer byte from any of an engine's requests and no progress
+    # counter moving for this long: the engine is ejected while another takes traffic (0 = off).
+    stall_timeout: float = 5.0
     breaker_threshold: int = 3  # consecutive timeouts / broken connections that open an engine's breaker
     breaker_connect_threshold: int = 1  # consecutive refused connects that open it
     breaker_cooldown: float = 2.0  # seconds open before the half-open probe (x2 per failed probe)
@@ -153,10 +166,13 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout",
                      "upstream_idle_timeout"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if v is None and name in _FAST_ONLY:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+                raise ConfigError(f"{name} must be positive, got {v!r}")
         for name in ("max_prompt_tokens", "timeout", "vocab_size", "upstream_max_idle", "ttfb_timeout",
-                     "idle_timeout"):
+                     "idle_timeout", "unary_timeout", "stall_timeout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.breaker_policy()
@@ -168,7 +184,16 @@ class GatewayConfig:
             raise ConfigError("share_channel must not be empty")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be 0..65535, got {self.port}")
-        return self
+        if self.transport == "aiohttp":
+            given = [n for n in _FAST_ONLY if getattr(self, n) is not None]
+            if given:
+                raise ConfigError(
+                    f"{' and '.join(given)} cannot apply with transport aiohttp: aiohttp's server has no "
+                    "header-read timeout and no connection bound (slow or excess clients are held); use "
+                    "transport fast (the default), or leave them unset")
+            return self
+        return replace(self, max_connections=self.max_connections or MAX_CONNECTIONS,
+                       header_timeout=self.header_timeout or HEADER_TIMEOUT)
 
     def breaker_policy(self) -> BreakerPolicy:
         """The engines' circuit-breaker settings (validated)."""

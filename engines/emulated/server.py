@@ -415,11 +415,13 @@ class EmulatedServer:
             self._check_capacity(len(ids), max_tokens)
         except GpuhitError as exc:
             return self._error(exc)
-        # vLLM's ids: the client's X-Request-ID when given, else a random one (unique across engines).
+        # vLLM's ids: the client's X-Request-ID when given, else a random one, is the response's id;
+        # inside the engine vLLM appends 8 random characters to it (InputProcessor.assign_request_id),
+        # so clients (or gateway replicas) sending the same X-Request-ID never collide.
         base = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
         greq = GenerateRequest(
-            request_id=rid,
+            request_id=f"{rid}-{uuid.uuid4().hex[:8]}",
             prompt_len=len(ids),
             max_tokens=max_tokens,
             prompt_token_ids=ids,
@@ -435,8 +437,8 @@ class EmulatedServer:
             span = start_engine_span(self.tracer, request.headers, rid, self.model, len(ids), max_tokens)
         try:
             if stream:
-                return await self._stream(request, greq, chat, include_usage, span)
-            return await self._unary(greq, chat, span)
+                return await self._stream(request, greq, rid, chat, include_usage, span)
+            return await self._unary(greq, rid, chat, span)
         finally:
             if span is not None:
                 span.end()
@@ -461,7 +463,7 @@ class EmulatedServer:
 
         finish_engine_span(span, res)
 
-    async def _unary(self, greq: GenerateRequest, chat: bool, span: Any) -> web.Response:
+    async def _unary(self, greq: GenerateRequest, rid: str, chat: bool, span: Any) -> web.Response:
         try:
             res = await self._run(greq, None)
         except GpuhitError as exc:
@@ -470,7 +472,7 @@ class EmulatedServer:
         if res.error is not None:
             return web.json_response(protocol.error_body(res.error, 500), status=500)
         text = TOKEN_TEXT * res.completion_tokens
-        out = self._head(greq.request_id, chat)
+        out = self._head(rid, chat)
         # The keys (and null fields) of vLLM 0.32's CompletionResponse / ChatCompletionResponse.
         if chat:
             out["object"] = "chat.completion"
@@ -548,13 +550,13 @@ class EmulatedServer:
         return protocol.sse(obj)
 
     async def _stream(
-        self, request: web.Request, greq: GenerateRequest, chat: bool, include_usage: bool, span: Any
+        self, request: web.Request, greq: GenerateRequest, rid: str, chat: bool, include_usage: bool, span: Any
     ) -> web.StreamResponse:
         progress = _Progress()
         task = asyncio.ensure_future(self._run(greq, progress))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
-        head = self._head(greq.request_id, chat)
+        head = self._head(rid, chat)
         sent = 0
         try:
             await resp.prepare(request)

@@ -27,7 +27,10 @@ backwards, and the SUB side losing its TCP connection to the publisher and conne
 subscriber's own connection, :mod:`engines.vllm.zmtp`, tells both in order with the data). Either
 one is a restart: the consumer gets ``AllBlocksCleared`` and the subscriber syncs again as at
 start (replay from 0), counted in ``stats.restarts``. A reconnect without a restart (a network
-blip) costs a resync, never a wrong index.
+blip) costs a resync, never a wrong index. With ``watch_reconnects`` the index is fenced as soon as
+the connection drops, not when it comes back: the consumer gets ``AllBlocksCleared`` at once and
+nothing is delivered until the reconnection's resync, so an engine restarted within the
+subscriber's reconnect interval is never credited with the blocks it lost.
 
 :class:`KVEventPublisher` is the emulated server's side (PUB + ROUTER with a bounded replay buffer).
 """
@@ -259,6 +262,7 @@ class KVEventSubscriber:
         self._live_last: int | None = None  # the last sequence read from the live socket
         self._resync = False  # a restarted publisher was detected: sync again from 0
         self._peer_lost = False  # a connection ended; the next handshake is a restart
+        self._clean = False  # the consumer was told AllBlocksCleared and nothing since
         self._syncing = True  # the initial replay runs: live batches wait behind it
         self._backlog: collections.deque[list[bytes]] = collections.deque()  # live batches behind a replay
         self._wake = asyncio.Event()  # the backlog or a restart needs _run's attention
@@ -296,6 +300,8 @@ class KVEventSubscriber:
     # -------------------------------------------------------------------------------- internals
 
     def _deliver(self, seq: int, payload: bytes) -> None:
+        if self._resync or (self._peer_lost and self.watch_reconnects):
+            return  # fenced: the publisher is gone or restarted; the resync replays what is true
         try:
             batch = decode_batch(payload, self.merge_removed)
         except KVEventDecodeError as exc:
@@ -304,12 +310,14 @@ class KVEventSubscriber:
             self._reset()
         else:
             self.stats.batches += 1
+            self._clean = False
             self._callback(batch)
         self._last = seq
         self.stats.last_seq = seq
 
     def _reset(self) -> None:
         self.stats.resets += 1
+        self._clean = True
         self._callback(KVEventBatch(ts=0.0, events=(AllBlocksCleared(),)))
 
     async def _replay(self, start_seq: int) -> list[tuple[int, bytes]] | None:
@@ -432,6 +440,12 @@ class KVEventSubscriber:
 
     def _on_disconnected(self) -> None:
         self._peer_lost = True
+        if self.watch_reconnects:
+            # Fence now: the engine may be restarting with an empty cache, and the reconnect that
+            # proves it comes only after the subscriber's reconnect interval.
+            self._backlog.clear()
+            if not self._clean:
+                self._reset()
 
     def _on_connected(self) -> None:
         self._connected.set()
@@ -454,7 +468,8 @@ class KVEventSubscriber:
         """After a restart: forget everything, then sync as at start (replay from 0)."""
         self._resync = False
         self._last = None
-        self._reset()
+        if not self._clean:  # already cleared when the connection dropped
+            self._reset()
         if self.replay_endpoint:
             await self._catch_up(0, None)
 

@@ -35,6 +35,10 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 CACHE_CONFIG = "vllm:cache_config_info"  # labels carry block_size and num_gpu_blocks
 BUSY = "gpuhit:engine_busy_seconds_total"
+# Counters that move only while the engine steps: tokens prefilled and generated, requests finished
+# (vLLM), seconds of emulated GPU work (the emulator). None of them moving while requests are in
+# flight is a wedged engine that still answers /metrics and /health.
+PROGRESS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total", BUSY)
 DCGM_UTIL = "DCGM_FI_DEV_GPU_UTIL"
 
 Samples = dict[str, list[tuple[Mapping[str, str], float]]]
@@ -111,6 +115,9 @@ class MetricsScraper:
         self.stats = base or EngineStats()
         self.samples: Samples = {}
         self.scraped_at: float | None = None
+        # Loop time of the first scrape that saw a :data:`PROGRESS` counter move (None: none yet).
+        self.progress_at: float | None = None
+        self._progress: tuple[float | None, ...] | None = None
         self.errors = 0
         self._task: asyncio.Task | None = None
 
@@ -121,6 +128,10 @@ class MetricsScraper:
         self.samples = parse_prometheus(text)
         self.stats = stats_from(self.samples, self.stats)
         self.scraped_at = asyncio.get_running_loop().time()
+        progress = tuple(total(self.samples, name) for name in PROGRESS)
+        if self._progress is not None and progress != self._progress:
+            self.progress_at = self.scraped_at
+        self._progress = progress
         return self.samples
 
     def value(self, name: str) -> float | None:

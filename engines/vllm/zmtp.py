@@ -316,6 +316,13 @@ class ZmtpSubscriber:
             self._transport.close()
             self._transport = None
 
+    def drop(self) -> None:
+        """End the current connection as a network failure would (fault injection): the loss is
+        reported as any other, and it connects again after the reconnect interval."""
+        t = self._transport
+        if t is not None:
+            cast(asyncio.Transport, t).abort()
+
     def handshake_done(self) -> None:
         self.connections += 1
         if self._on_connected is not None:

@@ -111,6 +111,7 @@ class Gateway:
         self.body_limit_error = self.access.too_large
         self.handle: Callable[[str, Mapping[str, str], bytes, Downstream], Awaitable[None]] = self._not_started
         self.session: aiohttp.ClientSession | None = None
+        self.probe_session: aiohttp.ClientSession | None = None
         self.upstream: Upstream | None = None
         self.engines: list[VLLMEngine] = []
         self.router: Router | None = None
@@ -190,6 +191,12 @@ class Gateway:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=cfg.upstream_idle_timeout,
                                          ttl_dns_cache=None)
         session = self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # Health checks, scrapes and engine metadata on a pool of their own: on the requests' pool
+        # (aiohttp reuses its oldest idle connection first) they kept the oldest idle connection
+        # of a load peak warm, and the peak's idle connections were never closed.
+        self.probe_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=cfg.upstream_idle_timeout,
+                                           ttl_dns_cache=None), auto_decompress=False)
         urls = [e.url.rstrip("/") for e in cfg.engines]
         if cfg.transport == "aiohttp":
             upstream: Upstream = AioUpstream(session, urls)
@@ -204,7 +211,7 @@ class Gateway:
                 sources = [{"data_parallel_rank": 0, "endpoint": e.kv_events, "replay_endpoint": e.kv_replay,
                             "topic": e.topic}]
             # block_size=None: the scraper reads it from vllm:cache_config_info.
-            self.engines.append(VLLMEngine(e.name, e.url, session, model=cfg.model, kv_sources=sources,
+            self.engines.append(VLLMEngine(e.name, e.url, self.probe_session, model=cfg.model, kv_sources=sources,
                                            scrape_interval=cfg.scrape_interval))
         if self.model is None:
             self.model = await self.engines[0].fetch_model()
@@ -232,9 +239,14 @@ class Gateway:
         for eng in self.engines:
             # The approximate index learns from routing only: no KV event subscription.
             await eng.start(scrape=True, kv_events=cfg.index == "precise")
-        health = self.health = HealthMonitor(session, urls, self._on_unhealthy, self._on_healthy, cfg.health_interval,
+        health = self.health = HealthMonitor(self.probe_session, urls, self._on_unhealthy, self._on_healthy, cfg.health_interval,
                                              fail_threshold=cfg.health_fail_threshold)
-        deadlines = self.deadlines = Deadlines(loop, len(names), cfg.ttfb_timeout, cfg.idle_timeout)
+        scrapers = [e.scraper for e in self.engines]
+        deadlines = self.deadlines = Deadlines(loop, len(names), cfg.ttfb_timeout, cfg.idle_timeout,
+                                               stall=cfg.stall_timeout,
+                                               on_stall=lambda i, why: self.breakers.stalled(i, why),
+                                               counters_at=lambda i: scrapers[i].progress_at,
+                                               on_suspect=lambda i, on: self.breakers.suspect(i, on))
         breakers = self.breakers = Breakers(names, cfg.breaker_policy(), loop, router, health, upstream, deadlines,
                                             metrics, model, probe_limit=cfg.ttfb_timeout + cfg.idle_timeout or 60.0)
         health.start()
@@ -250,7 +262,7 @@ class Gateway:
         producer = ProducerStep(upstream, session, names, [e.bootstrap for e in cfg.engines], breakers, metrics,
                                 model, limit=cfg.ttfb_timeout + cfg.idle_timeout if cfg.ttfb_timeout else None)
         forwarder = Forwarder(upstream, names, urls, breakers, deadlines, settle, self.replies, producer, loop.time,
-                              cfg.ttfb_timeout, cfg.idle_timeout)
+                              cfg.ttfb_timeout, cfg.idle_timeout, cfg.unary_timeout)
         agentic = [Messages(prompts), Responses(prompts, self.responses, names)]
         self.replies.error_bodies[MESSAGES] = anthropic_error_body
         self.pipeline = Pipeline(RequestParser([*(d(prompts) for d in DIALECTS), *agentic]), router, forwarder, settle,
@@ -307,7 +319,7 @@ class Gateway:
             raise EngineError(f"engine {eng.name} at {eng.base_url}: /metrics not reachable: {exc}") from None
         mm = root = None
         try:
-            async with self.session.get(eng.base_url + "/v1/models") as r:  # type: ignore[union-attr]
+            async with self.probe_session.get(eng.base_url + "/v1/models") as r:  # type: ignore[union-attr]
                 cards = (await r.json(content_type=None))["data"]
                 card = cards[0]
                 mm, root = card.get("max_model_len"), card.get("root")
@@ -337,6 +349,8 @@ class Gateway:
             await self.upstream.close()
         if self.session is not None:
             await self.session.close()
+        if self.probe_session is not None:
+            await self.probe_session.close()
 
     def _on_unhealthy(self, i: int) -> None:
         self.breakers.sync_routable(i)

@@ -12,7 +12,7 @@ routing. Here each side is one ``asyncio.Protocol`` fed by httptools' C parser (
   a client's FIN is taken as its disconnect (no half-closed connections: that is what lets a
   client that leaves cancel its request at once),
   malformed requests -> 400 and closed, unknown paths 404, wrong methods 405. Streams go out
-  chunked, what is written of them in one loop iteration in one write (head, chunks and end of a
+  chunked (to an HTTP/1.0 client unchunked, ended by closing the connection), what is written of them in one loop iteration in one write (head, chunks and end of a
   short answer: one syscall); writes wait while the client's socket buffer is full. A client that
   disconnects cancels its request's task, which closes the upstream connection (the engine aborts).
   One loop timer per connection watches its current deadline (head, body, keep-alive idle), moved
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import httptools
 
+from gateway.config import HEADER_TIMEOUT, MAX_CONNECTIONS
 from gateway.http.parse import PROMPT_PATHS
 from gateway.http.transport import (
     GET_PATHS,
@@ -90,11 +91,11 @@ class _Request:
     :class:`~gateway.http.transport.Downstream` the gateway's request logic writes to (one object
     per request, not a request and a downstream)."""
 
-    __slots__ = ("body", "conn", "head_only", "headers", "keep_alive", "method", "path", "query", "reject",
+    __slots__ = ("body", "chunked", "conn", "head_only", "headers", "keep_alive", "method", "path", "query", "reject",
                  "started")
 
     def __init__(self, conn: _ServerConn, method: bytes, path: str, headers: dict[str, str], body: bytes,
-                 keep_alive: bool, reject: GpuhitError | None = None):
+                 keep_alive: bool, reject: GpuhitError | None = None, http10: bool = False):
         self.conn = conn
         self.method = method
         self.path = path
@@ -104,6 +105,9 @@ class _Request:
         self.reject = reject  # answer with this error, then close the connection
         self.head_only = method == b"HEAD"  # a HEAD request: the GET answer's head, no body
         self.started = False
+        # RFC 9112 7.1: no chunked transfer coding toward an HTTP/1.0 client; its stream is
+        # delimited by closing the connection instead.
+        self.chunked = not http10
         self.query = ""  # "?..." when the URL had one (forwarded routes keep it)
 
     def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
@@ -123,18 +127,23 @@ class _Request:
 
     async def start_stream(self, headers: Mapping[str, str]) -> None:
         self.started = True
-        self.conn.write_soon(self._head(200, headers, b"content-type: text/event-stream\r\n"
-                                                      b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n"))
+        if self.chunked:
+            extra = b"content-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n"
+        else:
+            self.keep_alive = False  # the close ends the body
+            extra = b"content-type: text/event-stream\r\ncache-control: no-cache\r\n"
+        self.conn.write_soon(self._head(200, headers, extra))
 
     async def write(self, data: bytes) -> None:
         if data:
             conn = self.conn
-            conn.write_soon(b"%x\r\n%b\r\n" % (len(data), data))
+            conn.write_soon(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
             if conn.paused:
                 await conn.drain()
 
     async def end(self) -> None:
-        self.conn.write_soon(b"0\r\n\r\n")
+        if self.chunked:
+            self.conn.write_soon(b"0\r\n\r\n")
 
 
 class _ServerConn(asyncio.Protocol):
@@ -391,8 +400,9 @@ class _ServerConn(asyncio.Protocol):
         self._head_room = _HEAD_MAX
         self._disarm()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        req = _Request(self, self.parser.get_method(), self._path, self._headers, body,
-                       self.parser.should_keep_alive())
+        p = self.parser
+        req = _Request(self, p.get_method(), self._path, self._headers, body, p.should_keep_alive(),
+                       http10=p.get_http_version() == "1.0")
         if self._query:
             req.query = self._query
         self._enqueue(req)
@@ -569,8 +579,8 @@ class FastServer:
     def __init__(self, gw: Gateway, cfg: GatewayConfig):
         self.gw = gw
         self.max_body_bytes = cfg.max_body_bytes
-        self.max_connections = cfg.max_connections
-        self.header_timeout = cfg.header_timeout
+        self.max_connections: int = cfg.max_connections or MAX_CONNECTIONS  # (validate() fills them in)
+        self.header_timeout: float = cfg.header_timeout or HEADER_TIMEOUT
         self.body_timeout = cfg.body_timeout
         self.keepalive_timeout = cfg.keepalive_timeout
         self.conns: set[_ServerConn] = set()

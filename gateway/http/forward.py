@@ -66,7 +66,7 @@ class Forwarder:
 
     def __init__(self, upstream: Upstream, names: Sequence[str], base_urls: Sequence[str], breakers: Breakers,
                  deadlines: Deadlines, settle: Settler, replies: Replies, producer: ProducerStep,
-                 clock: Callable[[], float], ttfb_timeout: float, idle_timeout: float):
+                 clock: Callable[[], float], ttfb_timeout: float, idle_timeout: float, unary_timeout: float = 0.0):
         self.upstream = upstream
         self.names = list(names)
         self.base_urls = list(base_urls)
@@ -78,6 +78,7 @@ class Forwarder:
         self.clock = clock
         self.ttfb_timeout = ttfb_timeout
         self.idle_timeout = idle_timeout
+        self.unary_timeout = unary_timeout  # cap on a non-streamed answer's wait (0: none)
 
     async def forward(self, down: Downstream, req: ParsedRequest, ticket: Ticket, res: GenerateResult,
                       headers: Mapping[str, str], up_headers: dict[str, str], own_hit: int) -> None:
@@ -97,9 +98,12 @@ class Forwarder:
         idle = self.idle_timeout
         if not req.stream:
             # A non-streamed answer arrives whole at the end: the budget a stream of the same length
-            # gets (none when there is no idle timeout to scale).
+            # gets (none when there is no idle timeout to scale), at most ``unary_timeout`` (a stall
+            # of the whole engine is caught sooner, by its stall check).
             first = first + idle * ticket.request.max_tokens if first and idle else 0.0
-        wd = self.deadlines.enter(ticket.target, first, idle)
+            if self.unary_timeout and (not first or first > self.unary_timeout):
+                first = self.unary_timeout
+        wd = self.deadlines.enter(ticket.target, first, idle, req.stream)
         try:
             await self._exchange(down, req, raw, ticket, res, headers, up_headers, own_hit, wd)
         except BaseException as exc:
@@ -135,6 +139,7 @@ class Forwarder:
                     return await self._upstream_failed(down, endpoint, ticket, breaker.CLOSED_CONN,
                                                        f"engine {name} closed the connection: {exc}")
                 wd.done()
+                self.deadlines.progress_at[i] = self.clock()
                 self.breakers.answered(i)
                 if up.status != 200:
                     self.settle.failed(ticket, f"HTTP {up.status} from {name}", "status", endpoint, up.status)
@@ -179,11 +184,14 @@ class Forwarder:
         clock = self.clock
         name = self.names[ticket.target]
         endpoint = req.endpoint
+        progress = self.deadlines.progress_at  # the engine's last byte, for its stall check
+        i = ticket.target
         await down.start_stream(headers)
         tail = b""
         first = True
         try:
             async for chunk in up.chunks():
+                progress[i] = clock()
                 if first:
                     first = False
                     res.first_token_time = clock()

@@ -3,7 +3,7 @@
 
 The forwarder (:mod:`gateway.http.forward`) reports each exchange: :meth:`Breakers.answered`
 (a first answer byte) or :meth:`Breakers.failed` (TTFB / idle timeout, refused connect, broken
-connection). When an engine's breaker opens, the engine leaves the policy's healthy set, every
+connection); the deadlines' stall check reports an engine where nothing moved (:meth:`Breakers.stalled`). When an engine's breaker opens, the engine leaves the policy's healthy set, every
 request in flight to it ends at once with a clear error (its :class:`~gateway.http.forward_deadlines.Watchdog`
 is aborted), and a probe is scheduled after the cool-down: the health check plus one real request
 (``max_tokens`` 1, not streamed, under the TTFB + idle budget). Success re-admits the engine;
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import orjson
 
 from engines.vllm.health import HealthMonitor
-from gateway.breaker import HALF_OPEN, OPEN, BreakerPolicy, CircuitBreaker
+from gateway.breaker import HALF_OPEN, OPEN, STALL, BreakerPolicy, CircuitBreaker
 from gateway.http.forward_deadlines import Deadlines
 from gateway.http.transport import COMPLETIONS, Upstream
 from gateway.metrics import GatewayMetrics
@@ -55,6 +55,7 @@ class Breakers:
         self._probe_timers: list[asyncio.TimerHandle | None] = [None] * n
         self._probe_tasks: set[asyncio.Task] = set()
         self._probe_again: set[int] = set()
+        self._suspects: set[int] = set()  # no progress lately: new requests go elsewhere while they can
         metrics.breakers = lambda: zip(self.names, self._breakers)
 
     def __getitem__(self, i: int) -> CircuitBreaker:
@@ -80,18 +81,52 @@ class Breakers:
         self.deadlines.abort(i, f"circuit breaker open: {b.reason}")
         self._schedule_probe(i)
 
+    def suspect(self, i: int, on: bool) -> None:
+        """Engine ``i``'s requests in flight have shown no progress for a fifth of the stall window
+        (``on``), or it moved again (not ``on``): while suspected it takes no new request as long
+        as another engine does, so a wedge costs the requests already there, not every one
+        routed to it until the stall is certain."""
+        if on:
+            self._suspects.add(i)
+        else:
+            self._suspects.discard(i)
+        self.sync_routable(i)
+
+    def stalled(self, i: int, why: str) -> None:
+        """Engine ``i`` made no progress on any request in flight for the stall window: eject it
+        at once (its requests end with 502, a probe re-admits it) while another engine takes
+        traffic; the last one left keeps its traffic, each request under its own budget."""
+        if not self._others_routable(i):
+            log.warning("instance %s stalled (%s) but no other instance is routable: kept", self.names[i], why)
+            return
+        self.failed(i, STALL, f"stalled: {why}")
+
     def sync_routable(self, i: int) -> None:
         """The router's healthy flag of engine ``i``: its health checks pass and its breaker is closed."""
         router = self.router
         b = self._breakers[i]
         health_ok = self.health is None or self.health.healthy[i]
-        if health_ok and b.closed:
+        if health_ok and b.closed and not (i in self._suspects and self._others_routable(i)):
             if not router.healthy(i):
                 router.mark_healthy(i)
-        else:
+        elif not health_ok or not b.closed:
             router.mark_unhealthy(i, "failed health checks" if not health_ok
                                   else f"circuit breaker {b.state}: {b.reason}")
+        else:
+            router.mark_unhealthy(i, "no progress on its requests in flight: new requests go to the others")
         self.metrics.healthy[(self.names[i],)] = 1.0 if router.healthy(i) else 0.0
+        if not router.healthy(i) and not self._others_routable(-1):
+            # Nothing routable left: a suspected engine takes traffic again rather than none.
+            for j in sorted(self._suspects):
+                if j != i and not router.healthy(j) and self._breakers[j].closed and (
+                        self.health is None or self.health.healthy[j]):
+                    router.mark_healthy(j)
+                    self.metrics.healthy[(self.names[j],)] = 1.0
+
+    def _others_routable(self, i: int) -> bool:
+        """Some engine other than ``i`` takes traffic and is not suspected."""
+        return any(self.router.healthy(j) and j not in self._suspects
+                   for j in range(len(self._breakers)) if j != i)
 
     def _schedule_probe(self, i: int) -> None:
         b = self._breakers[i]

@@ -1,11 +1,23 @@
 """Deadlines of the gateway's upstream exchanges: a time-to-first-byte limit, then an idle limit
 between chunks (instead of one cap on a whole stream, which would cut a long generation), and an
 abort for the exchanges of an engine whose circuit breaker opened. Used by
-:mod:`gateway.http.forward`; one timer per gateway checks them all (no timer per request)."""
+:mod:`gateway.http.forward`; one timer per gateway checks them all (no timer per request).
+
+The same timer watches each engine as a whole: one that has streamed requests in flight and for
+``stall`` seconds sent no byte for any request, and whose scraped progress counters did not move
+(:data:`engines.vllm.metrics_scrape.PROGRESS`: a long non-streamed answer still moves them), is
+stalled (a stuck generation loop, a SIGSTOPped process), whatever each request's own budget;
+``on_stall`` gets it (the breakers eject it). One request's TTFB budget must cover a long queue
+and a long prefill; an engine where nothing at all moves has no such excuse. The first sign comes
+sooner: after a fifth of the window without progress ``on_suspect(i, True)`` (new requests go to
+other engines meanwhile), and ``on_suspect(i, False)`` once it moves again or has nothing in flight.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
+from collections.abc import Callable
 
 TTFB = "ttfb"
 IDLE = "idle"
@@ -24,10 +36,12 @@ class Watchdog:
     cost a set insertion and removal, no coroutine; per chunk: one ``loop.time()``."""
 
     __slots__ = ("_cancelling", "_deadlines", "_instance", "_task", "after", "fired", "first", "idle", "last",
-                 "limit", "why")
+                 "limit", "streamed", "why")
 
-    def __init__(self, deadlines: Deadlines, instance: int, first: float, idle: float, task: asyncio.Task):
+    def __init__(self, deadlines: Deadlines, instance: int, first: float, idle: float, task: asyncio.Task,
+                 streamed: bool = True):
         self._deadlines = deadlines
+        self.streamed = streamed  # bytes come per token (the stall check waits on these only)
         self._instance = instance
         self.limit = first or None  # the limit now: None once done (or when there is none)
         self.idle = idle or None
@@ -91,20 +105,37 @@ class Deadlines:
     twentieth of the shortest limit, within [10 ms, 1 s]). :meth:`abort` ends an engine's
     exchanges at once."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, n: int, ttfb: float, idle: float):
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int, ttfb: float, idle: float, stall: float = 0.0,
+                 on_stall: Callable[[int, str], None] | None = None,
+                 counters_at: Callable[[int], float | None] | None = None,
+                 on_suspect: Callable[[int, bool], None] | None = None):
         self.loop = loop
         self.in_flight: list[set[Watchdog]] = [set() for _ in range(n)]
-        limits = [x for x in (ttfb, idle) if x > 0]
+        self.stall = stall if on_stall is not None else 0.0
+        self._on_stall = on_stall
+        self._counters_at = counters_at  # when engine i's progress counters last moved (scrapes)
+        # Loop time of engine i's last answer byte (or of its first request in flight after none).
+        self.progress_at: list[float] = [-math.inf] * n
+        self.streams = [0] * n  # streamed exchanges in flight, by engine
+        self._on_suspect = on_suspect
+        self.suspect_after = self.stall / 5
+        self.suspected = [False] * n
+        limits = [x for x in (ttfb, idle, self.suspect_after) if x > 0]
         self.tick = min(max(min(limits) / 20, 0.01), 1.0) if limits else None
         self._active = 0
         self._timer: asyncio.TimerHandle | None = None
 
-    def enter(self, i: int, first: float, idle: float) -> Watchdog:
+    def enter(self, i: int, first: float, idle: float, streamed: bool = True) -> Watchdog:
         """A watchdog over the current task's exchange with engine ``i``, active from now until its
-        :meth:`Watchdog.leave` (or :meth:`Watchdog.done`)."""
+        :meth:`Watchdog.leave` (or :meth:`Watchdog.done`); ``streamed``: its answer comes token by
+        token."""
         task = asyncio.current_task(self.loop)
         assert task is not None, "Deadlines.enter() outside a task"
-        wd = Watchdog(self, i, first, idle, task)
+        wd = Watchdog(self, i, first, idle, task, streamed)
+        if streamed:
+            if not self.streams[i]:
+                self.progress_at[i] = wd.last  # nothing was owed per token: the window starts now
+            self.streams[i] += 1
         self.in_flight[i].add(wd)  # a new watchdog: not in the set yet
         self._active += 1
         if self._timer is None and self.tick is not None:
@@ -116,6 +147,8 @@ class Deadlines:
         if wd in s:
             s.remove(wd)
             self._active -= 1
+            if wd.streamed:
+                self.streams[i] -= 1
 
     def abort(self, i: int, why: str) -> None:
         for wd in list(self.in_flight[i]):
@@ -127,8 +160,30 @@ class Deadlines:
         for s in self.in_flight:
             for wd in list(s):
                 wd.check(now)
-        if self._active and self.tick is not None:
+        if self.stall:
+            self._check_stalls(now)
+        if self._active or any(self.suspected) and self.tick is not None:
             self._timer = self.loop.call_later(self.tick, self._sweep)
+
+    def _check_stalls(self, now: float) -> None:
+        counters_at = self._counters_at
+        for i, s in enumerate(self.in_flight):
+            # Only streams waiting on the engine: one writing to a slow client owes it nothing, and a
+            # non-streamed answer owes no byte before its end (its own budget covers it).
+            waiting = self.streams[i] > 0 and any(wd.streamed and wd.last is not None for wd in s)
+            last = self.progress_at[i]
+            if counters_at is not None and (c := counters_at(i)) is not None and c > last:
+                last = c
+            quiet = now - last if waiting else 0.0
+            if self._on_suspect is not None and self.suspected[i] != (quiet >= self.suspect_after):
+                self.suspected[i] = not self.suspected[i]
+                self._on_suspect(i, self.suspected[i])
+            if quiet < self.stall:
+                continue
+            self.progress_at[i] = now  # re-armed: reported again after another window without progress
+            assert self._on_stall is not None
+            self._on_stall(i, f"no progress for {now - last:.3g} s with {len(s)} request(s) in flight "
+                              f"(stall timeout {self.stall:g} s)")
 
     def close(self) -> None:
         if self._timer is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter_ns
 from typing import Any
@@ -40,7 +41,8 @@ class Pipeline:
 
     def __init__(self, parser: RequestParser, router: Router, forwarder: Forwarder, settle: Settler,
                  replies: Replies, access: Access, metrics: GatewayMetrics, names: Sequence[str], policy_name: str,
-                 loop: asyncio.AbstractEventLoop, tracer: Any = None, timeout: float = 0.0):
+                 loop: asyncio.AbstractEventLoop, tracer: Any = None, timeout: float = 0.0,
+                 id_prefix: str | None = None):
         self.parser = parser
         self.router = router
         self.forwarder = forwarder
@@ -54,6 +56,9 @@ class Pipeline:
         self.timeout = timeout
         self._loop = loop
         self._clock: Callable[[], float] = loop.time
+        # Upstream ids for requests without an X-Request-Id: a random prefix per gateway, so replicas in
+        # front of one engine never send the same id (a counter alone restarts at 0 in each of them).
+        self._id_prefix = id_prefix if id_prefix is not None else f"gw-{secrets.token_hex(4)}-"
         self._ids = itertools.count()
         self._header_prefixes: dict[tuple[int, str], bytes] = {}  # (instance, action) -> encoded headers
 
@@ -89,7 +94,7 @@ class Pipeline:
             return await self.replies.send(down, exc, endpoint)
         session = req.session  # a dialect may name it from the body (gateway.dialects.sessions)
         router = self.router
-        rid = headers.get("x-request-id") or f"gw-{next(self._ids)}"
+        rid = headers.get("x-request-id") or f"{self._id_prefix}{next(self._ids)}"
         span = tracing.start_gateway_span(self.tracer, headers, endpoint) if self.tracer is not None else None
         try:
             n = req.prompt_tokens

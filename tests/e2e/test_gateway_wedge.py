@@ -48,6 +48,9 @@ def test_wedged_engine_is_ejected_in_flight_requests_end_and_probe_readmits_it(t
         url_w, url_h = (p.first_line.split(" on ", 1)[1] for p in (w, h))
         try:
             async with gateway([url_w, url_h], policy="round_robin", transport=transport, index="approximate",
+                               # Each request's own budgets and the breaker's count, without the
+                               # whole-engine stall check (tests/e2e/test_gateway_stall.py has it).
+                               stall_timeout=0.0,
                                block_size=16, health_interval=0.2, ttfb_timeout=TTFB, idle_timeout=IDLE,
                                breaker_threshold=2, breaker_cooldown=1.0, breaker_max_cooldown=2.0,
                                timeout=0.0) as (gw, url), aiohttp.ClientSession() as http:

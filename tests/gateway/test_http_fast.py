@@ -267,3 +267,28 @@ def test_upstream_answer_head_read_in_any_split():
                 assert await r.read() == b"hello"
 
     asyncio.run(main())
+
+
+def test_http10_client_gets_an_unchunked_stream_ended_by_close():
+    """RFC 9112: no transfer-encoding toward an HTTP/1.0 client; the stream's end is the close."""
+    async def main():
+        async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport="fast") as (_gw, url):
+            port = int(url.rsplit(":", 1)[1])
+            out = []
+            for keep in ("", "Connection: keep-alive\r\n"):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                body = completion([1] * 20, max_tokens=3, stream=True)
+                writer.write(request(body, extra=keep).replace(b"HTTP/1.1\r\n", b"HTTP/1.0\r\n", 1))
+                raw = await asyncio.wait_for(reader.read(), 30)  # to EOF: the server closes
+                writer.close()
+                out.append(raw)
+            return out
+
+    for raw in asyncio.run(main()):
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower()
+        events = [e for e in body.split(b"\n\n") if e]
+        assert all(e.startswith(b"data: ") for e in events), body
+        assert events[-1] == b"data: [DONE]"
+        assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 3

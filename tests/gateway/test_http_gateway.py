@@ -174,3 +174,26 @@ def test_decision_headers_are_the_same_on_both_transports_and_safe():
         assert set(seen[0]) == {"x-gpuhit-instance", "x-gpuhit-decision", "x-gpuhit-reason", "x-gpuhit-predicted-hit"}
 
     run(main())
+
+
+def test_gateway_replicas_send_distinct_upstream_ids():
+    """Two gateways in front of one engine: the ids each gives requests without an X-Request-Id
+    never collide (a random prefix per gateway, then a counter)."""
+    seen: list[str] = []
+
+    class Recording(FakeEngine):
+        async def generate(self, request, *a, **kw):
+            seen.append(request.request_id.rsplit("-", 1)[0])  # the engine's own suffix off
+            return await super().generate(request, *a, **kw)
+
+    async def main():
+        async with servers([Recording("a", decode_s_per_token=1e-4)]) as srvs:
+            urls = [s_url(s) for s in srvs]
+            async with gateway(urls, policy="round_robin") as (_g1, u1), \
+                    gateway(urls, policy="round_robin") as (_g2, u2), aiohttp.ClientSession() as http:
+                for url in (u1, u2) * 3:
+                    async with http.post(url + "/v1/completions", json=body([1, 2, 3], stream=False)) as r:
+                        assert r.status == 200, await r.text()
+
+    run(main())
+    assert len(seen) == 6 and len(set(seen)) == 6, seen

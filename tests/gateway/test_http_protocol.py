@@ -4,9 +4,9 @@ default, and ``aiohttp``): limits on the request line, header fields and their c
 without a body, header-read / body-read / keep-alive idle timeouts, the connection bound, 404 /
 405 labels, and the bounded, trimmed upstream pool.
 
-Where aiohttp's server lacks a protection (no header-read timeout, no connection bound) its case
-is a strict xfail that names the gap: that gap is part of why ``fast`` stays the default (README,
-"Gateway transports"). Timeouts are configured short and the tests wait for the server's own
+Where aiohttp's server lacks a protection (no header-read timeout, no connection bound) the
+setting is refused with that transport, and its case runs on ``fast`` only: that gap is part of
+why ``fast`` stays the default (README, "Gateway transports"). Timeouts are configured short and the tests wait for the server's own
 close (EOF), never for a time."""
 
 from __future__ import annotations
@@ -25,11 +25,6 @@ AIO = "aiohttp"
 BOTH = pytest.mark.parametrize("transport", [FAST, AIO])
 # A hang guard for reads that wait for the server to close: not a timing assertion.
 GUARD = 20.0
-
-
-def _xfail_aiohttp(transport: str, why: str) -> None:
-    if transport == AIO:
-        pytest.xfail(why)
 
 
 async def _open(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -154,9 +149,23 @@ def test_unknown_paths_and_wrong_methods_are_labelled_json_errors(transport):
     asyncio.run(main())
 
 
-@BOTH
-def test_slowloris_head_is_timed_out_and_closed(transport):
-    _xfail_aiohttp(transport, "aiohttp's server has no header-read timeout: a trickled head is held open")
+def test_limits_aiohttp_cannot_enforce_are_refused_with_it():
+    """aiohttp's server has no header-read timeout and no connection bound: asking for either
+    with that transport is a clear error, not a setting silently ignored."""
+    from gateway.config import EngineEntry, GatewayConfig
+    from gpuhit.errors import ConfigError
+
+    one = (EngineEntry("http://127.0.0.1:1", "e0"),)
+    for kw in ({"header_timeout": 0.3}, {"max_connections": 2}):
+        with pytest.raises(ConfigError, match=f"{next(iter(kw))} cannot apply with transport aiohttp"):
+            GatewayConfig(engines=one, transport=AIO, **kw).validate()
+    cfg = GatewayConfig(engines=one, transport=FAST).validate()
+    assert (cfg.header_timeout, cfg.max_connections) == (10.0, 4096)
+    assert GatewayConfig(engines=one, transport=AIO).validate().header_timeout is None
+
+
+def test_slowloris_head_is_timed_out_and_closed():
+    transport = FAST
 
     async def main():
         async with servers([FakeEngine("a")]) as srvs, \
@@ -208,9 +217,8 @@ def test_idle_keep_alive_connection_is_closed(transport):
     asyncio.run(main())
 
 
-@BOTH
-def test_connection_count_is_bounded(transport):
-    _xfail_aiohttp(transport, "aiohttp's server has no connection bound")
+def test_connection_count_is_bounded():
+    transport = FAST
 
     async def main():
         async with servers([FakeEngine("a")]) as srvs, \
@@ -255,6 +263,34 @@ def test_upstream_pool_is_bounded_and_trimmed():
             await wait_until(lambda: gw.upstream.idle_connections() == [0] and not gw.upstream.pools[0].all,
                              what="idle upstream connections trimmed and closed")
             # And the pool still works afterwards.
+            assert await one(99) == 200
+
+    asyncio.run(main())
+
+
+def test_aiohttp_upstream_idle_connections_close_though_probes_keep_running():
+    """The aiohttp transport's engine connections of a load peak close once idle for
+    ``upstream_idle_timeout``, while health checks and scrapes go on (they use a pool of their
+    own: on the requests' pool, aiohttp's oldest-first reuse kept the peak's connections warm)."""
+    async def main():
+        async with servers([FakeEngine("a", decode_s_per_token=0.05)]) as srvs, \
+                gateway(urls(srvs), transport=AIO, upstream_idle_timeout=1.0, health_interval=0.02,
+                        scrape_interval=0.02) as (gw, url):
+            def idle() -> int:  # the requests' pool's idle connections (aiohttp keeps them by host)
+                return sum(len(conns) for conns in gw.session.connector._conns.values())
+
+            async def one(i: int) -> int:
+                r, w = await _open(url)
+                w.write(request(completion([i] * 20, max_tokens=4), extra="Connection: close\r\n"))
+                s = (await read_response(r))[0]
+                w.close()
+                return s
+
+            assert await asyncio.gather(*(one(i) for i in range(16))) == [200] * 16
+            assert idle() > 2  # the peak's connections, idle now
+            rounds = gw.health.rounds
+            await wait_until(lambda: idle() == 0, what="the peak's idle engine connections closed")
+            assert gw.health.rounds > rounds  # the probes went on meanwhile
             assert await one(99) == 200
 
     asyncio.run(main())

@@ -53,7 +53,7 @@ def test_gateway_resets_engine_caches_and_applies_vllms_length_rule():
             # vLLM 0.32: prompt + max_tokens over the limit is clamped, a prompt of >= max_model_len refused
             async with http.post(url + "/v1/completions", json=dict(body, prompt=[1] * 190, max_tokens=20,
                                                                      min_tokens=0)) as r:
-                assert r.status == 200
+                assert r.status == 200, await r.text()
                 assert (await r.json())["usage"]["completion_tokens"] == 10
             for n, frag in ((201, "your prompt contains 201 input tokens"), (200, "decoder prompt (length 200)")):
                 async with http.post(url + "/v1/completions", json=dict(body, prompt=[1] * n, min_tokens=0)) as r:

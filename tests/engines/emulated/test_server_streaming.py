@@ -106,3 +106,34 @@ def test_one_chunk_per_token_unix_created_ids_and_refusals():
     assert card["owned_by"] == "vllm" and card["max_model_len"] == 1000 and card["created"] == 1_800_000_000
     assert card["permission"][0]["object"] == "model_permission"
     assert out["reset"] == {"success": True}
+
+
+def test_clients_sending_the_same_request_id_both_succeed_as_on_vllm():
+    """vLLM 0.32 appends 8 random characters to the X-Request-ID inside the engine
+    (InputProcessor.assign_request_id): two requests with one id run side by side, and each
+    response still carries the client's id."""
+    async def main():
+        e = EmulatedEngine("e", tiny_profile(step_overhead_s=0.001, prefill_per_token_s=0.0), jump_decode=True)
+        srv = EmulatedServer(e, model="m", kv_events_endpoint=None, max_model_len=1000)
+        port = await srv.start()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"prompt": list(range(10)), "max_tokens": 20, "stream": True}
+                streams = [_post_stream(http, url, "/v1/completions", body, {"X-Request-ID": "same"})
+                           for _ in range(4)]
+                unary = http.post(url + "/v1/completions", json={**body, "stream": False},
+                                  headers={"X-Request-ID": "same"})
+                outs = await asyncio.gather(*streams)
+                async with unary as r:
+                    assert r.status == 200, await r.text()
+                    doc = await r.json()
+        finally:
+            await srv.close()
+            await e.close()
+        return outs, doc
+
+    outs, doc = asyncio.run(main())
+    for events in outs:
+        assert {c["id"] for c in events} == {"cmpl-same"} and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert doc["id"] == "cmpl-same"

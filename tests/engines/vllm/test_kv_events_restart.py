@@ -135,3 +135,32 @@ def test_a_replay_that_fails_once_succeeds_on_retry():
         await pub.close()
 
     asyncio.run(main())
+
+
+def test_a_dropped_connection_clears_the_index_at_once_before_any_reconnect():
+    """The publisher's engine dies: the consumer is told AllBlocksCleared when the connection drops,
+    not when (if ever) the subscriber reconnects, and nothing else arrives until the resync."""
+
+    async def main() -> None:
+        ports = free_ports(2)
+        pub = publisher(ports)
+        got = Collector()
+        sub = KVEventSubscriber(pub.endpoint_bound, got, replay_endpoint=pub.replay_endpoint_bound)
+        sub.start()
+        await pub.wait_subscribers(1)
+        await asyncio.wait_for(sub.synced.wait(), 10)
+        pub.publish(stored(1))
+        await got.wait_for(1)
+        await pub.close()  # no publisher comes back on these ports
+        await got.wait_for(2)
+        assert hashes(got.batches) == [1, "clear"]
+        assert sub.stats.restarts == 0  # nothing reconnected yet
+        pub = publisher(ports)
+        await pub.wait_subscribers(1)
+        pub.publish(stored(5))
+        await got.wait_for(3)
+        assert hashes(got.batches) == [1, "clear", 5] and sub.stats.restarts == 1
+        await sub.close()
+        await pub.close()
+
+    asyncio.run(main())

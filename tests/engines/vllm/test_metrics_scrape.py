@@ -56,6 +56,14 @@ def test_scraper_and_busy_meter():
             sc = MetricsScraper(session, url + "/metrics")
             await sc.scrape_once()
             assert sc.stats.running == 3 and sc.value("vllm:prefix_cache_hits_total") == 12000.0
+            # Progress: a scrape that sees a progress counter move (the first one has nothing to compare)
+            assert sc.progress_at is None
+            await sc.scrape_once()
+            assert sc.progress_at is None  # nothing moved
+            busy["v"] = 0.5
+            await sc.scrape_once()
+            assert sc.progress_at == sc.scraped_at
+            busy["v"] = 0.0
             meter = UtilizationMeter(session, url + "/metrics")
             assert await meter.sample() is None  # needs two samples
             busy["v"] = 1e9  # any growth over a positive window is capped at 100 %

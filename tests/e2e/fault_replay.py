@@ -1,0 +1,225 @@
+"""A closed-loop replay through a real gateway over real emulated engine processes
+(``gpuhit emulate``) while a scripted schedule kills, wedges (SIGSTOP / SIGCONT) and restarts
+engines and drops their KV-event connections; and the report of what each fault cost.
+
+Used by ``tests/e2e/test_fault_replay.py`` (CI) and runnable as a script for the numbers:
+``python tests/e2e/fault_replay.py`` prints the per-fault report as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import aiohttp
+
+from replayer.arrivals import ArrivalConfig
+from replayer.driver import DriverConfig, replay
+from replayer.live import HttpTarget
+from replayer.records import RequestRecord
+from replayer.synth import TokenSynthesizer
+from replayer.trace import Session, Trace, Turn
+
+KILL_RESTART = "kill_restart"  # SIGKILL, then the engine again on the same ports after `down` s
+WEDGE = "wedge"  # SIGSTOP for `down` s, then SIGCONT (health checks, scrapes, requests all hang)
+DROP_KV = "drop_kv"  # the gateway's KV-event connection to the engine cut (the engine keeps running)
+KILL = "kill"  # SIGKILL, down for `down` s, then back on the same ports (a slower restart)
+KINDS = (KILL_RESTART, WEDGE, DROP_KV, KILL)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    at: float  # seconds after the replay starts
+    kind: str
+    engine: int
+    down: float = 0.0
+
+
+@dataclasses.dataclass
+class FaultEvent:
+    fault: Fault
+    start: float = math.nan  # loop time the fault began
+    end: float = math.nan  # loop time it was lifted (the engine back, resumed)
+
+
+SCHEDULE = (
+    Fault(2.0, KILL_RESTART, 0, 0.0),  # a quick restart: the phantom-hit case
+    Fault(5.0, WEDGE, 1, 5.0),  # longer than the test's TTFB budget
+    Fault(12.0, DROP_KV, 0),
+    Fault(14.0, KILL, 1, 1.5),
+)
+
+
+def free_ports() -> tuple[int, int]:
+    """(HTTP port, KV-events port whose next port, the replay socket's, is free too)."""
+    for _ in range(50):
+        socks = [socket.socket() for _ in range(3)]
+        try:
+            socks[0].bind(("127.0.0.1", 0))
+            kv = socks[0].getsockname()[1]
+            socks[1].bind(("127.0.0.1", kv + 1))
+            socks[2].bind(("127.0.0.1", 0))
+            http = socks[2].getsockname()[1]
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return http, kv
+    raise AssertionError("no free ports")
+
+
+class EngineProcess:
+    """One ``gpuhit emulate`` child process on fixed ports, so that it can come back on them."""
+
+    def __init__(self, name: str, extra: Sequence[str] = ()):
+        self.name = name
+        self.http_port, self.kv_port = free_ports()
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.extra = list(extra)
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self, timeout: float = 60.0) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "replayer.cli", "emulate", "--port", str(self.http_port), "--kv-events-port",
+            str(self.kv_port), "--model", "m", "--name", self.name, *self.extra,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=dict(os.environ))
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not line:
+            rest = await self.proc.stdout.read()
+            raise AssertionError(f"engine {self.name} exited: {rest.decode(errors='replace')[-2000:]}")
+        # The rest of its output is drained, so a chatty engine never blocks on a full pipe.
+        asyncio.get_running_loop().create_task(self._drain(self.proc))
+
+    @staticmethod
+    async def _drain(proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while await proc.stdout.read(65536):
+            pass
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGCONT)  # a stopped process dies as soon as it runs again
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def inject(schedule: Sequence[Fault], engines: Sequence[EngineProcess], drop_kv: Callable[[int], None],
+                 t0: float) -> list[FaultEvent]:
+    """Run ``schedule`` (times relative to the loop time ``t0``); the events with their times."""
+    loop = asyncio.get_running_loop()
+    events = []
+    for f in sorted(schedule, key=lambda f: f.at):
+        await asyncio.sleep(max(t0 + f.at - loop.time(), 0.0))  # the schedule's own clock
+        ev = FaultEvent(f, start=loop.time())
+        eng = engines[f.engine]
+        if f.kind in (KILL_RESTART, KILL):
+            await eng.kill()
+            if f.down:
+                await asyncio.sleep(f.down)
+            await eng.start()
+        elif f.kind == WEDGE:
+            eng.signal(signal.SIGSTOP)
+            await asyncio.sleep(f.down)
+            eng.signal(signal.SIGCONT)
+        elif f.kind == DROP_KV:
+            drop_kv(f.engine)
+        else:
+            raise ValueError(f"unknown fault kind {f.kind!r}; expected one of {KINDS}")
+        ev.end = loop.time()
+        events.append(ev)
+    return events
+
+
+def trace(n_sessions: int = 40, turns: int = 8, blocks_per_turn: int = 8, output: int = 24) -> Trace:
+    """Sessions whose every turn extends the previous one's prompt (prefix hits to predict)."""
+    sessions = []
+    for s in range(n_sessions):
+        ids: list[int] = []
+        ts = []
+        for k in range(turns):
+            ids = ids + [1000 * s + 10 * k + j for j in range(blocks_per_turn)]
+            ts.append(Turn(input_length=len(ids) * 16, output_length=output, hash_ids=tuple(ids)))
+        sessions.append(Session(f"s{s}", tuple(ts), block_size=16, namespace=f"s{s}"))
+    return Trace("faults", "native", tuple(sessions))
+
+
+def report(records: Sequence[RequestRecord], events: Sequence[FaultEvent], names: Sequence[str],
+           after: float = 1.0) -> list[dict[str, Any]]:
+    """Per fault: the requests it affected (those on its engine while it lasted or within ``after``
+    s of its end), how many failed, the worst wait among them (send to end), and the phantom hits
+    of its engine after it began (predicted > realized, requests that succeeded)."""
+    out = []
+    for ev in events:
+        f = ev.fault
+        name = names[f.engine]
+        lo, hi = ev.start, ev.end + after
+        hit = [r for r in records if r.arrival <= hi and r.finish >= lo and r.instance == name]
+        phantom = [r for r in records if r.ok and r.instance == name and r.arrival >= ev.start
+                   and r.predicted_hit_tokens > r.realized_hit_tokens]
+        out.append({"fault": f.kind, "engine": name, "at_s": round(f.at, 2), "down_s": round(ev.end - ev.start, 2),
+                    "requests_affected": len(hit), "failed": sum(1 for r in hit if r.error),
+                    "worst_wait_s": round(max((r.finish - r.arrival for r in hit), default=0.0), 3),
+                    "phantom_hits": len(phantom),
+                    "errors": sorted({r.error.split(" (")[0][:90] for r in hit if r.error})})
+    return out
+
+
+async def run(gateway: Callable[..., Any], gateway_kw: dict[str, Any], schedule: Sequence[Fault] = SCHEDULE,
+              duration: float = 20.0, concurrency: int = 6, engine_args: Sequence[str] = ()) -> dict[str, Any]:
+    """Engines up, a gateway over them (``gateway(urls, **gateway_kw)``: an async context manager
+    giving ``(gateway, url)``), the replay and the schedule at once; the records, events, report."""
+    engines = [EngineProcess(f"e{i}", engine_args) for i in range(2)]
+    try:
+        await asyncio.gather(*(e.start() for e in engines))
+        async with gateway([e.url for e in engines], **gateway_kw) as (gw, url), aiohttp.ClientSession() as http:
+
+            def drop_kv(i: int) -> None:
+                for sub in gw.engines[i].subscribers:
+                    assert sub._conn is not None
+                    sub._conn.drop()
+
+            target = HttpTarget(url, TokenSynthesizer(seed=7), http)
+            cfg = DriverConfig(arrival=ArrivalConfig(mode="concurrent", sessions_concurrent=concurrency, time_scale=0.0),
+                               duration=duration)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            faults = asyncio.create_task(inject(schedule, engines, drop_kv, t0))
+            out = await replay(trace(), target, cfg)
+            events = await faults
+            names = list(gw.names) if hasattr(gw, "names") else [f"e{i}" for i in range(len(engines))]
+            return {"records": out.records, "events": events, "report": report(out.records, events, names),
+                    "wall_s": loop.time() - t0}
+    finally:
+        for e in engines:
+            await e.kill()
+
+
+def main() -> None:
+    from tests.e2e.helpers import gateway
+
+    kw = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    res = asyncio.run(run(gateway, {"policy": "lpwl", "health_interval": 0.2, **kw}))
+    recs = res["records"]
+    summary = {"requests": len(recs), "failed": sum(1 for r in recs if r.error),
+               "worst_wait_s": round(max(r.finish - r.arrival for r in recs), 3),
+               "phantom_hits": sum(1 for r in recs if r.ok and r.predicted_hit_tokens > r.realized_hit_tokens),
+               "wall_s": round(res["wall_s"], 1)}
+    print(json.dumps({"summary": summary, "faults": res["report"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
