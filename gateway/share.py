@@ -11,6 +11,13 @@ others':
   in-flight and routed counts; first token and finish take them back), and the binding table by
   :class:`SharedBindings`. After a change the link hands the transport a *state message*: this
   replica's OWN totals per counter and instance (not deltas), plus the bindings it changed.
+* **Stored responses.** Given the gateway's
+  :class:`~gateway.dialects.history.ResponseHistory`, the link also sends each response this
+  replica recorded (id, engine, session, and the messages a continuation renders when they fit in
+  ``max_response_bytes``), so a ``previous_response_id``, ``GET`` or ``cancel`` arriving at
+  another replica reaches the engine that stored it. An entry is a fact that never changes, so
+  applying it twice is harmless; a continuation whose messages were too large is still pinned to
+  the right engine, only tokenized approximately.
 * **In.** :meth:`ShareLink.receive` replaces the sender's previous totals with the new ones and
   adds the difference to the router's counters, so ``counter = own + sum(others' last totals)``;
   bindings are applied as they come.
@@ -30,14 +37,22 @@ sharing code. ``COUNTERS`` names them; a router without one of them is refused.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from gateway.bindings import DEFAULT_MAX_SESSIONS, SessionBindings
 from gpuhit.errors import ConfigError
 
+if TYPE_CHECKING:
+    from gateway.dialects.history import ResponseHistory
+
 # The router's per-instance counters that policies rank on (gateway/router.py), in message order.
 COUNTERS = ("_in_flight", "_pending", "_decode", "_active_blocks", "_routed")
 MESSAGE_VERSION = 1
+# A stored response's continuation messages travel with its entry up to this size (JSON bytes);
+# larger ones travel without them (the engine is what a continuation must reach).
+MAX_RESPONSE_BYTES = 64 * 1024
 
 
 class SharedCounter(list):
@@ -102,7 +117,8 @@ class ShareLink:
     its own link's :meth:`receive`.
     """
 
-    def __init__(self, router: Any, replica_id: str, on_dirty: Callable[[], None]):
+    def __init__(self, router: Any, replica_id: str, on_dirty: Callable[[], None], *,
+                 history: ResponseHistory | None = None, max_response_bytes: int = MAX_RESPONSE_BYTES):
         if not replica_id:
             raise ConfigError("a shared-state replica needs a non-empty id")
         self.router = router
@@ -111,6 +127,12 @@ class ShareLink:
         self._dirty = False
         self._seq = 0
         self._bindings_out: list[list[Any]] = []
+        self._responses_out: list[list[Any]] = []
+        self.history = history
+        self.max_response_bytes = max_response_bytes
+        self.responses_in = 0
+        self.responses_out = 0
+        self.responses_trimmed = 0  # sent without their messages (larger than max_response_bytes)
         self._peers: dict[str, list[list[int]]] = {}  # peer id -> its last totals per counter
         self._peer_seen: dict[str, float] = {}  # peer id -> time of its last message (for expire)
         self._peer_seq: dict[str, int] = {}  # peer id -> seq of its last applied message
@@ -132,6 +154,8 @@ class ShareLink:
         for s, i in old.items():
             SessionBindings.bind(nb, s, i)
         router.bindings = nb
+        if history is not None:
+            history.on_record = self._recorded
 
     # -- out ---------------------------------------------------------------------------------------
 
@@ -144,18 +168,32 @@ class ShareLink:
         self._bindings_out.append([session, instance, migrated_at])
         self._changed()
 
+    def _recorded(self, response_id: str, engine: str, after: list[dict[str, Any]] | None, session: str) -> None:
+        if after is not None and len(orjson.dumps(after)) > self.max_response_bytes:
+            after = None
+            self.responses_trimmed += 1
+        self._responses_out.append([response_id, engine, session, after])
+        self.responses_out += 1
+        self._changed()
+
     def message(self) -> dict[str, Any]:
-        """This replica's state message: its own totals and the bindings changed since the last one."""
+        """This replica's state message: its own totals, and the bindings changed and responses
+        recorded since the last one."""
         self._dirty = False
         self._seq += 1
         self.messages_out += 1
         b, self._bindings_out = self._bindings_out, []
-        return {"v": MESSAGE_VERSION, "from": self.replica_id, "seq": self._seq,
-                "own": [list(c.own) for c in self.counters], "bind": b}
+        msg = {"v": MESSAGE_VERSION, "from": self.replica_id, "seq": self._seq,
+               "own": [list(c.own) for c in self.counters], "bind": b}
+        if self._responses_out:
+            msg["resp"], self._responses_out = self._responses_out, []
+        return msg
 
     def requeue(self, msg: Mapping[str, Any]) -> None:
-        """A message that could not be sent: its bindings go out with the next one (totals always do)."""
+        """A message that could not be sent: its bindings and responses go out with the next one
+        (totals always do)."""
         self._bindings_out[:0] = list(msg.get("bind", ()))
+        self._responses_out[:0] = list(msg.get("resp", ()))
 
     def bye(self) -> dict[str, Any]:
         """The message a replica sends when it leaves: peers drop its totals."""
@@ -199,6 +237,20 @@ class ShareLink:
             if not (isinstance(instance, int) and 0 <= instance < n):
                 raise ConfigError(f"replica {origin} bound session {session!r} to instance {instance!r}")
             bindings.apply(session, instance, migrated_at)
+        resp = msg.get("resp", ())
+        if resp and self.history is not None:
+            self._apply_responses(origin, resp)
+
+    def _apply_responses(self, origin: str, entries: Any) -> None:
+        for entry in entries:
+            if not (isinstance(entry, list) and len(entry) == 4 and all(isinstance(x, str) for x in entry[:3])
+                    and (entry[3] is None or isinstance(entry[3], list))):
+                raise ConfigError(f"replica {origin} shared a malformed stored-response entry: {entry!r:.200}")
+            # An engine this gateway does not serve is kept as named: a request for the response
+            # then gets the API's clear "engine ... is no longer served" error.
+            response_id, engine, session, after = entry
+            self.history.apply(response_id, engine, after, session)  # type: ignore[union-attr]
+            self.responses_in += 1
 
     def drop(self, origin: str) -> None:
         """Subtract a peer's last totals (it left, or went silent)."""

@@ -52,7 +52,7 @@ class RedisShare:
 
     def __init__(self, url: str, router: Any, *, channel: str = DEFAULT_CHANNEL, replica_id: str | None = None,
                  heartbeat_s: float = 1.0, peer_timeout_s: float = 5.0, retry_s: float = 1.0,
-                 connect_timeout_s: float = 5.0):
+                 connect_timeout_s: float = 5.0, history: Any = None):
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"--share must be a redis://host:port URL, got {url!r}")
         if not (heartbeat_s > 0 and peer_timeout_s > heartbeat_s and retry_s > 0):
@@ -66,7 +66,8 @@ class RedisShare:
         self.retry_s = retry_s
         self.connect_timeout_s = connect_timeout_s
         self.router = router
-        self.link = ShareLink(router, self.replica_id, self._dirty)
+        # history: the gateway's stored-Responses map (gateway.dialects.history), shared too.
+        self.link = ShareLink(router, self.replica_id, self._dirty, history=history)
         self.connected = False
         self.error: str | None = None
         self.outages = 0
@@ -208,7 +209,8 @@ class RedisShare:
         return {"url": self.url, "channel": self.channel, "replica_id": self.replica_id, "connected": self.connected,
                 "error": self.error, "outages": self.outages, "peers": self.link.peers,
                 "messages_in": self.link.messages_in, "messages_out": self.link.messages_out,
-                "publish_errors": self.publish_errors}
+                "publish_errors": self.publish_errors, "responses_in": self.link.responses_in,
+                "responses_out": self.link.responses_out, "responses_trimmed": self.link.responses_trimmed}
 
     def render(self) -> Iterable[Any]:
         """``gpuhit_gateway_share_connected`` and ``gpuhit_gateway_share_peers`` gauges (``/metrics``)."""

@@ -5,13 +5,15 @@ in that engine's memory only: a later ``previous_response_id``, ``GET /v1/respon
 ``cancel`` of it works only there. :class:`ResponseHistory` remembers, per response id the gateway
 saw answered, which engine holds it and what a request naming it renders before its own input
 (:func:`engines.vllm.dialects.responses.to_chat`'s ``previous``), so such a request is routed there
-and tokenized exactly.
+and tokenized exactly. With ``--share`` the entries are also published to the other gateway
+replicas (:class:`gateway.share.ShareLink` sets :attr:`ResponseHistory.on_record` and applies
+theirs with :meth:`ResponseHistory.apply`), so a continuation arriving at any replica finds them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engines.vllm.dialects.responses import output_messages
@@ -28,7 +30,10 @@ class ResponseHistory:
 
     def __init__(self, max_entries: int = 65536):
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, tuple[str, list[dict[str, Any]] | None, str | None]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[str, list[dict[str, Any]] | None, str]] = OrderedDict()
+        # Called with each locally recorded entry (id, engine, messages after, session): the
+        # shared-state link publishes it. Entries from peers (apply) are not reported back.
+        self.on_record: Callable[[str, str, list[dict[str, Any]] | None, str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -42,7 +47,14 @@ class ResponseHistory:
         if messages is not None and response is not None:
             after = [dict(m) for m in messages if m.get("role") != "system"] + output_messages(response)
         # A chain whose first turn named no session is keyed by that first response's id.
-        self._entries[response_id] = (engine, after, session if session is not None else response_id)
+        session = session if session is not None else response_id
+        self.apply(response_id, engine, after, session)
+        if self.on_record is not None:
+            self.on_record(response_id, engine, after, session)
+
+    def apply(self, response_id: str, engine: str, after: list[dict[str, Any]] | None, session: str) -> None:
+        """Store an entry as it is (a peer replica's, already resolved): idempotent, LRU-bounded."""
+        self._entries[response_id] = (engine, after, session)
         self._entries.move_to_end(response_id)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)

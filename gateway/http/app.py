@@ -228,7 +228,7 @@ class Gateway:
         if cfg.share is not None:
             from gateway.share_redis import RedisShare
 
-            self.share = RedisShare(cfg.share, router, channel=cfg.share_channel)
+            self.share = RedisShare(cfg.share, router, channel=cfg.share_channel, history=self.responses)
             await self.share.start()  # unreachable: ConfigError, before anything else is started
             metrics.extra.append(self.share.render)
         if cfg.index == "precise":

@@ -105,3 +105,93 @@ def test_bad_messages_and_mismatched_replicas_are_errors():
         lb.receive(lc.message())
     with pytest.raises(ConfigError, match="no per-instance counter"):
         ShareLink(type("NotARouter", (), {"engines": (1, 2)})(), "x", lambda: None)
+
+
+def history_pair(max_response_bytes=64 * 1024):
+    """Two links as in pair(), each given its replica's stored-Responses history."""
+    from gateway.dialects.history import ResponseHistory
+
+    engines = [FakeEngine(f"gpu{i}") for i in range(2)]
+    routers = [Router(engines, registry.build("lpwl"), index=PreciseKVIndex(2), clock=lambda: 0.0)
+               for _ in range(2)]
+    histories = [ResponseHistory(max_entries=3), ResponseHistory(max_entries=3)]
+    links: list[ShareLink] = []
+
+    def deliver(k):
+        def go():
+            links[1 - k].receive(links[k].message(), now=0.0)
+
+        return go
+
+    links.extend(ShareLink(r, f"r{k}", deliver(k), history=histories[k], max_response_bytes=max_response_bytes)
+                 for k, r in enumerate(routers))
+    return histories, links
+
+
+RESPONSE = {"id": "resp_1", "output": [{"type": "message", "role": "assistant",
+                                        "content": [{"type": "output_text", "text": "hi there"}]}]}
+
+
+def test_a_stored_response_recorded_by_one_replica_is_found_by_the_other():
+    (ha, hb), (la, lb) = history_pair()
+    ha.record("resp_1", "gpu1", [{"role": "system", "content": "s"}, {"role": "user", "content": "hello"}],
+              RESPONSE, session="conv")
+    assert hb.engine_of("resp_1") == "gpu1"
+    assert hb.session_of("resp_1") == "conv"
+    assert hb.messages_after("resp_1") == ha.messages_after("resp_1")
+    assert hb.messages_after("resp_1")[0] == {"role": "user", "content": "hello"}
+    assert la.responses_out == 1 and lb.responses_in == 1
+    # applied, not re-published: B's next message carries no response back
+    assert "resp" not in lb.message()
+    # a chain without a session is keyed by its first response, on both replicas
+    hb.record("resp_2", "gpu0", None, None)
+    assert ha.engine_of("resp_2") == "gpu0" and ha.session_of("resp_2") == "resp_2"
+    assert ha.messages_after("resp_2") is None
+
+
+def test_shared_responses_are_idempotent_bounded_and_requeued():
+    (ha, hb), (la, lb) = history_pair()
+    la._on_dirty = lambda: None  # hold A's messages to replay them by hand
+    ha.record("r1", "gpu0", None, None, session="s")
+    msg = la.message()
+    lb.receive(msg)
+    lb.receive(msg)  # a repeat (same seq) changes nothing
+    assert len(hb) == 1 and lb.responses_in == 1
+    # a message that could not be sent: its responses go out with the next one
+    ha.record("r2", "gpu1", None, None, session="s")
+    lost = la.message()
+    la.requeue(lost)
+    lb.receive(la.message())
+    assert hb.engine_of("r2") == "gpu1"
+    # peers' entries share the same LRU bound
+    for k in range(3, 6):
+        ha.record(f"r{k}", "gpu0", None, None, session="s")
+    lb.receive(la.message())
+    assert len(hb) == 3 and hb.engine_of("r1") is None and hb.engine_of("r5") == "gpu0"
+
+
+def test_large_continuations_travel_without_their_messages_and_unknown_engines_stay_named():
+    (ha, hb), (la, _) = history_pair(max_response_bytes=64)
+    ha.record("big", "gpu0", [{"role": "user", "content": "x" * 200}], RESPONSE, session="s")
+    assert ha.messages_after("big") is not None  # the recording replica keeps them
+    assert hb.engine_of("big") == "gpu0" and hb.messages_after("big") is None
+    assert la.responses_trimmed == 1
+    # an engine this replica does not serve is kept as named; the Responses route then reports
+    # "engine ... is no longer served" (gateway/http/agentic.py) instead of guessing
+    from gateway.http.agentic import Responses
+
+    ha.record("gone", "gpu9", None, None, session="s")
+    r = Responses.__new__(Responses)
+    r.history, r.names = hb, ["gpu0", "gpu1"]
+    with pytest.raises(Exception, match="engine gpu9 that stored it is no longer served"):
+        r._engine_of("gone")
+
+
+def test_malformed_response_entries_are_errors():
+    (_, hb), (_, lb) = history_pair()
+    base = {"v": 1, "from": "r0", "seq": 1, "own": [[0, 0]] * 5, "bind": []}
+    with pytest.raises(ConfigError, match="malformed stored-response entry"):
+        lb.receive({**base, "resp": [["id", 3, "s", None]]})
+    with pytest.raises(ConfigError, match="malformed stored-response entry"):
+        lb.receive({**base, "seq": 2, "resp": [["id", "gpu0", "s", "not a list"]]})
+    assert len(hb) == 0
