@@ -3,7 +3,8 @@
 Replica A routes a long request; replica B's next decision (LPWL: least pending prefill) sees A's
 pending prefill and goes to the other engine. Then the server dies: both replicas report it
 (/debug/state, /metrics), and a replica started against a dead server fails with a clear error
-(``gpuhit serve`` exits 2).
+(``gpuhit serve`` exits 2). And a stored Responses answer created through replica A is continued,
+read and cancelled through replica B on the engine that stored it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import aiohttp
 import pytest
 
 from engines.emulated.engine import EmulatedEngine
+from engines.emulated.hf_tokenizer import HFTokenizer
+from engines.vllm.venv import TINY_MODEL_DIR
 from gpuhit.errors import ConfigError
 from tests.e2e.helpers import gateway, servers, wait_until, zero_cost_profile
 
@@ -134,5 +137,57 @@ def test_replica_b_sees_replica_a_in_flight_work_and_a_dead_server_is_reported()
             out, err = await asyncio.wait_for(cli.communicate(), 120)
             assert cli.returncode == 2, (out, err)
             assert b"not reachable" in err and rurl.encode() in err
+
+    asyncio.run(main())
+
+
+def test_a_response_stored_through_replica_a_is_continued_through_replica_b_on_the_same_engine():
+    async def main():
+        engines = [EmulatedEngine(f"emu{i}", zero_cost_profile(), num_gpu_blocks=512, model_name="tiny",
+                                  block_size=32) for i in range(2)]
+        tok = HFTokenizer(TINY_MODEL_DIR)
+        async with redis_server() as (_, rurl), \
+                servers(engines, model="tiny", tokenizer=tok, max_model_len=4096) as srvs:
+            urls = [f"http://127.0.0.1:{s.port}" for s in srvs]
+            common = {"policy": "lpwl", "share": rurl, "share_channel": "t2", "tokenizer": str(TINY_MODEL_DIR)}
+            async with gateway(urls, **common) as (ga, ua), gateway(urls, **common) as (gb, ub), \
+                    aiohttp.ClientSession() as http:
+                await wait_until(lambda: len(ga.share.link.peers) == 1 and len(gb.share.link.peers) == 1,
+                                 what="the replicas to hear each other")
+                prev = None
+                held = set()
+                for turn, (gw, url) in enumerate([(ga, ua), (gb, ub), (ga, ua), (gb, ub)]):
+                    body = {"model": "tiny", "max_output_tokens": 3, "instructions": "You patch files. " * 20,
+                            "input": f"step {turn}: " + "patch the file " * 8}
+                    if prev is not None:
+                        body["previous_response_id"] = prev
+                        # the replica answering this turn learned where the previous one is stored
+                        await wait_until(lambda gw=gw, prev=prev: gw.responses.engine_of(prev) is not None,
+                                         what="the stored response to reach the other replica")
+                    for i, eng in enumerate(engines):
+                        await wait_until(lambda i=i, eng=eng, gw=gw: gw.router.index.cached(i) == eng.cached_block_hashes(),
+                                         what=f"the index of e{i} to catch up")
+                    async with http.post(url + "/v1/responses", json=body) as r:
+                        doc = await r.json()
+                        assert r.status == 200, doc
+                        held.add(r.headers["x-gpuhit-instance"])
+                        predicted = int(r.headers["x-gpuhit-predicted-hit"])
+                    # exact: the continuation's messages travelled with the entry
+                    assert doc["usage"]["input_tokens_details"]["cached_tokens"] == predicted
+                    if turn:
+                        assert predicted > 0
+                    prev = doc["id"]
+                assert len(held) == 1, held  # every turn, through either replica, on the engine storing the chain
+                assert ga.prompts.not_exact == {} and gb.prompts.not_exact == {}
+                await wait_until(lambda: ga.responses.engine_of(prev) is not None, what="A to learn B's last response")
+                async with http.get(ua + f"/v1/responses/{prev}") as r:  # stored by B's request, read through A
+                    assert r.status == 200 and (await r.json())["id"] == prev
+                async with http.post(ua + f"/v1/responses/{prev}/cancel") as r:
+                    assert r.status == 400  # vLLM's answer for a finished synchronous response: it reached the holder
+                async with http.get(ub + "/debug/state") as r:
+                    st = (await r.json())["share"]
+                assert st["responses_in"] == 2 and st["responses_out"] == 2
+        for e in engines:
+            await e.close()
 
     asyncio.run(main())
