@@ -168,7 +168,8 @@ class ShareLink:
         self._bindings_out.append([session, instance, migrated_at])
         self._changed()
 
-    def _recorded(self, response_id: str, engine: str, after: list[dict[str, Any]] | None, session: str) -> None:
+    def _recorded(self, response_id: str, engine: str, after: list[dict[str, Any]] | None,
+                  session: str) -> None:
         if after is not None and len(orjson.dumps(after)) > self.max_response_bytes:
             after = None
             self.responses_trimmed += 1
@@ -245,7 +246,8 @@ class ShareLink:
         for entry in entries:
             if not (isinstance(entry, list) and len(entry) == 4 and all(isinstance(x, str) for x in entry[:3])
                     and (entry[3] is None or isinstance(entry[3], list))):
-                raise ConfigError(f"replica {origin} shared a malformed stored-response entry: {entry!r:.200}")
+                raise ConfigError(f"replica {origin} shared a malformed stored-response entry: "
+                                  f"{entry!r:.200}")
             # An engine this gateway does not serve is kept as named: a request for the response
             # then gets the API's clear "engine ... is no longer served" error.
             response_id, engine, session, after = entry

@@ -123,8 +123,8 @@ def history_pair(max_response_bytes=64 * 1024):
 
         return go
 
-    links.extend(ShareLink(r, f"r{k}", deliver(k), history=histories[k], max_response_bytes=max_response_bytes)
-                 for k, r in enumerate(routers))
+    links.extend(ShareLink(r, f"r{k}", deliver(k), history=histories[k],
+                           max_response_bytes=max_response_bytes) for k, r in enumerate(routers))
     return histories, links
 
 

@@ -165,8 +165,9 @@ def test_a_response_stored_through_replica_a_is_continued_through_replica_b_on_t
                         await wait_until(lambda gw=gw, prev=prev: gw.responses.engine_of(prev) is not None,
                                          what="the stored response to reach the other replica")
                     for i, eng in enumerate(engines):
-                        await wait_until(lambda i=i, eng=eng, gw=gw: gw.router.index.cached(i) == eng.cached_block_hashes(),
-                                         what=f"the index of e{i} to catch up")
+                        await wait_until(
+                            lambda i=i, eng=eng, gw=gw: gw.router.index.cached(i) == eng.cached_block_hashes(),
+                            what=f"the index of e{i} to catch up")
                     async with http.post(url + "/v1/responses", json=body) as r:
                         doc = await r.json()
                         assert r.status == 200, doc
