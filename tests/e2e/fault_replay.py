@@ -199,7 +199,7 @@ def report(records: Sequence[RequestRecord], events: Sequence[FaultEvent], names
     of its engine after it began (predicted > realized, requests that succeeded); its engine's
     ejections while it lasted; and the mean wait of its requests beside that of the requests no
     fault touched (how much slower they were)."""
-    touched = set()
+    touched: set[int] = set()
     for ev in events:
         touched.update(id(r) for r in records if r.arrival <= ev.end + after and r.finish >= ev.start)
     calm = [r.finish - r.arrival for r in records if r.ok and id(r) not in touched]
