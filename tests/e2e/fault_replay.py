@@ -1,6 +1,14 @@
 """A closed-loop replay through a real gateway over real emulated engine processes
-(``gpuhit emulate``) while a scripted schedule kills, wedges (SIGSTOP / SIGCONT) and restarts
-engines and drops their KV-event connections; and the report of what each fault cost.
+(``gpuhit emulate``) while a scripted schedule kills, wedges (SIGSTOP / SIGCONT), slows and
+restarts engines and drops their KV-event connections; and the report of what each fault cost.
+
+A slow engine is made from the harness alone, with no knob in the engine: it is SIGSTOPped and
+SIGCONTed in a duty cycle (:data:`SLOW_SHARE` of every :data:`SLOW_PERIOD` running), so it is a
+real process that keeps answering, only given a tenth of its time. Its gaps between bytes stay
+far below the stall window, so the gateway should keep it (the report counts its ejections).
+The emulator times its steps on its loop clock, so a stop defers its output to the next running
+slice rather than multiplying its work: its requests wait about twice as long, not ten times
+(the report gives their mean wait beside that of the requests no fault touched).
 
 Used by ``tests/e2e/test_fault_replay.py`` (CI) and runnable as a script for the numbers:
 ``python tests/e2e/fault_replay.py`` prints the per-fault report as JSON.
@@ -32,7 +40,10 @@ KILL_RESTART = "kill_restart"  # SIGKILL, then the engine again on the same port
 WEDGE = "wedge"  # SIGSTOP for `down` s, then SIGCONT (health checks, scrapes, requests all hang)
 DROP_KV = "drop_kv"  # the gateway's KV-event connection to the engine cut (the engine keeps running)
 KILL = "kill"  # SIGKILL, down for `down` s, then back on the same ports (a slower restart)
-KINDS = (KILL_RESTART, WEDGE, DROP_KV, KILL)
+SLOW = "slow"  # for `down` s the engine runs SLOW_SHARE of every SLOW_PERIOD (SIGSTOP / SIGCONT duty cycle)
+KINDS = (KILL_RESTART, WEDGE, DROP_KV, KILL, SLOW)
+SLOW_PERIOD = 0.15  # s; each stop lasts 135 ms, well under a stall window's fifth (when the gateway suspects)
+SLOW_SHARE = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +59,7 @@ class FaultEvent:
     fault: Fault
     start: float = math.nan  # loop time the fault began
     end: float = math.nan  # loop time it was lifted (the engine back, resumed)
+    ejections: int = 0  # times the gateway's breaker of the engine opened while the fault lasted
 
 
 SCHEDULE = (
@@ -55,6 +67,7 @@ SCHEDULE = (
     Fault(5.0, WEDGE, 1, 5.0),  # longer than the test's TTFB budget
     Fault(12.0, DROP_KV, 0),
     Fault(14.0, KILL, 1, 1.5),
+    Fault(16.5, SLOW, 0, 3.5),  # the other engine healthy, so an ejection would be possible
 )
 
 
@@ -117,14 +130,33 @@ class EngineProcess:
             await self.proc.wait()
 
 
+async def throttle(eng: EngineProcess, duration: float, share: float = SLOW_SHARE,
+                   period: float = SLOW_PERIOD) -> None:
+    """Give ``eng`` only ``share`` of its time for ``duration`` s: run ``share * period``, stop
+    for the rest of each period; it is left running."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + duration
+    try:
+        while loop.time() < end:
+            await asyncio.sleep(share * period)
+            eng.signal(signal.SIGSTOP)
+            await asyncio.sleep(min((1.0 - share) * period, max(end - loop.time(), 0.0)))
+            eng.signal(signal.SIGCONT)
+    finally:
+        if eng.proc is not None and eng.proc.returncode is None:
+            eng.signal(signal.SIGCONT)
+
+
 async def inject(schedule: Sequence[Fault], engines: Sequence[EngineProcess], drop_kv: Callable[[int], None],
-                 t0: float) -> list[FaultEvent]:
-    """Run ``schedule`` (times relative to the loop time ``t0``); the events with their times."""
+                 t0: float, opens: Callable[[int], int] = lambda i: 0) -> list[FaultEvent]:
+    """Run ``schedule`` (times relative to the loop time ``t0``); the events with their times and
+    the ejections of their engine while they lasted (``opens(i)``: engine i's breaker openings)."""
     loop = asyncio.get_running_loop()
     events = []
     for f in sorted(schedule, key=lambda f: f.at):
         await asyncio.sleep(max(t0 + f.at - loop.time(), 0.0))  # the schedule's own clock
         ev = FaultEvent(f, start=loop.time())
+        opened = opens(f.engine)
         eng = engines[f.engine]
         if f.kind in (KILL_RESTART, KILL):
             await eng.kill()
@@ -135,11 +167,14 @@ async def inject(schedule: Sequence[Fault], engines: Sequence[EngineProcess], dr
             eng.signal(signal.SIGSTOP)
             await asyncio.sleep(f.down)
             eng.signal(signal.SIGCONT)
+        elif f.kind == SLOW:
+            await throttle(eng, f.down)
         elif f.kind == DROP_KV:
             drop_kv(f.engine)
         else:
             raise ValueError(f"unknown fault kind {f.kind!r}; expected one of {KINDS}")
         ev.end = loop.time()
+        ev.ejections = opens(f.engine) - opened
         events.append(ev)
     return events
 
@@ -161,7 +196,14 @@ def report(records: Sequence[RequestRecord], events: Sequence[FaultEvent], names
            after: float = 1.0) -> list[dict[str, Any]]:
     """Per fault: the requests it affected (those on its engine while it lasted or within ``after``
     s of its end), how many failed, the worst wait among them (send to end), and the phantom hits
-    of its engine after it began (predicted > realized, requests that succeeded)."""
+    of its engine after it began (predicted > realized, requests that succeeded); its engine's
+    ejections while it lasted; and the mean wait of its requests beside that of the requests no
+    fault touched (how much slower they were)."""
+    touched: set[int] = set()
+    for ev in events:
+        touched.update(id(r) for r in records if r.arrival <= ev.end + after and r.finish >= ev.start)
+    calm = [r.finish - r.arrival for r in records if r.ok and id(r) not in touched]
+    calm_mean = sum(calm) / len(calm) if calm else math.nan
     out = []
     for ev in events:
         f = ev.fault
@@ -173,13 +215,15 @@ def report(records: Sequence[RequestRecord], events: Sequence[FaultEvent], names
         out.append({"fault": f.kind, "engine": name, "at_s": round(f.at, 2), "down_s": round(ev.end - ev.start, 2),
                     "requests_affected": len(hit), "failed": sum(1 for r in hit if r.error),
                     "worst_wait_s": round(max((r.finish - r.arrival for r in hit), default=0.0), 3),
+                    "mean_wait_s": round(sum(r.finish - r.arrival for r in hit) / len(hit), 3) if hit else 0.0,
+                    "calm_mean_wait_s": round(calm_mean, 3), "ejections": ev.ejections,
                     "phantom_hits": len(phantom),
                     "errors": sorted({r.error.split(" (")[0][:90] for r in hit if r.error})})
     return out
 
 
 async def run(gateway: Callable[..., Any], gateway_kw: dict[str, Any], schedule: Sequence[Fault] = SCHEDULE,
-              duration: float = 20.0, concurrency: int = 6, engine_args: Sequence[str] = ()) -> dict[str, Any]:
+              duration: float = 24.0, concurrency: int = 6, engine_args: Sequence[str] = ()) -> dict[str, Any]:
     """Engines up, a gateway over them (``gateway(urls, **gateway_kw)``: an async context manager
     giving ``(gateway, url)``), the replay and the schedule at once; the records, events, report."""
     engines = [EngineProcess(f"e{i}", engine_args) for i in range(2)]
@@ -197,7 +241,7 @@ async def run(gateway: Callable[..., Any], gateway_kw: dict[str, Any], schedule:
                                duration=duration)
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            faults = asyncio.create_task(inject(schedule, engines, drop_kv, t0))
+            faults = asyncio.create_task(inject(schedule, engines, drop_kv, t0, lambda i: gw.breakers[i].opens))
             out = await replay(trace(), target, cfg)
             events = await faults
             names = list(gw.names) if hasattr(gw, "names") else [f"e{i}" for i in range(len(engines))]
