@@ -20,7 +20,7 @@ routing. Here each side is one ``asyncio.Protocol`` fed by httptools' C parser (
 * The engines' side, :class:`~gateway.http.fast_upstream.FastUpstream`, is in
   :mod:`gateway.http.fast_upstream`.
 
-The request logic is not here: both call :meth:`gateway.http.app.Gateway.handle`.
+The request logic is not here: both call :meth:`gateway.http.handler.Handler.handle`.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httptools
 
-from gateway.config import HEADER_TIMEOUT, MAX_CONNECTIONS
+from gateway.config import HEADER_TIMEOUT, MAX_CONNECTIONS, GatewayConfig
+from gateway.http.handler import Handler
 from gateway.http.parse import PROMPT_PATHS
 from gateway.http.transport import (
     GET_PATHS,
@@ -52,10 +53,6 @@ from gateway.http.transport import (
 from gpuhit.errors import BadRequestError, GpuhitError
 
 _log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
-    from gateway.http.app import Gateway
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
             408: b"Request Timeout", 413: b"Payload Too Large", 414: b"URI Too Long", 417: b"Expectation Failed",
@@ -572,11 +569,11 @@ class _ServerConn(asyncio.Protocol):
 
 
 class FastServer:
-    """The listening side of the fast transport for one :class:`~gateway.http.app.Gateway`:
+    """The listening side of the fast transport for one gateway (:class:`~gateway.http.handler.Handler`):
     limits and timeouts from its config (``max_body_bytes``, ``max_connections``,
     ``header_timeout``, ``body_timeout``, ``keepalive_timeout``)."""
 
-    def __init__(self, gw: Gateway, cfg: GatewayConfig):
+    def __init__(self, gw: Handler, cfg: GatewayConfig):
         self.gw = gw
         self.max_body_bytes = cfg.max_body_bytes
         self.max_connections: int = cfg.max_connections or MAX_CONNECTIONS  # (validate() fills them in)
