@@ -54,7 +54,7 @@ from engines.hashing import BlockHasher
 from engines.kv_event_codec import VLLM
 from engines.kv_events import KVEventBatch
 from engines.vllm import protocol
-from engines.vllm.kv_events_zmq import KVEventPublisher
+from engines.vllm.kv_events_publisher import KVEventPublisher
 from gpuhit.errors import CapacityError, GpuhitError
 
 log = logging.getLogger(__name__)
