@@ -31,7 +31,7 @@ import asyncio
 import inspect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -41,7 +41,7 @@ from engines.kv_events import KVEventBatch
 from gateway.bindings import SessionBindings
 from gateway.kv_index import KVIndex
 from gateway.residency import SessionResidency
-from gateway.ticket import RouteRecord, RouteRequest, Ticket
+from gateway.ticket import RouteRecord, RouteRequest, RouterStats, Ticket
 from gpuhit.errors import ConfigError, NoInstanceError
 from policies.snapshot import (
     ACTIONS,
@@ -73,46 +73,6 @@ class RoutedResult:
     pd: bool = False
     fallback: bool = False  # a KV-moving action whose producer failed: recomputed on the target
     producer: GenerateResult | None = None
-
-
-@dataclass(slots=True)
-class RouterStats:
-    """Running totals (cheap to read at any time)."""
-
-    decisions: int = 0
-    decisions_by_policy: dict[str, int] = field(default_factory=dict)
-    decisions_by_instance: list[int] = field(default_factory=list)
-    actions: dict[str, int] = field(default_factory=dict)
-    migrations: int = 0
-    fetches: int = 0
-    pd_transfers: int = 0
-    fallbacks: int = 0
-    transferred_tokens: int = 0
-    bytes_moved: int = 0
-    finished: int = 0
-    errors: int = 0
-    errors_by_instance: list[int] = field(default_factory=list)
-    predicted_hit_tokens: int = 0
-    realized_hit_tokens: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "decisions": self.decisions,
-            "decisions_by_policy": dict(self.decisions_by_policy),
-            "decisions_by_instance": list(self.decisions_by_instance),
-            "actions": dict(self.actions),
-            "migrations": self.migrations,
-            "fetches": self.fetches,
-            "pd_transfers": self.pd_transfers,
-            "fallbacks": self.fallbacks,
-            "transferred_tokens": self.transferred_tokens,
-            "bytes_moved": self.bytes_moved,
-            "finished": self.finished,
-            "errors": self.errors,
-            "errors_by_instance": list(self.errors_by_instance),
-            "predicted_hit_tokens": self.predicted_hit_tokens,
-            "realized_hit_tokens": self.realized_hit_tokens,
-        }
 
 
 class Router:

@@ -1,23 +1,23 @@
 """A routed request's records and its ticket: what :class:`gateway.router.Router` is asked
-(:class:`RouteRequest`), what it logs (:class:`RouteRecord`), and the :class:`Ticket` that carries
-one decision through the KV two-step's producer step, the first token and the finish, keeping the
-router's running counters (in flight, pending prefill, decode slots, active blocks) exact. A ticket
-is the router's own accounting: it updates the router's counters directly.
+(:class:`RouteRequest`), what it logs (:class:`RouteRecord`), its running totals
+(:class:`RouterStats`), and the :class:`Ticket` that carries one decision through the KV two-step's
+producer step, the first token and the finish, keeping the router's running counters (in flight,
+pending prefill, decode slots, active blocks) exact. A ticket is the router's own accounting: it
+updates the router's counters directly, through the :class:`Counters` it is given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import msgspec
 
 from engines.base import GenerateRequest, GenerateResult
+from gateway.residency import SessionResidency
 from gpuhit.errors import ConfigError
 from policies.snapshot import FORWARD, Decision
-
-if TYPE_CHECKING:
-    from gateway.router import Router
 
 
 class RouteRequest(msgspec.Struct, frozen=True):
@@ -55,6 +55,67 @@ def producer_transfer_params(transfer_id: str) -> dict[str, Any]:
     return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
 
 
+@dataclass(slots=True)
+class RouterStats:
+    """Running totals (cheap to read at any time)."""
+
+    decisions: int = 0
+    decisions_by_policy: dict[str, int] = field(default_factory=dict)
+    decisions_by_instance: list[int] = field(default_factory=list)
+    actions: dict[str, int] = field(default_factory=dict)
+    migrations: int = 0
+    fetches: int = 0
+    pd_transfers: int = 0
+    fallbacks: int = 0
+    transferred_tokens: int = 0
+    bytes_moved: int = 0
+    finished: int = 0
+    errors: int = 0
+    errors_by_instance: list[int] = field(default_factory=list)
+    predicted_hit_tokens: int = 0
+    realized_hit_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decisions": self.decisions,
+            "decisions_by_policy": dict(self.decisions_by_policy),
+            "decisions_by_instance": list(self.decisions_by_instance),
+            "actions": dict(self.actions),
+            "migrations": self.migrations,
+            "fetches": self.fetches,
+            "pd_transfers": self.pd_transfers,
+            "fallbacks": self.fallbacks,
+            "transferred_tokens": self.transferred_tokens,
+            "bytes_moved": self.bytes_moved,
+            "finished": self.finished,
+            "errors": self.errors,
+            "errors_by_instance": list(self.errors_by_instance),
+            "predicted_hit_tokens": self.predicted_hit_tokens,
+            "realized_hit_tokens": self.realized_hit_tokens,
+        }
+
+
+class Counters(Protocol):
+    """What a :class:`Ticket` updates and calls back on: the router's running counters (per
+    instance), its totals, its residency tracker and clock. Named here so that the ticket does not
+    import :mod:`gateway.router` (which builds tickets), and so the ticket's reach into the router
+    is written down in one place."""
+
+    stats: RouterStats
+    residency: SessionResidency
+    kv_bytes_per_token: int
+    now: Callable[[], float]
+    _in_flight: list[int]
+    _pending: list[int]
+    _decode: list[int]
+    _active_blocks: list[int]
+    _consecutive_errors: list[int]
+
+    def hit_tokens_of(self, i: int, req: RouteRequest) -> int: ...
+
+    def _note_error(self, i: int, reason: str) -> None: ...
+
+
 class Ticket:
     """One routed request's life in the router's counters. Not thread-safe (one event loop)."""
 
@@ -79,7 +140,7 @@ class Ticket:
         "transfer_id",
     )
 
-    def __init__(self, router: Router, request: RouteRequest, decision: Decision):
+    def __init__(self, router: Counters, request: RouteRequest, decision: Decision):
         self.router = router
         self.request = request
         self.decision = decision

@@ -32,6 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from engines.base import GenerateRequest, GenerateResult
+from engines.emulated.responses import cached_tokens
 from engines.vllm import protocol
 from engines.vllm.chat_messages import NotExact
 from engines.vllm.dialects import anthropic, responses
@@ -91,7 +92,7 @@ class DialectRoutes:
     def _created(self, res: GenerateResult) -> int:
         """Full blocks this request added to the cache (vLLM's ``created_cache_tokens``)."""
         bs = self.server.block_size
-        return max(res.prompt_tokens // bs * bs - self.server._cached(res), 0)
+        return max(res.prompt_tokens // bs * bs - cached_tokens(res), 0)
 
     async def _generate(self, greq: GenerateRequest, on_token: Any = None) -> GenerateResult:
         """Run ``greq``; ``on_token(k)`` is awaited for each output token as it is produced."""
@@ -187,7 +188,7 @@ class DialectRoutes:
         return resp
 
     def _anthropic_usage(self, res: GenerateResult) -> dict[str, int]:
-        cached, created = self.server._cached(res), self._created(res)
+        cached, created = cached_tokens(res), self._created(res)
         return {"input_tokens": max(res.prompt_tokens - cached - created, 0), "output_tokens": res.completion_tokens,
                 "cache_creation_input_tokens": created, "cache_read_input_tokens": cached}
 
@@ -280,7 +281,7 @@ class DialectRoutes:
                 output.append({"id": item or f"msg_{uuid.uuid4().hex[:16]}", "content": [
                     {"annotations": [], "text": self.token_text * res.completion_tokens, "type": "output_text",
                      "logprobs": None}], "role": "assistant", "status": "completed", "type": "message", "phase": None})
-            cached = self.server._cached(res)
+            cached = cached_tokens(res)
             usage = {"input_tokens": res.prompt_tokens,
                      "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": self._created(res),
                                               "input_tokens_per_turn": [], "cached_tokens_per_turn": []},

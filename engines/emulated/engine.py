@@ -6,28 +6,30 @@ sleep until the step's end on the running loop's clock -> apply (tokens, complet
 Time is read only from ``asyncio.get_running_loop().time()``, so the same engine runs in real time
 (live HTTP wrapper) and on :mod:`gpuhit.vtime`'s virtual clock (simulation).
 
-Decode-only stretches are advanced in one jump (:mod:`engines.emulated.decode_jump`, mixed in).
+Decode-only stretches are advanced in one jump (:mod:`engines.emulated.decode_jump`, mixed in);
+the CPU tier, remote store and PD transfers are :class:`engines.emulated.external_kv.ExternalKV`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from engines.base import EngineStats, GenerateRequest, GenerateResult
 from engines.emulated.block_pool import BlockPool
 from engines.emulated.decode_jump import DecodeJumpMixin
+from engines.emulated.external_kv import ExternalKV
 from engines.emulated.hash_map import ChainIdMap, HashMap
 from engines.emulated.kv_manager import KVCacheManager, cdiv
-from engines.emulated.kv_transfer import RemotePuller, TransferRegistry, is_http_addr
+from engines.emulated.kv_transfer import RemotePuller, TransferRegistry
 from engines.emulated.metrics import EngineMetrics
 from engines.emulated.profile import Profile, check_enough_kv_cache, load_profile
 from engines.emulated.request import FINISHED, LOADING, WAITING, EmuRequest
-from engines.emulated.scheduler import ExternalHit, Scheduler, SchedulerOutput
+from engines.emulated.scheduler import Scheduler, SchedulerOutput
 from engines.emulated.tiers import CPUTier, RemoteStore
-from engines.hashing import BlockHasher, common_prefix_len
+from engines.hashing import BlockHasher
 from engines.kv_events import CPU, GPU, STORAGE, AllBlocksCleared, KVEventBatch
 from gpuhit.errors import BadRequestError, CapacityError, ConfigError
 
@@ -121,6 +123,8 @@ class EmulatedEngine(DecodeJumpMixin):
         self.remote_transfer = remote_transfer
         self._pull_tasks: set[asyncio.Task] = set()
         self.metrics = EngineMetrics(self.model_name, name, util_bin_s)
+        self.external = ExternalKV(self.block_size, self.block_bytes, p, self.metrics,
+                                   self.cpu, self.remote, self.registry)
         self._num_gpu_blocks = num_gpu_blocks
         self._subscribers: list[KVEventCallback] = []
         self._build_state()
@@ -148,7 +152,7 @@ class EmulatedEngine(DecodeJumpMixin):
         )
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-            external_lookup=self._external_lookup, policy=self.scheduling_policy,
+            external_lookup=self.external.lookup, policy=self.scheduling_policy,
             enable_chunked_prefill=self.enable_chunked_prefill, reserve_full_isl=self.reserve_full_isl,
         )
 
@@ -183,7 +187,7 @@ class EmulatedEngine(DecodeJumpMixin):
         )
         self._requests[req.request_id] = req
         delay = self.profile.frontend_delay(request.prompt_len)
-        if self._needs_remote_pull(request.kv_transfer_params):
+        if self.remote_transfer is not None and self.external.producer_elsewhere(request.kv_transfer_params):
             # The pull runs alongside the frontend delay, as vLLM's bootstrap query runs alongside
             # scheduling; the request joins the queue once both are over.
             task = loop.create_task(self._pull_then_enqueue(req, now + delay))
@@ -199,17 +203,9 @@ class EmulatedEngine(DecodeJumpMixin):
             self.abort(req.request_id)
             raise
 
-    def _needs_remote_pull(self, params: Mapping[str, Any] | None) -> bool:
-        """A consumer request whose producer is not in this process (its transfer is not in the
-        in-process registry and its bootstrap address is an HTTP URL)."""
-        if self.remote_transfer is None or not params or not params.get("do_remote_prefill"):
-            return False
-        return (is_http_addr(params.get("remote_bootstrap_addr"))
-                and self.registry.peek(str(params.get("transfer_id"))) is None)
-
     async def _pull_then_enqueue(self, req: EmuRequest, ready_at: float) -> None:
         """Pull the remote transfer into the local registry, then queue the request. A failed pull
-        leaves the registry without the entry: ``_external_lookup`` counts the failure and the
+        leaves the registry without the entry: ``ExternalKV.lookup`` counts the failure and the
         prompt is recomputed."""
         params = req.kv_transfer_params
         assert params is not None and self.remote_transfer is not None
@@ -391,7 +387,7 @@ class EmulatedEngine(DecodeJumpMixin):
                 if out.preempted:
                     self.metrics.num_preemptions += len(out.preempted)
                 if out.started_loads:
-                    self._start_loads(out.started_loads, now)
+                    self.external.start_loads(out.started_loads, now, self._load_done)
                 if out.empty:
                     if out.preempted:
                         # The only running request was its own preemption victim: the step schedules
@@ -515,7 +511,11 @@ class EmulatedEngine(DecodeJumpMixin):
         self._requests.pop(r.request_id, None)
         m = self.metrics
         if error is None and r.is_producer:
-            self._pin_for_transfer(r)
+            def release(r: EmuRequest = r) -> None:
+                self.kv.free(r)
+                self._notify()
+
+            self.external.pin_for_transfer(r, self.name, self.bootstrap_addr, tuple(self.kv.block_ids(r)), release)
         else:
             if r.status == LOADING and r.load_release is not None:
                 r.load_release()
@@ -541,28 +541,6 @@ class EmulatedEngine(DecodeJumpMixin):
         fut = r.future
         if fut is not None and not fut.done():
             fut.set_result(res)
-
-    def _pin_for_transfer(self, r: EmuRequest) -> None:
-        params: Mapping[str, Any] = r.kv_transfer_params or {}
-        tid = str(params["transfer_id"])
-        ids = tuple(self.kv.block_ids(r))
-        n_full = min(r.prompt_len // self.block_size, len(r.block_hashes))
-        hashes = tuple(r.block_hashes[:n_full])
-
-        def release() -> None:
-            self.kv.free(r)
-            self._notify()
-
-        self.registry.register(tid, self.name, hashes, ids, r.prompt_len, release)
-        r.result_params = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.name,
-            "remote_bootstrap_addr": self.bootstrap_addr,
-            "remote_block_ids": list(ids),
-            "transfer_id": tid,
-            "num_tokens": r.prompt_len,
-        }
 
     def _process_aborts(self, now: float) -> None:
         aborts, self._pending_aborts = self._pending_aborts, []
@@ -596,84 +574,7 @@ class EmulatedEngine(DecodeJumpMixin):
         if self._subscribers:
             self._deliver(KVEventBatch(ts=now, events=(AllBlocksCleared(),)))
 
-    # ---- internals: external KV (CPU tier, remote store, PD transfer) --------------------------
-    def _external_lookup(self, req: EmuRequest, n_local: int) -> ExternalHit | None:
-        bs = self.block_size
-        hashes = req.block_hashes
-        max_blocks = min((req.num_tokens - 1) // bs, len(hashes))
-        pos = n_local // bs
-        cpu_n = remote_n = transfer_n = 0
-        tid = None
-        params = req.kv_transfer_params
-        consumer = bool(params and params.get("do_remote_prefill")) and not req.transfer_tried
-        if pos < max_blocks:
-            if self.cpu is not None:
-                cpu_n = self.cpu.blocks.prefix_run(hashes, pos, max_blocks)
-                pos += cpu_n
-            if self.remote is not None and pos < max_blocks:
-                remote_n = self.remote.blocks.prefix_run(hashes, pos, max_blocks)
-                pos += remote_n
-        if consumer:
-            tid = str(params["transfer_id"])
-            entry = self.registry.peek(tid)
-            if entry is None:
-                req.transfer_tried = True
-                self.metrics.kv_transfer_failures += 1
-                tid = None
-            else:
-                transfer_n = common_prefix_len(entry.block_hashes, hashes, pos, max_blocks)
-                if transfer_n == 0:  # nothing to pull: hand the producer its blocks back now
-                    req.transfer_tried = True
-                    claimed = self.registry.claim(tid)
-                    if claimed is not None:
-                        claimed.release()
-                    tid = None
-        m = self.metrics
-        tokens = (cpu_n + remote_n + transfer_n) * bs
-        if self.cpu is not None or self.remote is not None or consumer:
-            m.external_prefix_cache_queries += req.num_tokens
-            m.external_prefix_cache_hits += tokens
-        if tokens == 0:
-            return None
-        bb = self.block_bytes
-        prof = self.profile
-        load = 0.0
-        if cpu_n:
-            load += prof.cpu_load_time(cpu_n * bb)
-        if remote_n:
-            load += prof.remote_load_time(remote_n * bb)
-        if transfer_n:
-            load += prof.transfer_time(transfer_n * bb)
-        return ExternalHit(tokens, load, cpu_n, remote_n, transfer_n, tokens // bs * bb, tid)
-
-    def _start_loads(self, reqs: list[EmuRequest], now: float) -> None:
-        loop = asyncio.get_running_loop()
-        bs = self.block_size
-        bb = self.block_bytes
-        m = self.metrics
-        for r in reqs:
-            hit: ExternalHit = r.load_hit
-            start_blk = (r.num_computed_tokens - hit.tokens) // bs
-            if hit.cpu_blocks:
-                self.cpu.blocks.touch_run(r.block_hashes, start_blk, start_blk + hit.cpu_blocks)
-                m.cpu_load_bytes += hit.cpu_blocks * bb
-            if hit.remote_blocks:
-                self.remote.blocks.touch_run(r.block_hashes, start_blk + hit.cpu_blocks,
-                                             start_blk + hit.cpu_blocks + hit.remote_blocks)
-                m.remote_load_bytes += hit.remote_blocks * bb
-                self.remote.bytes_loaded += hit.remote_blocks * bb
-                self.remote.blocks_loaded += hit.remote_blocks
-            if hit.transfer_id is not None:
-                r.transfer_tried = True
-                entry = self.registry.claim(hit.transfer_id)
-                if entry is not None:
-                    r.load_release = entry.release
-                nbytes = hit.transfer_blocks * bb
-                m.kv_transfers += 1
-                m.kv_transfer_bytes += nbytes
-                m.kv_transfer_seconds += self.profile.transfer_time(nbytes)
-            loop.call_at(now + r.load_seconds, self._load_done, r)
-
+    # ---- internals: external KV (the loads ExternalKV started) -------------------------------------
     def _load_done(self, r: EmuRequest) -> None:
         if r.status != LOADING:
             return  # aborted (or failed) meanwhile

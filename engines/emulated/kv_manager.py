@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from engines.emulated.block_pool import BLOCK_ID, NO_BLOCKS, BlockList, BlockPool, as_block_ids, positions
+from engines.emulated.block_ids import BLOCK_ID, NO_BLOCKS, BlockList, as_block_ids, positions
+from engines.emulated.block_pool import BlockPool
 from engines.emulated.request import EmuRequest
 from engines.hashing import present_run_end
 

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engines.emulated.block_pool import NO_BLOCKS
+from engines.emulated.block_ids import NO_BLOCKS
 from engines.emulated.kv_manager import KVCacheManager
 from engines.emulated.request import LOADING, RUNNING, WAITING, EmuRequest
 from gpuhit.errors import ConfigError

@@ -13,7 +13,7 @@ surface: ``generate(request, on_progress=None)``, ``subscribe_kv_events(cb)``, `
   returned at the top level, as vLLM's KV connectors do. Options the emulator cannot honour (``n``,
   ``logprobs``, ``echo``, ...) are refused with a 400, never ignored.
 * ``POST /v1/chat/completions``: ``messages`` through the tokenizer's chat template (or
-  :func:`chat_template`); vLLM's role chunk first when streaming.
+  :func:`engines.emulated.request_fields.chat_template`); vLLM's role chunk first when streaming.
 * ``GET /v1/models`` (vLLM's card), ``/health``, ``/metrics`` (vLLM-named families rendered by
   prometheus_client), ``/kv_event_sources`` (vLLM 0.32's ``{"0": {...}}``), ``POST
   /reset_prefix_cache``, plus the ZMQ KV-event publisher with replay. Ids are ``cmpl-`` /
@@ -26,10 +26,10 @@ surface: ``generate(request, on_progress=None)``, ``subscribe_kv_events(cb)``, `
   point consumers here.
 
 Text and chat prompts are tokenized by the model directory's tokenizer when one is given
-(:mod:`engines.emulated.hf_tokenizer`), else by :func:`simple_tokenize`, a deterministic stand-in:
-the text is split before every whitespace run (so ``"a b"`` -> ``"a"``, ``" b"``) and each piece
-maps to ``256 + crc32(piece) % (vocab - 256)``; it is prefix-stable, which is all prefix caching
-needs. Output token text is ``" x"`` per token.
+(:mod:`engines.emulated.hf_tokenizer`), else by :func:`engines.emulated.request_fields.simple_tokenize`,
+a deterministic stand-in: the text is split before every whitespace run (so ``"a b"`` -> ``"a"``,
+``" b"``) and each piece maps to ``256 + crc32(piece) % (vocab - 256)``; it is prefix-stable, which
+is all prefix caching needs. Output token text is ``" x"`` per token.
 
 ``usage.prompt_tokens_details.cached_tokens`` is always filled (vLLM needs
 ``--enable-prompt-tokens-details``). ``created`` is Unix time from the injected ``wall_clock``
@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import uuid
-import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,87 +48,37 @@ from aiohttp import web
 
 from engines.base import GenerateRequest, GenerateResult
 from engines.emulated.dialect_routes import DialectRoutes
+from engines.emulated.request_fields import (
+    VOCAB,
+    bool_field,
+    chat_template,
+    int_field,
+    refuse_unsupported,
+    simple_tokenize,
+)
+from engines.emulated.responses import (
+    SYSTEM_FINGERPRINT,
+    TOKEN_TEXT,
+    chunk,
+    completion_body,
+    returned_params,
+    usage,
+)
 from engines.hashing import BlockHasher
 from engines.kv_event_codec import VLLM
 from engines.kv_events import KVEventBatch
 from engines.vllm import protocol
-from engines.vllm.kv_events_zmq import KVEventPublisher
+from engines.vllm.kv_events_publisher import KVEventPublisher
 from gpuhit.errors import CapacityError, GpuhitError
 
 log = logging.getLogger(__name__)
 
-VOCAB = 151_936  # Qwen's vocabulary size; any size > 256 works
-TOKEN_TEXT = " x"  # the text of every generated token (the emulator has no vocabulary to sample)
-SYSTEM_FINGERPRINT = "gpuhit-emulated"
 BUFFER_STEPS = 10_000  # KV-event replay buffer (steps) and ZMQ send high-water mark: vLLM's defaults
 HWM = 100_000
-_PIECES = re.compile(r"\s*\S+|\s+$")
-
-
-def simple_tokenize(text: str, vocab: int = VOCAB) -> list[int]:
-    """Deterministic, prefix-stable stand-in tokenizer (see the module docstring)."""
-    span = vocab - 256
-    return [256 + zlib.crc32(p.encode()) % span for p in _PIECES.findall(text)]
-
-
-def chat_template(messages: list[Mapping[str, Any]]) -> str:
-    """``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then the assistant header
-    (ChatML, as Qwen models use). List contents keep their ``text`` parts, in order."""
-    parts = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-        parts.append(f"<|im_start|>{m.get('role')}\n{content or ''}<|im_end|>\n")
-    parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
 
 
 _bad = protocol.bad_request
 _invalid = protocol.validation_error
-
-# Options vLLM honours that the emulator cannot (it has no logits and one sequence per request):
-# refused with a 400 instead of silently ignored. A value equal to the default is accepted.
-_UNSUPPORTED: dict[str, Any] = {
-    "n": 1, "best_of": None, "logprobs": None, "top_logprobs": None, "prompt_logprobs": None, "echo": False,
-    "use_beam_search": False, "suffix": None, "response_format": None, "tools": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "structured_outputs": None, "prompt_embeds": None,
-}
-# pydantic's lax bool parsing, which vLLM's request models use ("yes" -> True).
-_TRUE = {"true", "1", "yes", "y", "on", "t"}
-_FALSE = {"false", "0", "no", "n", "off", "f"}
-
-
-def _int_field(body: Mapping[str, Any], name: str, default: int | None, minimum: int) -> int | None:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise _invalid(name, "Input should be a valid integer", v)
-    if v < minimum:
-        raise _bad(f"{name} must be at least {minimum}, got {v}. (parameter={name}, value={v})", name)
-    return v
-
-
-def _bool_field(body: Mapping[str, Any], name: str) -> bool:
-    v = body.get(name, False)
-    if v is None or isinstance(v, bool):
-        return bool(v)
-    if isinstance(v, int) and v in (0, 1):
-        return bool(v)
-    if isinstance(v, str) and v.lower() in _TRUE | _FALSE:
-        return v.lower() in _TRUE
-    raise _invalid(name, "Input should be a valid boolean", v)
-
-
-def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    for name, default in _UNSUPPORTED.items():
-        v = body.get(name, default)
-        if v is not None and v != default and not (name == "logprobs" and v is False):
-            raise _bad(f"the emulated engine does not support {name}={v!r} (no logits, one sequence per "
-                       f"request); leave it out", name)
-
 
 class _Progress:
     """Output-token count reported by the engine, awaited by the streaming writer. ``per_step``
@@ -306,7 +254,7 @@ class EmulatedServer:
 
     async def _json(self, request: web.Request) -> Mapping[str, Any]:
         body = protocol.parse_body(await request.read(), self.model, f" Valid aliases: {self.model}.")
-        _refuse_unsupported(body)
+        refuse_unsupported(body)
         return body
 
     def _tokenize(self, text: str) -> list[int]:
@@ -398,9 +346,9 @@ class EmulatedServer:
     async def _serve(self, request: web.Request, body: Mapping[str, Any], ids: list[int], chat: bool) -> web.StreamResponse:
         try:
             name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-            requested = _int_field(body, name, None, 1)
-            _int_field(body, "min_tokens", 0, 0)
-            stream = _bool_field(body, "stream")
+            requested = int_field(body, name, None, 1)
+            int_field(body, "min_tokens", 0, 0)
+            stream = bool_field(body, "stream")
             opts = body.get("stream_options")
             if opts is not None and not isinstance(opts, dict):
                 raise _invalid("stream_options", "Input should be a valid dictionary", opts)
@@ -471,83 +419,7 @@ class EmulatedServer:
         self._finish_span(span, res)
         if res.error is not None:
             return web.json_response(protocol.error_body(res.error, 500), status=500)
-        text = TOKEN_TEXT * res.completion_tokens
-        out = self._head(rid, chat)
-        # The keys (and null fields) of vLLM 0.32's CompletionResponse / ChatCompletionResponse.
-        if chat:
-            out["object"] = "chat.completion"
-            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                       "function_call": None, "reasoning": None}
-            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length",
-                                      "stop_reason": None, "token_ids": None, "routed_experts": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                      "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}
-        out["choices"] = [choice]
-        out["service_tier"] = None
-        out["system_fingerprint"] = SYSTEM_FINGERPRINT
-        out["usage"] = self._usage(res, chat, unary=True)
-        if chat:
-            out.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
-        out["kv_transfer_params"] = self._returned_params(res)
-        out["ec_transfer_params"] = None
-        out["metrics"] = None
-        return web.json_response(out)
-
-    def _usage(self, res: GenerateResult, chat: bool, unary: bool) -> dict[str, Any]:
-        # A PD consumer reports what it holds after the load (local + loaded tokens); vLLM 0.32 reports
-        # the producer's `remote_prefill_cached_tokens` instead (README, "Emulator vs vLLM"): gpuhit's
-        # transfer accounting reads the loaded tokens from here.
-        u = protocol.usage(res.prompt_tokens, res.completion_tokens, self._cached(res))
-        details = u["prompt_tokens_details"]
-        # vLLM fills these per endpoint: chat reports created_cache_tokens 0, completions null; the
-        # streaming usage chunk of a completion has cached_tokens only.
-        if chat:
-            details["created_cache_tokens"] = 0
-        elif unary:
-            details["created_cache_tokens"] = None
-        if unary:
-            details["multimodal_tokens"] = None
-            u["completion_tokens_details"] = None
-        return u
-
-    @staticmethod
-    def _cached(res: GenerateResult) -> int:
-        # vLLM's prefill_stats.num_cached_tokens: local prefix-cache hits plus connector-loaded tokens.
-        return res.cached_tokens + res.external_cached_tokens
-
-    def _returned_params(self, res: GenerateResult) -> dict[str, Any] | None:
-        """A producer's ``kv_transfer_params`` for the consumer, with vLLM 0.32's
-        ``remote_prefill_cached_tokens`` (the producer's own cached tokens) added, as its
-        scheduler adds them when a ``do_remote_decode`` request finishes."""
-        if not res.kv_transfer_params:
-            return None
-        out = dict(res.kv_transfer_params)
-        if out.get("do_remote_prefill"):
-            out.setdefault("remote_prefill_cached_tokens", self._cached(res))
-        return out
-
-    @staticmethod
-    def _chunk(head: dict[str, Any], chat: bool, finish: str | None, role: bool = False,
-               fingerprint: bool = False) -> bytes:
-        """One SSE chunk of one generated token (vLLM streams one per token); ``role``: chat's first
-        chunk, which vLLM sends before any token with the role and empty content."""
-        if chat:
-            if role:
-                choice: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}
-                return protocol.sse({**head, "choices": [choice], "prompt_token_ids": None, "prompt_text": None})
-            choice = {"index": 0, "delta": {"content": TOKEN_TEXT}, "logprobs": None, "finish_reason": finish,
-                      "token_ids": None}
-            if finish is not None:
-                choice["stop_reason"] = None
-        else:
-            choice = {"index": 0, "text": TOKEN_TEXT, "logprobs": None, "finish_reason": finish, "stop_reason": None,
-                      "prompt_token_ids": None, "token_ids": None}
-        obj = {**head, "choices": [choice]}
-        if fingerprint:  # vLLM's last chunk of a stream without a usage chunk
-            obj["system_fingerprint"] = SYSTEM_FINGERPRINT
-        return protocol.sse(obj)
+        return web.json_response(completion_body(self._head(rid, chat), res, chat))
 
     async def _stream(
         self, request: web.Request, greq: GenerateRequest, rid: str, chat: bool, include_usage: bool, span: Any
@@ -561,7 +433,7 @@ class EmulatedServer:
         try:
             await resp.prepare(request)
             if chat:
-                await resp.write(self._chunk(head, chat, None, role=True))
+                await resp.write(chunk(head, chat, None, role=True))
             while not task.done():
                 waiter = asyncio.ensure_future(progress.changed.wait())
                 await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
@@ -570,7 +442,7 @@ class EmulatedServer:
                 # One chunk per token, the final one held back for its finish_reason. The engine
                 # reports each decode step at its own time, so tokens leave at their step times.
                 while sent < min(progress.count, greq.max_tokens - 1) and not task.done():
-                    await resp.write(self._chunk(head, chat, None))
+                    await resp.write(chunk(head, chat, None))
                     sent += 1
             try:
                 res = task.result()
@@ -585,13 +457,13 @@ class EmulatedServer:
             else:
                 for k in range(sent, res.completion_tokens):
                     last = k == res.completion_tokens - 1
-                    await resp.write(self._chunk(head, chat, "length" if last else None,
+                    await resp.write(chunk(head, chat, "length" if last else None,
                                                  fingerprint=last and not include_usage))
                 if include_usage:
-                    tail = {**head, "choices": [], "usage": self._usage(res, chat, unary=False),
+                    tail = {**head, "choices": [], "usage": usage(res, chat, unary=False),
                             "system_fingerprint": SYSTEM_FINGERPRINT}
                     if res.kv_transfer_params:
-                        tail["kv_transfer_params"] = self._returned_params(res)
+                        tail["kv_transfer_params"] = returned_params(res)
                     await resp.write(protocol.sse(tail))
             await resp.write(protocol.SSE_DONE)
             await resp.write_eof()

@@ -1,4 +1,5 @@
-"""The ``aiohttp`` transport: an aiohttp application around :class:`gateway.http.app.Gateway`.
+"""The ``aiohttp`` transport: an aiohttp application around the gateway's request logic
+(:class:`gateway.http.handler.Handler`).
 
 Kept as the reference implementation the fast transport (:mod:`gateway.http.fast`) is tested
 against; chosen with ``transport = "aiohttp"``. aiohttp sets TCP_NODELAY on the sockets it
@@ -11,13 +12,13 @@ import asyncio
 import socket
 from collections.abc import Mapping
 from http import HTTPStatus
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
+from gateway.http.handler import Handler
 from gateway.http.parse import PROMPT_PATHS
 from gateway.http.transport import (
     GET_PATHS,
@@ -26,9 +27,6 @@ from gateway.http.transport import (
     RequestTimeoutError,
 )
 from gpuhit.errors import BadRequestError, GpuhitError, NotFoundError
-
-if TYPE_CHECKING:
-    from gateway.http.app import Gateway
 
 
 def _nodelay(request: web.Request) -> None:
@@ -73,7 +71,7 @@ class AioDownstream:
         await self.resp.write_eof()
 
 
-def build_app(gw: Gateway) -> web.Application:
+def build_app(gw: Handler) -> web.Application:
     cfg = gw.cfg
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_guard(gw)])
 
@@ -138,12 +136,12 @@ def build_app(gw: Gateway) -> web.Application:
     return app
 
 
-def _json_error(gw: Gateway, err: GpuhitError, path: str) -> web.Response:
+def _json_error(gw: Handler, err: GpuhitError, path: str) -> web.Response:
     status, data = gw.error_payload(err, path if path in PROMPT_PATHS else "other")
     return web.Response(body=data, status=status, content_type="application/json")
 
 
-def _guard(gw: Gateway):
+def _guard(gw: Handler):
     """The API key checked on the headers before a handler reads any body, and aiohttp's routing
     errors (404, 405) answered with vLLM's JSON error body."""
 
@@ -170,7 +168,7 @@ class _JsonErrorHandler(RequestHandler):
     """aiohttp's connection handler with its protocol-level errors (malformed request, line or
     field too long, too many headers) answered with vLLM's JSON error body, not plain text."""
 
-    gw: Gateway
+    gw: Handler
 
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -185,7 +183,7 @@ class _JsonErrorHandler(RequestHandler):
 
 
 class _Runner(web.AppRunner):
-    def __init__(self, gw: Gateway, **kwargs):
+    def __init__(self, gw: Handler, **kwargs):
         super().__init__(gw.app, **kwargs)
         self._handler_cls = type("GatewayRequestHandler", (_JsonErrorHandler,), {"gw": gw})
 
@@ -201,7 +199,7 @@ class _Runner(web.AppRunner):
         return _Server(srv.request_handler, request_factory=srv.request_factory, loop=srv._loop, **srv._kwargs)
 
 
-def runner(gw: Gateway) -> web.AppRunner:
+def runner(gw: Handler) -> web.AppRunner:
     """The aiohttp runner of ``gw.app``: h11-like limits (8 KiB line and field, 100 headers), the
     keep-alive timeout, JSON error bodies. aiohttp has no header-read timeout and no connection
     bound (see the README's transport comparison)."""

@@ -17,10 +17,12 @@ routing. Here each side is one ``asyncio.Protocol`` fed by httptools' C parser (
   disconnects cancels its request's task, which closes the upstream connection (the engine aborts).
   One loop timer per connection watches its current deadline (head, body, keep-alive idle), moved
   lazily: a request moves the deadline, not the timer.
+* Each request's answer (status line, head, chunked framing), :class:`~gateway.http.fast_response.ServerRequest`,
+  is in :mod:`gateway.http.fast_response`.
 * The engines' side, :class:`~gateway.http.fast_upstream.FastUpstream`, is in
   :mod:`gateway.http.fast_upstream`.
 
-The request logic is not here: both call :meth:`gateway.http.app.Gateway.handle`.
+The request logic is not here: both call :meth:`gateway.http.handler.Handler.handle`.
 """
 
 from __future__ import annotations
@@ -29,38 +31,29 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httptools
 
-from gateway.config import HEADER_TIMEOUT, MAX_CONNECTIONS
+from gateway.config import HEADER_TIMEOUT, MAX_CONNECTIONS, GatewayConfig
+from gateway.http.fast_response import ServerRequest, status_line
+from gateway.http.handler import Handler
 from gateway.http.parse import PROMPT_PATHS
 from gateway.http.transport import (
     GET_PATHS,
     RESET_PREFIX_CACHE,
     ExpectationFailedError,
-    HeaderLines,
     HeadersTooLargeError,
     MethodNotAllowedError,
     OverloadedError,
     RequestTimeoutError,
     UriTooLongError,
-    header_block,
     nodelay,
 )
 from gpuhit.errors import BadRequestError, GpuhitError
 
 _log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
-    from gateway.http.app import Gateway
-
-_REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
-            408: b"Request Timeout", 413: b"Payload Too Large", 414: b"URI Too Long", 417: b"Expectation Failed",
-            431: b"Request Header Fields Too Large", 500: b"Internal Server Error", 502: b"Bad Gateway",
-            503: b"Service Unavailable", 504: b"Gateway Timeout"}
 _PIPELINE_MAX = 8  # queued pipelined requests before the client's socket is paused
 # h11's / aiohttp's limits: the request line, the header block, the number of header fields.
 MAX_LINE = 8 * 1024
@@ -75,75 +68,7 @@ _TIMER_SLACK = 1e-3  # a timer this close to its deadline counts as on time (loo
 _OUT_MAX = 1 << 16  # stream bytes held for the end of the loop iteration before they are written at once
 
 
-def _status_line(status: int) -> bytes:
-    line = _STATUS_LINES.get(status)
-    return line if line is not None else b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Status"))
-
-
-_STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in _REASONS.items()}
-
-
 # ------------------------------------------------------------------------------------ server
-
-
-class _Request:
-    """One request on a ``_ServerConn`` and its answer: the
-    :class:`~gateway.http.transport.Downstream` the gateway's request logic writes to (one object
-    per request, not a request and a downstream)."""
-
-    __slots__ = ("body", "chunked", "conn", "head_only", "headers", "keep_alive", "method", "path", "query", "reject",
-                 "started")
-
-    def __init__(self, conn: _ServerConn, method: bytes, path: str, headers: dict[str, str], body: bytes,
-                 keep_alive: bool, reject: GpuhitError | None = None, http10: bool = False):
-        self.conn = conn
-        self.method = method
-        self.path = path
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-        self.reject = reject  # answer with this error, then close the connection
-        self.head_only = method == b"HEAD"  # a HEAD request: the GET answer's head, no body
-        self.started = False
-        # RFC 9112 7.1: no chunked transfer coding toward an HTTP/1.0 client; its stream is
-        # delimited by closing the connection instead.
-        self.chunked = not http10
-        self.query = ""  # "?..." when the URL had one (forwarded routes keep it)
-
-    def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
-        # The gateway's own headers come encoded (HeaderLines): their bytes, without two Python calls.
-        lines = headers.lines if type(headers) is HeaderLines else header_block(headers) if headers else b""
-        return b"%b%b%b%b\r\n" % (_status_line(status), extra, lines,
-                                   b"" if self.keep_alive else b"connection: close\r\n")
-
-    async def respond(self, status: int, headers: Mapping[str, str], body: bytes, content_type: str) -> None:
-        extra = b"content-type: %s\r\ncontent-length: %d\r\n" % (content_type.encode("latin-1"), len(body))
-        head = self._head(status, headers, extra)
-        self.conn.write(head if self.head_only else head + body)
-
-    # A stream's head, chunks and end are handed to the connection as they come and leave in one
-    # write per loop iteration (:meth:`_ServerConn.write_soon`): a short answer relayed from one
-    # upstream read goes out in one syscall instead of three.
-
-    async def start_stream(self, headers: Mapping[str, str]) -> None:
-        self.started = True
-        if self.chunked:
-            extra = b"content-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n"
-        else:
-            self.keep_alive = False  # the close ends the body
-            extra = b"content-type: text/event-stream\r\ncache-control: no-cache\r\n"
-        self.conn.write_soon(self._head(200, headers, extra))
-
-    async def write(self, data: bytes) -> None:
-        if data:
-            conn = self.conn
-            conn.write_soon(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
-            if conn.paused:
-                await conn.drain()
-
-    async def end(self) -> None:
-        if self.chunked:
-            self.conn.write_soon(b"0\r\n\r\n")
 
 
 class _ServerConn(asyncio.Protocol):
@@ -164,7 +89,7 @@ class _ServerConn(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self._drain: asyncio.Future | None = None
-        self._queue: deque[_Request] = deque()
+        self._queue: deque[ServerRequest] = deque()
         # The connection's one task: it answers the queued requests in order, then waits on
         # ``_wake`` for the next (a future per idle spell is cheaper than a task per request).
         self._task: asyncio.Task | None = None
@@ -207,7 +132,7 @@ class _ServerConn(asyncio.Protocol):
             err = OverloadedError(f"the gateway holds its limit of {server.max_connections} connections")
             status, data = self.gw.error_payload(err, "other")
             transport.write(b"%bcontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"  # type: ignore[attr-defined]
-                            % (_status_line(status), len(data), data))
+                            % (status_line(status), len(data), data))
             transport.close()
             return
         nodelay(transport)
@@ -401,7 +326,7 @@ class _ServerConn(asyncio.Protocol):
         self._disarm()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         p = self.parser
-        req = _Request(self, p.get_method(), self._path, self._headers, body, p.should_keep_alive(),
+        req = ServerRequest(self, p.get_method(), self._path, self._headers, body, p.should_keep_alive(),
                        http10=p.get_http_version() == "1.0")
         if self._query:
             req.query = self._query
@@ -415,9 +340,9 @@ class _ServerConn(asyncio.Protocol):
         self._stop_parsing = True
         self._disarm()
         path = self._path if not self._in_head else b"".join(self._url).split(b"?", 1)[0].decode("latin-1")
-        self._enqueue(_Request(self, b"", path or "-", self._headers, b"", False, reject=err))
+        self._enqueue(ServerRequest(self, b"", path or "-", self._headers, b"", False, reject=err))
 
-    def _enqueue(self, req: _Request) -> None:
+    def _enqueue(self, req: ServerRequest) -> None:
         self._queue.append(req)
         if self._task is None:
             self._task = self.server.loop.create_task(self._run())
@@ -464,7 +389,7 @@ class _ServerConn(asyncio.Protocol):
             self._task = None
             self._wake = None
 
-    async def _internal_error(self, req: _Request, exc: Exception) -> None:
+    async def _internal_error(self, req: ServerRequest, exc: Exception) -> None:
         """An unexpected exception while answering: logged with its traceback; the client gets a 500
         in vLLM's error shape when nothing was sent yet, and the connection is closed either way (a
         half-sent answer cannot be completed)."""
@@ -478,7 +403,7 @@ class _ServerConn(asyncio.Protocol):
                 await req.respond(status, {}, data, "application/json")
         self.close()
 
-    async def _dispatch(self, req: _Request) -> None:
+    async def _dispatch(self, req: ServerRequest) -> None:
         """Everything but a routed POST (which :meth:`_run` hands to the gateway directly)."""
         gw = self.gw
         method = req.method
@@ -572,11 +497,11 @@ class _ServerConn(asyncio.Protocol):
 
 
 class FastServer:
-    """The listening side of the fast transport for one :class:`~gateway.http.app.Gateway`:
+    """The listening side of the fast transport for one gateway (:class:`~gateway.http.handler.Handler`):
     limits and timeouts from its config (``max_body_bytes``, ``max_connections``,
     ``header_timeout``, ``body_timeout``, ``keepalive_timeout``)."""
 
-    def __init__(self, gw: Gateway, cfg: GatewayConfig):
+    def __init__(self, gw: Handler, cfg: GatewayConfig):
         self.gw = gw
         self.max_body_bytes = cfg.max_body_bytes
         self.max_connections: int = cfg.max_connections or MAX_CONNECTIONS  # (validate() fills them in)

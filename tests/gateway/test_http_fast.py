@@ -181,14 +181,15 @@ def test_a_streamed_answer_leaves_in_one_write_per_loop_iteration():
     a whole answer (respond) sends what is held first; past 64 KB held, bytes go at once; closing
     sends what is held before the close."""
     from gateway.config import GatewayConfig
-    from gateway.http.fast import FastServer, _Request, _ServerConn
+    from gateway.http.fast import FastServer, _ServerConn
+    from gateway.http.fast_response import ServerRequest
 
     async def main():
         server = FastServer(None, GatewayConfig())  # type: ignore[arg-type]  # no request reaches gw
         server.loop = asyncio.get_running_loop()
         conn = _ServerConn(server)
         t = conn.transport = _RecordingTransport()
-        down = _Request(conn, b"POST", "/v1/completions", {}, b"", keep_alive=True)
+        down = ServerRequest(conn, b"POST", "/v1/completions", {}, b"", keep_alive=True)
         await down.start_stream({"x-gpuhit-instance": "e0"})
         await down.write(b"data: 1\n\n")
         await down.write(b"data: [DONE]\n\n")
@@ -201,7 +202,7 @@ def test_a_streamed_answer_leaves_in_one_write_per_loop_iteration():
         assert data.endswith(b"\r\n9\r\ndata: 1\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
         # A whole answer after a stream's held end (pipelining): the end first, one write.
         await down.end()
-        await _Request(conn, b"POST", "/v1/completions", {}, b"", keep_alive=True).respond(200, {}, b"{}", "application/json")
+        await ServerRequest(conn, b"POST", "/v1/completions", {}, b"", keep_alive=True).respond(200, {}, b"{}", "application/json")
         assert t.writes[1] == b"0\r\n\r\nHTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
         await asyncio.sleep(0)
         assert len(t.writes) == 2  # nothing left held

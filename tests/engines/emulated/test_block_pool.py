@@ -4,7 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.emulated.block_pool import BlockPool, FreeBlockQueue
+from engines.emulated.block_ids import FreeBlockQueue
+from engines.emulated.block_pool import BlockPool
 from engines.kv_events import BlockRemoved, BlockStored
 
 

@@ -9,7 +9,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from engines.emulated.server import EmulatedServer, chat_template, simple_tokenize
+from engines.emulated.request_fields import chat_template, simple_tokenize
+from engines.emulated.server import EmulatedServer
 from engines.fake import FakeEngine, FakeTransferHub
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from engines.vllm.kv_events_zmq import KVEventPublisher, KVEventSubscriber
+from engines.vllm.kv_events_publisher import KVEventPublisher
+from engines.vllm.kv_events_zmq import KVEventSubscriber
 from tests.engines.vllm.test_kv_events_zmq import Collector, hashes, stored
 
 

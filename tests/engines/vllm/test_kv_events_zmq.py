@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from engines.vllm.kv_events_zmq import KVEventPublisher, KVEventSubscriber
+from engines.vllm.kv_events_publisher import KVEventPublisher
+from engines.vllm.kv_events_zmq import KVEventSubscriber
 
 
 def stored(h: int) -> KVEventBatch:
