@@ -32,6 +32,8 @@ import math
 import sys
 import traceback
 from collections.abc import Callable, Collection
+from itertools import islice
+from operator import indexOf
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -185,9 +187,13 @@ class _Replay:
         """Longest prefix of this turn's trace blocks already sent in its namespace, in tokens."""
         seen = self.seen.setdefault(s.namespace, set())
         ids = turn.hash_ids
-        # C-level passes, not a Python loop: prompts run to thousands of trace blocks
-        n = len(ids) if seen.issuperset(ids) else list(map(seen.__contains__, ids)).index(False)
-        seen.update(ids)
+        # C-level passes, not a Python loop: prompts run to thousands of trace blocks. indexOf stops
+        # at the first unseen id without building a list, and only the ids from there on can be new.
+        try:
+            n = indexOf(map(seen.__contains__, ids), False)
+        except ValueError:  # every id seen: nothing to add
+            return min(len(ids) * s.block_size, turn.input_length)
+        seen.update(islice(ids, n, None))
         return min(n * s.block_size, turn.input_length)
 
     # -- one request ----------------------------------------------------------------------------

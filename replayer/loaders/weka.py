@@ -24,6 +24,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from replayer.loaders._common import Problems, as_float, check_hash_ids, check_length, read_bytes
 from replayer.trace import Session, Turn
 
@@ -31,7 +33,9 @@ from replayer.trace import Session, Turn
 def load_weka(path: Path, problems: Problems) -> list[Session]:
     """Sessions of one WEKA conversation file (root first, then sub-agents in file order)."""
     try:
-        doc = json.loads(read_bytes(path))
+        # orjson: a conversation file parses ~2-3x faster than with json.loads (trace loading was a
+        # tenth of a run of the bundled slice); its JSONDecodeError is json's, with msg and lineno
+        doc = orjson.loads(read_bytes(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         problems.bad(f"bad JSON: {getattr(exc, 'msg', exc)}", path, getattr(exc, "lineno", None))
         return []
