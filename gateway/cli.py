@@ -232,6 +232,8 @@ def vllm_commands(
                               "(vLLM's workers bind ephemeral ports from 32768 up at start-up)")
     if cpu_bind is not None and (not cpu or len(cpu_bind) != instances):
         raise ConfigError(f"--cpu-bind needs --cpu and one core list per instance ({instances}), got {len(cpu_bind)}")
+    # A policy that sets vLLM's per-request priority needs the engines to schedule by it (vLLM
+    # refuses a non-zero priority under its default fcfs).
     sched = getattr(build(policy), "scheduling_policy", "fcfs")
     if hash_algo in ("xxhash", "xxhash_cbor") and hash_seed is None:
         raise ConfigError(f"--hash-algo {hash_algo} needs --hash-seed: without PYTHONHASHSEED vLLM seeds xxhash "
@@ -245,11 +247,6 @@ def vllm_commands(
     if kv_role not in KV_ROLES:
         raise ConfigError(f"--kv-role must be one of {KV_ROLES}, got {kv_role!r}")
     per_gpu = Counter(gpus)
-    from policies.registry import build
-
-    # A policy that sets vLLM's per-request priority needs the engines to schedule by it (vLLM
-    # refuses a non-zero priority under its default fcfs).
-    sched = getattr(build(policy), "scheduling_policy", "fcfs")
     lines = []
     for i, gpu in enumerate(gpus):
         events = {
@@ -283,8 +280,6 @@ def vllm_commands(
             argv += ["--kv-offloading-size", f"{cpu_offload_gib:g}", "--kv-offloading-backend", "native"]
         if otlp_traces_endpoint:
             argv += ["--otlp-traces-endpoint", otlp_traces_endpoint]
-        if sched != "fcfs":
-            argv += ["--scheduling-policy", sched]
         lines.append(" ".join(env + [shlex.quote(a) for a in argv]))
     gw = ["gpuhit", "serve", "--port", str(gateway_port), "--policy", policy, "--index", "precise",
           "--block-size", str(block_size), "--hash", hash_algo]

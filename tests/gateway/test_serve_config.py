@@ -100,6 +100,7 @@ def test_vllm_cmd_asks_for_priority_scheduling_when_the_policy_sets_priorities()
     assert "--scheduling-policy" not in vllm_commands(1, "m", policy="lpwl")[0]
     first = shlex.split(vllm_commands(1, "m", policy="lpwl_auto")[0])
     assert first[first.index("--scheduling-policy") + 1] == "priority"
+    assert first.count("--scheduling-policy") == 1
 
 
 def test_vllm_cmd_shared_gpu_splits_memory(capsys):
