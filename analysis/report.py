@@ -139,7 +139,8 @@ def _run_cell(key: str, v: Any) -> str:
     return str(v)
 
 
-def _img(path: str | os.PathLike[str]) -> str:
+def img_tag(path: str | os.PathLike[str]) -> str:
+    """A PNG embedded as an ``<img>`` (base64), so the report is one self-contained file."""
     data = base64.b64encode(pathlib.Path(path).read_bytes()).decode("ascii")
     return f"<img alt='{html.escape(pathlib.Path(path).name)}' src='data:image/png;base64,{data}'>"
 
@@ -159,14 +160,14 @@ def write_report(path: str | os.PathLike[str], *, title: str, comparison: Mappin
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
     parts += [f"<p class='headline'>{html.escape(line)}</p>" for line in headline]
     if answer_plot is not None:
-        parts.append(_img(answer_plot))
+        parts.append(img_tag(answer_plot))
     pct = round(comparison.get("level", 0.95) * 100)
     parts.append(f"<h2>Comparison (mean over seeds, [{pct}% t interval])</h2>")
     parts.append(comparison_html(comparison))
     parts.append(legend_html(comparison))
     parts.append(f"<pre>{html.escape(table_text)}</pre>")
     for p in plots:
-        parts.append(f"<h3>{html.escape(pathlib.Path(p).stem.replace('_', ' '))}</h3>" + _img(p))
+        parts.append(f"<h3>{html.escape(pathlib.Path(p).stem.replace('_', ' '))}</h3>" + img_tag(p))
     if meta:
         parts.append("<details><summary>Run parameters</summary><dl>"
                      + "".join(f"<dt><b>{html.escape(str(k))}</b></dt><dd>{html.escape(_value(v))}</dd>"

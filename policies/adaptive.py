@@ -58,6 +58,7 @@ from typing import Any
 
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
 from policies.registry import register
+from policies.resident import session_priority
 from policies.snapshot import FORWARD, Decision, InstanceState, Snapshot
 
 PRIORITIES = ("aged", "session_start", "none")
@@ -106,8 +107,7 @@ class LPWLAuto:
         if self.priority == "none":
             return None
         if self.priority == "session_start":
-            t = snapshot.session_started_at
-            return round(1000.0 * (snapshot.now if t is None else t))
+            return session_priority(snapshot)
         return aged_priority(snapshot, self.aging)
 
     def decide(self, snapshot: Snapshot) -> Decision:

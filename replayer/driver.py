@@ -32,9 +32,9 @@ import math
 import sys
 import traceback
 from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from itertools import islice
 from operator import indexOf
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpuhit.errors import ConfigError, GpuhitError

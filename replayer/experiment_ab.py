@@ -320,9 +320,7 @@ def write_ab_report(path: pathlib.Path, *, knee: Mapping[str, Any], comparisons:
                     command: str) -> pathlib.Path:
     """One self-contained HTML report: the sweep and knee rule, then each comparison point with its
     tables, legend and plots (embedded)."""
-    import base64
-
-    from analysis.report import _CSS, comparison_html, legend_html
+    from analysis.report import _CSS, comparison_html, img_tag, legend_html
 
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>gpuhit experiment ab</title>",
              f"<style>{_CSS}</style></head><body><h1>gpuhit experiment ab</h1>",
@@ -343,9 +341,7 @@ def write_ab_report(path: pathlib.Path, *, knee: Mapping[str, Any], comparisons:
         if c.get("fairness"):
             parts.append(f"<pre>{html.escape(c['fairness'])}</pre>")
         for png in sorted(pathlib.Path(c["folder"]).glob("*.png")):
-            data = base64.b64encode(png.read_bytes()).decode("ascii")
-            parts.append(f"<h3>{html.escape(png.stem.replace('_', ' '))}</h3>"
-                         f"<img alt='{html.escape(png.name)}' src='data:image/png;base64,{data}'>")
+            parts.append(f"<h3>{html.escape(png.stem.replace('_', ' '))}</h3>" + img_tag(png))
     parts.append("</body></html>")
     path.write_text("\n".join(parts), encoding="utf-8")
     return path

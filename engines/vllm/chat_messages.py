@@ -61,11 +61,16 @@ def _part_text(part: Any) -> str | None:
     return text
 
 
+def is_billing(text: Any) -> bool:
+    """Whether ``text`` is Claude Code's billing header block, which vLLM leaves out of the prompt."""
+    return isinstance(text, str) and text.startswith(BILLING_HEADER)
+
+
 def _strip_billing(parts: list[Any]) -> list[Any]:
     out = []
     for part in parts:
         text = part if isinstance(part, str) else part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else None
-        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
+        if not is_billing(text):
             out.append(part)
             continue
         rest = text.partition("\n")[2]

@@ -11,18 +11,14 @@ from typing import Any
 import aiohttp
 import orjson
 
-from engines.kv_events import AllBlocksCleared, KVEventBatch
 from engines.vllm.client import VLLMEngine
 from gateway.hash_check import HashVerifier
 from gateway.http.forward_breakers import Breakers
-from gateway.http.kv_streams import KVStreams
+from gateway.http.kv_streams import CLEARED, KVStreams
 from gateway.http.parse import Prompts
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router
-
-# What the precise index is told when an engine's prefix cache is known to be empty.
-CLEARED = KVEventBatch(ts=0.0, events=(AllBlocksCleared(),))
 
 
 class Admin:

@@ -21,7 +21,8 @@ from gpuhit.errors import EngineError
 log = logging.getLogger(__name__)
 
 TOTALS = ("batches", "connections", "protocol_errors", "replays_failed", "restarts")
-_CLEARED = KVEventBatch(ts=0.0, events=(AllBlocksCleared(),))
+# What the precise index is told when an engine's prefix cache is known to be empty.
+CLEARED = KVEventBatch(ts=0.0, events=(AllBlocksCleared(),))
 
 
 class KVStreams:
@@ -40,7 +41,7 @@ class KVStreams:
         for sub in eng.subscribers:
             await sub.close()
         eng.subscribers.clear()
-        self.router.index.on_kv_event(i, _CLEARED)
+        self.router.index.on_kv_event(i, CLEARED)
         try:
             await eng._subscribe()
         except EngineError as exc:

@@ -30,7 +30,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from engines.vllm.chat_messages import BILLING_HEADER, NotExact
+from engines.vllm.chat_messages import NotExact, is_billing
 from engines.vllm.dialects.shapes import bad, check_list, check_str
 
 _BLOCK_TYPES = {"text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking",
@@ -93,7 +93,7 @@ def _system(body: Mapping[str, Any], messages: list[Any], out: list[dict[str, An
             if not isinstance(b, Mapping) or b.get("type") not in _BLOCK_TYPES:
                 raise bad("system must be a string or a list of text blocks", "system")
             text = b.get("text")
-            if b["type"] == "text" and text and not _billing(text):
+            if b["type"] == "text" and text and not is_billing(text):
                 parts.append(check_str(text, "system"))
     elif system is not None:
         raise bad("system must be a string or a list of text blocks", "system")
@@ -103,15 +103,11 @@ def _system(body: Mapping[str, Any], messages: list[Any], out: list[dict[str, An
         out.append({"role": "system", "content": "".join(parts)})
 
 
-def _billing(text: Any) -> bool:
-    return isinstance(text, str) and text.startswith(BILLING_HEADER)
-
-
 def _system_text(m: Mapping[str, Any]) -> str | None:
     content = m["content"]
     if isinstance(content, str):
-        return None if _billing(content) else content
-    parts = [b["text"] for b in content if b["type"] == "text" and b.get("text") and not _billing(b["text"])]
+        return None if is_billing(content) else content
+    parts = [b["text"] for b in content if b["type"] == "text" and b.get("text") and not is_billing(b["text"])]
     return "".join(parts) if parts else None
 
 
