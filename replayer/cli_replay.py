@@ -65,11 +65,12 @@ from replayer.replay_options import (
     COMPARE_SEEDS,
     DEFAULT_MAX_THINK,
     DEFAULT_SESSION_RATE,
+    add_replay_arguments,
     arrival_options,
     load_replay_trace,
     parse_seeds,
 )
-from replayer.replicas import LB_MODES, SHARE_MODES, ReplicaConfig
+from replayer.replicas import ReplicaConfig
 from replayer.runs import clear_synths, jsonable, policy_type, run_name, start_folder
 
 DEFAULT_INSTANCES = 8
@@ -95,85 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Claude Code slice on 8 instances under every policy."
         ),
     )
-    p.add_argument("--trace", action="append", metavar="PATH", default=None,
-                   help="trace file or folder (repeatable; default: the bundled WEKA slice)")
-    p.add_argument("--format", default=None, help="force the trace format (default: detect)")
-    p.add_argument("--policies", default=None, metavar="A,B,C|FILE",
-                   help="comma-separated policy names, or a JSON/TOML file of {name, type, params} entries "
-                        f"(default: {','.join(DEMO_POLICIES)}; --all-policies: every registered one)")
-    p.add_argument("--all-policies", action="store_true",
-                   help="compare every registered policy (pd_disagg as an even P/D split) instead of the default set")
-    p.add_argument("--reference", default=None, metavar="NAME",
-                   help="the policy every paired difference is taken against (default: lpwl_auto when "
-                        "compared without --policies, else the first policy)")
-    p.add_argument("--full-table", action="store_true",
-                   help="print every column with its legend, the per-instance routing and each run's timing "
-                        "(default: the headline and a short table; the files always hold everything)")
-    p.add_argument("--instances", type=int, default=DEFAULT_INSTANCES, help="emulated instances (default 8)")
-    p.add_argument("--profile", default=None, help="emulated engine profile (default qwen3-coder-30b-a3b@h20)")
-    p.add_argument("--arrival", choices=("trace", "poisson", "concurrent"), default=None,
-                   help="session starts: trace timestamps, Poisson at --session-rate, or a fixed "
-                        "population --sessions-concurrent (default: trace if the trace spreads its "
-                        "sessions in time, else poisson)")
-    p.add_argument("--session-rate", type=float, default=None, metavar="R",
-                   help=f"Poisson session arrivals per second (default {DEFAULT_SESSION_RATE:.4g})")
-    p.add_argument("--sessions-concurrent", type=int, default=None, metavar="N",
-                   help="fixed population of concurrent sessions")
-    p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
-                   help="multiply trace arrival gaps and think times by X (default 1)")
-    p.add_argument("--think-scale", type=float, default=None, metavar="X",
-                   help="multiply think times by X (default: --time-scale)")
-    p.add_argument("--max-think", default=str(DEFAULT_MAX_THINK), metavar="S",
-                   help=f"cap each think time at S seconds ('inf' = no cap; default {DEFAULT_MAX_THINK:g})")
-    seeds = p.add_mutually_exclusive_group()
-    seeds.add_argument("--seeds", default=None, metavar="0,1,2",
-                       help=f"seeds to run (default: 0..{COMPARE_SEEDS - 1} when comparing several policies, "
-                            "else 0)")
-    seeds.add_argument("--num-seeds", type=int, default=None, metavar="K", help="run seeds 0..K-1")
-    p.add_argument("--out", default=None, metavar="DIR", help="results folder (default results/<UTC timestamp>)")
-    p.add_argument("--resume", default=None, metavar="DIR",
-                   help="finish an interrupted simulated replay in DIR with the options it was started with "
-                        "(runs already saved there are kept, not redone; an unfinished run starts over)")
-    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    p.add_argument("--open-loop", action="store_true", help="send turns at recorded offsets (comparison only)")
-    p.add_argument("--max-requests", type=int, default=None, metavar="N", help="stop sending after N requests per run")
-    p.add_argument("--max-sessions", type=int, default=None, metavar="N", help="replay only the first N root sessions")
-    p.add_argument("--pd", action="append", default=[], metavar="6P+2D",
-                   help="add a pd_disagg run with these prefill/decode pools (repeatable)")
-    p.add_argument("--block-size", type=int, default=16, metavar="N",
-                   help="KV block size of the emulated engines and the router (default 16, vLLM's; "
-                        "larger is faster to simulate, coarser in prefix hits)")
-    p.add_argument("--index", choices=("precise", "approximate"), default="precise",
-                   help="router KV index: precise (KV events) or approximate (routing history)")
-    p.add_argument("--jobs", type=int, default=None, metavar="J",
-                   help="parallel worker processes (default: min(2, CPU cores, runs))")
-    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                   help="run each (policy, seed) as a Ray task: on the cluster at ADDRESS (ray://HOST:10001, "
-                        "HOST:6379 or auto), or on a local Ray started for this replay when no ADDRESS is given "
-                        "(needs the ray extra; records are identical to the local pool's)")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots and the HTML report's images")
-    p.add_argument("--progress", action="store_true", help="show the progress line even when stderr is not a TTY")
-    p.add_argument("--gateway", default=None, metavar="URL",
-                   help="live mode: replay against a running gpuhit gateway at URL instead of simulating")
-    p.add_argument("--api", choices=("completions", "chat", "messages", "responses"), default="completions",
-                   help="live mode: the API each turn is sent through: completions (token ids, the default), chat, "
-                        "messages (Anthropic) or responses (OpenAI); the text APIs send the turns as a conversation")
-    p.add_argument("--gpu-util", action="append", default=[], metavar="NAME=SPEC",
-                   help="live mode: where engine NAME's GPU utilization comes from: busy:URL (the emulator's "
-                        "busy-seconds counter at URL/metrics), dcgm:URL[#gpu=N] or nvml:N (needs the nvml extra); "
-                        "default busy:URL for every engine the gateway's /debug/state lists")
-    p.add_argument("--util-interval", type=float, default=1.0, metavar="S",
-                   help="live mode: seconds between GPU utilization samples (default 1)")
-    # -- simulated gateway replicas (replayer/replicas.py)
-    p.add_argument("--gateway-replicas", type=int, default=1, metavar="K",
-                   help="simulate K gateway replicas, each with its own counters and bindings (default 1)")
-    p.add_argument("--share", choices=SHARE_MODES, default="none",
-                   help="what the replicas share besides the KV index: none, or decisions (counters and bindings, "
-                        "as gpuhit serve --share redis://...)")
-    p.add_argument("--share-delay", type=float, default=0.0, metavar="S",
-                   help="with --share decisions: seconds a replica's change takes to reach the others (default 0)")
-    p.add_argument("--replica-lb", choices=LB_MODES, default="sticky",
-                   help="how requests reach replicas: sticky (a session stays on one, by hash) or random (per request)")
+    add_replay_arguments(p, DEMO_POLICIES, DEFAULT_INSTANCES)
     p.set_defaults(func=main)
 
 
