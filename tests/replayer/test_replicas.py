@@ -107,7 +107,8 @@ def test_bad_replica_options_are_clear_errors():
 def test_sweep_replicas_axis_and_preset():
     import argparse
 
-    from replayer.cli_sweep import PRESETS, grid
+    from replayer.cli_sweep import PRESETS
+    from replayer.sweep_grid import grid
 
     ns = argparse.Namespace(rates="0.008", kv_gib=None, zipf=None, replicas="1,4")
     pts = grid(ns)

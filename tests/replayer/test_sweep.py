@@ -10,7 +10,8 @@ import pytest
 
 from gpuhit.errors import ConfigError
 from replayer.cli import main
-from replayer.cli_sweep import PRESETS, Point, grid, migrate_policies, zipf_resample
+from replayer.cli_sweep import PRESETS
+from replayer.sweep_grid import Point, grid, migrate_policies, zipf_resample
 from replayer.trace import Session, Trace, Turn
 
 SMALL = ["sweep", "--policies", "lpwl,lmetric", "--seeds", "2", "--max-sessions", "1", "--max-requests", "20"]
