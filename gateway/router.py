@@ -9,7 +9,8 @@ Two ways to carry a decision out:
 * :meth:`Router.begin` returns a :class:`~gateway.ticket.Ticket` for the live HTTP proxy, which streams bytes itself
   and reports back with ``ticket.first_token()`` / ``ticket.finish(...)`` (and, for the KV-moving
   actions, ``ticket.producer_request()`` / ``ticket.producer_done(result)``).
-* :meth:`Router.submit` does everything in-process (simulation): begin, act, finish.
+* :meth:`Router.submit` does everything in-process (simulation): begin, act, finish
+  (:mod:`gateway.inprocess`).
 
 Actions that move KV (MIGRATE, FETCH, PD) use vLLM's KV-connector two-step, so one protocol serves
 emulated and real engines: (1) a producer request on ``decision.source`` with ``max_tokens = 1`` and
@@ -28,17 +29,16 @@ re-summed. Time comes only from the injected ``clock`` or the running loop's ``t
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
-from engines.base import EngineClient, EngineStats, GenerateResult, max_cached_tokens
+from engines.base import EngineClient, EngineStats, max_cached_tokens
 from engines.kv_events import KVEventBatch
 from gateway.bindings import SessionBindings
+from gateway.inprocess import RoutedResult, accepts_on_progress, run_routed
 from gateway.kv_index import KVIndex
 from gateway.residency import SessionResidency
 from gateway.ticket import RouteRecord, RouteRequest, RouterStats, Ticket
@@ -58,21 +58,6 @@ from policies.snapshot import (
 ROLES = ("both", "prefill", "decode")
 DEFAULT_KV_BYTES_PER_TOKEN = 98304
 _NO_STATS = EngineStats()  # what a snapshot shows of engines whose stats are not used
-
-
-@dataclass(slots=True)
-class RoutedResult:
-    """Outcome of :meth:`Router.submit`."""
-
-    decision: Decision
-    result: GenerateResult  # the step that produced the client's tokens
-    instance: str  # name of the instance that produced them
-    predicted_hit_tokens: int
-    migrated: bool = False
-    fetched: bool = False
-    pd: bool = False
-    fallback: bool = False  # a KV-moving action whose producer failed: recomputed on the target
-    producer: GenerateResult | None = None
 
 
 class Router:
@@ -150,7 +135,7 @@ class Router:
         self._consecutive_errors = [0] * n
         self._seq = itertools.count()
         self._xfer = itertools.count()
-        self._progress_ok = [self._accepts_on_progress(e) for e in engines]
+        self._progress_ok = [accepts_on_progress(e) for e in engines]
         # engines that may hold KV events back (an emulated engine inside a decode jump) and
         # publish what is due when asked: asked before every index read, so decisions see them
         self._flushers = [f for f in (getattr(e, "flush_kv_events", None) for e in engines) if callable(f)]
@@ -158,13 +143,6 @@ class Router:
             eng.subscribe_kv_events(self._kv_callback(i))
 
     # -- plumbing ----------------------------------------------------------------------------------
-
-    @staticmethod
-    def _accepts_on_progress(engine: EngineClient) -> bool:
-        try:
-            return "on_progress" in inspect.signature(engine.generate).parameters
-        except (TypeError, ValueError):
-            return False
 
     def _kv_callback(self, i: int) -> Callable[[KVEventBatch], None]:
         index = self.index
@@ -341,43 +319,28 @@ class Router:
 
     def _begin(self, req: RouteRequest, snap: Snapshot, d: Decision) -> Ticket:
         t = Ticket(self, req, d)
-        bs = self.block_size
-        cap = max_cached_tokens(req.prompt_len, bs)
         tgt, src = d.target, d.source
         inst = snap.instances
-        nblocks = len(req.block_hashes)
         if d.action == FORWARD:
             hit_blocks = inst[tgt].gpu_hit_blocks
         elif d.action == PD:
-            hit_blocks = nblocks
+            hit_blocks = len(req.block_hashes)
         else:
             assert src is not None
             # The producer computes the whole prompt (what it does not hold yet) and the target
             # imports all of it, as for PD; the source's cached prefix only makes that step cheaper.
             t.producer_prefix_blocks = inst[src].gpu_hit_blocks
-            hit_blocks = nblocks
+            hit_blocks = len(req.block_hashes)
             if t.producer_prefix_blocks == 0:  # nothing to move: policies should not ask for this
                 raise ConfigError(
                     f"policy {self.policy_name!r}: {d.action} from instance {src}, which holds no prefix of "
                     f"request {req.request_id}"
                 )
-        t.predicted_hit_tokens = min(hit_blocks * bs, cap)
-        t._pending = req.prompt_len - t.predicted_hit_tokens
-        t._blocks = -(-(req.prompt_len + req.max_tokens) // bs)
-        self._in_flight[tgt] += 1
-        self._routed[tgt] += 1
-        self._pending[tgt] += t._pending
-        self._active_blocks[tgt] += t._blocks
-        if d.action != FORWARD:
+        if d.action == FORWARD:
+            t.open(hit_blocks, self.block_size)
+        else:
             assert src is not None
-            t.transfer_id = f"gpuhit-{next(self._xfer)}-{req.request_id}"
-            t._prod_pending = req.prompt_len - min(inst[src].gpu_hit_blocks * bs, cap)
-            t._prod_blocks = -(-(req.prompt_len + 1) // bs)
-            t._prod_open = True
-            self._in_flight[src] += 1
-            self._routed[src] += 1
-            self._pending[src] += t._prod_pending
-            self._active_blocks[src] += t._prod_blocks
+            t.open(hit_blocks, self.block_size, inst[src].gpu_hit_blocks, f"gpuhit-{next(self._xfer)}-{req.request_id}")
         # Knowledge updates.
         st = self.stats
         st.decisions += 1
@@ -417,51 +380,9 @@ class Router:
         return t
 
     async def submit(self, req: RouteRequest) -> RoutedResult:
-        """Route and run ``req`` in-process: begin -> (producer step) -> target -> finish."""
-        t = self.begin(req)
-        producer: GenerateResult | None = None
-        try:
-            params = None
-            if t.needs_producer:
-                assert t.source is not None
-                try:
-                    producer = await self.engines[t.source].generate(t.producer_request())
-                except Exception as exc:  # noqa: BLE001 - engines return errors; a raising one must not leak counters
-                    t.producer_done(None, f"{type(exc).__name__}: {exc}")
-                else:
-                    params = t.producer_done(producer)
-            result = await self._run_target(t, params)
-        except BaseException as exc:
-            t.finish(None, f"{type(exc).__name__}: {exc}")
-            raise
-        t.finish(result)
-        return RoutedResult(
-            decision=t.decision,
-            result=result,
-            instance=self.names[t.target],
-            predicted_hit_tokens=t.predicted_hit_tokens,
-            migrated=t.action == MIGRATE and not t.fallback,
-            fetched=t.action == FETCH and not t.fallback,
-            pd=t.action == PD and not t.fallback,
-            fallback=t.fallback,
-            producer=producer,
-        )
-
-    async def _run_target(self, t: Ticket, params: Mapping[str, Any] | None) -> GenerateResult:
-        eng = self.engines[t.target]
-        greq = t.consumer_request(params)
-        if self._progress_ok[t.target]:
-
-            def on_progress(n: int) -> None:
-                if n >= 1:
-                    t.first_token()
-
-            result = await eng.generate(greq, on_progress=on_progress)  # type: ignore[call-arg]
-        else:
-            result = await eng.generate(greq)
-        if result.ok:
-            t.first_token()  # engines without progress reports: first token known only at the end
-        return result
+        """Route and run ``req`` in-process: begin -> (producer step) -> target -> finish
+        (:func:`gateway.inprocess.run_routed`)."""
+        return await run_routed(self, req, self._progress_ok)
 
     # -- introspection -----------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """A routed request's records and its ticket: what :class:`gateway.router.Router` is asked
 (:class:`RouteRequest`), what it logs (:class:`RouteRecord`), its running totals
-(:class:`RouterStats`), and the :class:`Ticket` that carries one decision through the KV two-step's
-producer step, the first token and the finish, keeping the router's running counters (in flight,
-pending prefill, decode slots, active blocks) exact. A ticket is the router's own accounting: it
-updates the router's counters directly, through the :class:`Counters` it is given.
+(:class:`RouterStats`), and the :class:`Ticket` that carries one decision from its opening
+(:meth:`Ticket.open`) through the KV two-step's producer step, the first token and the finish,
+keeping the router's running counters (in flight, routed, pending prefill, decode slots, active
+blocks) exact. A ticket is the router's own accounting: it updates the router's counters directly,
+through the :class:`Counters` it is given, and both the opening and the settling live here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from engines.base import GenerateRequest, GenerateResult
+from engines.base import GenerateRequest, GenerateResult, max_cached_tokens
 from gateway.residency import SessionResidency
 from gpuhit.errors import ConfigError
 from policies.snapshot import FORWARD, Decision
@@ -106,6 +107,7 @@ class Counters(Protocol):
     kv_bytes_per_token: int
     now: Callable[[], float]
     _in_flight: list[int]
+    _routed: list[int]
     _pending: list[int]
     _decode: list[int]
     _active_blocks: list[int]
@@ -159,6 +161,33 @@ class Ticket:
         self._prod_open = False
         self._first = False
         self._done = False
+
+    def open(self, hit_blocks: int, block_size: int, source_hit_blocks: int = 0,
+             transfer_id: str | None = None) -> None:
+        """Account the decision as routed: the target (and, with a ``transfer_id``, the producer
+        step on the source) gets the request in flight, its prefill not served from cache
+        (``hit_blocks`` on the target, ``source_hit_blocks`` on the source) and the blocks it will
+        hold. :meth:`producer_done`, :meth:`first_token` and :meth:`finish` take them back."""
+        r, req, tgt = self.router, self.request, self.target
+        cap = max_cached_tokens(req.prompt_len, block_size)
+        self.predicted_hit_tokens = min(hit_blocks * block_size, cap)
+        self._pending = req.prompt_len - self.predicted_hit_tokens
+        self._blocks = -(-(req.prompt_len + req.max_tokens) // block_size)
+        r._in_flight[tgt] += 1
+        r._routed[tgt] += 1
+        r._pending[tgt] += self._pending
+        r._active_blocks[tgt] += self._blocks
+        if transfer_id is not None:
+            src = self.source
+            assert src is not None
+            self.transfer_id = transfer_id
+            self._prod_pending = req.prompt_len - min(source_hit_blocks * block_size, cap)
+            self._prod_blocks = -(-(req.prompt_len + 1) // block_size)
+            self._prod_open = True
+            r._in_flight[src] += 1
+            r._routed[src] += 1
+            r._pending[src] += self._prod_pending
+            r._active_blocks[src] += self._prod_blocks
 
     # -- the KV-moving two-step (MIGRATE / FETCH / PD) ---------------------------------------------
 
