@@ -162,7 +162,7 @@ def api_key(flag: str | None, path: str | None, env: Mapping[str, str], configur
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway import config as gcfg
-    from gateway.http.app import run
+    from gateway.http.serve import run
 
     cfg = gcfg.load(args.config) if args.config else gcfg.GatewayConfig()
     cfg = gcfg.with_overrides(

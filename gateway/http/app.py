@@ -1,6 +1,8 @@
-"""``gpuhit serve``: the OpenAI-compatible, KV-aware HTTP gateway (on uvloop).
+"""``gpuhit serve``: the OpenAI-compatible, KV-aware HTTP gateway (on uvloop; the command's process
+in :mod:`gateway.http.serve`).
 
-:class:`Gateway` starts, stops and wires the parts of one request pipeline
+:class:`Gateway` learns what its engines serve (:mod:`gateway.http.engine_discovery`), then starts,
+stops and wires the parts of one request pipeline
 (:mod:`gateway.http.pipeline`: parse -> route -> forward -> settle):
 
 * :class:`~gateway.http.parse.RequestParser`: each prompt dialect's parse into a
@@ -36,9 +38,8 @@ itself, which the gateway sees as a realized hit at least a block short of the p
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -53,6 +54,7 @@ from gateway.dialects.history import ResponseHistory
 from gateway.hash_check import HashVerifier
 from gateway.http.admin import Admin
 from gateway.http.agentic import Messages, Responses, anthropic_error_body
+from gateway.http.engine_discovery import agreed_block_size, discovered_tokenizer, first_scrape
 from gateway.http.forward import Forwarder
 from gateway.http.forward_breakers import Breakers
 from gateway.http.forward_deadlines import Deadlines
@@ -68,9 +70,9 @@ from gateway.http.transport import MESSAGES, AioUpstream, Downstream, Upstream
 from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router
-from gateway.tokenizer import PromptTokenizer, discover
-from gpuhit import speedups, tracing
-from gpuhit.errors import ConfigError, EngineError, GpuhitError
+from gateway.tokenizer import PromptTokenizer
+from gpuhit import speedups
+from gpuhit.errors import ConfigError
 from policies import registry
 
 log = logging.getLogger(__name__)
@@ -218,10 +220,12 @@ class Gateway:
         model = self.model
         for eng in self.engines:
             eng.model = model
-        roots = await asyncio.gather(*(self._first_scrape(e) for e in self.engines))
-        self._settle_block_size()
+        seen = await asyncio.gather(*(first_scrape(e, self.probe_session) for e in self.engines))
+        self.max_model_len = min((s.max_model_len for s in seen if s.max_model_len is not None), default=None)
+        self.engine_cards = [c for s in seen for c in s.cards]  # the gateway's /v1/models merges them
+        self._cut_hashes_at(agreed_block_size(self.engines, cfg.block_size))
         if self.tokenizer is None:
-            self.tokenizer = _discovered_tokenizer(roots)
+            self.tokenizer = discovered_tokenizer([s.root for s in seen])
         router = self.router = self._build_router()
         names = [e.name for e in self.engines]
         metrics = self.metrics
@@ -291,45 +295,13 @@ class Gateway:
         router.bindings = SessionBindings(cfg.max_sessions)
         return router
 
-    def _settle_block_size(self) -> None:
-        """The block size hashes are cut at: the engines' (``vllm:cache_config_info``), which must agree
-        with each other and with ``--block-size`` when that is given."""
-        reported = {e.name: e.stats().block_size for e in self.engines if e.stats().block_size}
-        sizes = set(reported.values())
-        if len(sizes) > 1:
-            raise ConfigError(f"the engines report different KV block sizes {reported}; one gateway needs one size")
-        want = self.cfg.block_size
-        if want and sizes and want not in sizes:
-            raise ConfigError(f"--block-size {want} but the engines report block size {sizes.pop()} "
-                              f"(vllm:cache_config_info): every predicted hit would be wrong")
-        size = want or (sizes.pop() if sizes else None)
-        if size is None:
-            raise ConfigError("the engines do not report their KV block size (no vllm:cache_config_info in /metrics): "
-                              "give --block-size")
+    def _cut_hashes_at(self, size: int) -> None:
+        """Hash prompts in blocks of ``size`` (the hasher built in ``__init__`` assumed the
+        configured size or vLLM's default)."""
         if size != self.hasher.block_size:
             self.hasher = BlockHasher(size, self.cfg.hash, self.cfg.hash_seed, accel=self.accel)
             self.hash_cache = SessionHashCache(self.hasher)
         self.block_size = size
-
-    async def _first_scrape(self, eng: VLLMEngine) -> str | None:
-        """Metrics (stats, block size) and the model card (max_model_len); returns the card's ``root``."""
-        try:
-            await eng.scraper.scrape_once()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise EngineError(f"engine {eng.name} at {eng.base_url}: /metrics not reachable: {exc}") from None
-        mm = root = None
-        try:
-            async with self.probe_session.get(eng.base_url + "/v1/models") as r:  # type: ignore[union-attr]
-                cards = (await r.json(content_type=None))["data"]
-                card = cards[0]
-                mm, root = card.get("max_model_len"), card.get("root")
-                # the gateway's /v1/models merges every engine's cards (its model, their adapters)
-                self.engine_cards.extend(c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str))
-        except (aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError):
-            pass
-        if isinstance(mm, int) and (self.max_model_len is None or mm < self.max_model_len):
-            self.max_model_len = mm
-        return root if isinstance(root, str) else None
 
     async def close(self) -> None:
         if self._closed:
@@ -378,58 +350,3 @@ class Gateway:
         return self.admin.debug_state()
 
 
-def _discovered_tokenizer(roots: Sequence[str | None]) -> PromptTokenizer | None:
-    """The engines' own tokenizer (their model cards' ``root`` folders), when one is found and
-    usable; else None (text and chat prompts are then routed by an approximate hash)."""
-    found = discover(roots)
-    if found is None:
-        return None
-    try:
-        tok = PromptTokenizer(found)
-    except GpuhitError as exc:
-        log.warning("the engines' tokenizer at %s is not usable (%s): text and chat prompts are routed by "
-                    "an approximate hash", found, exc)
-        return None
-    log.info("text and chat prompts tokenized with the engines' tokenizer at %s", found)
-    return tok
-
-async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
-    """Run the gateway until SIGINT/SIGTERM (used by ``gpuhit serve``)."""
-    tracer = tracing.setup("gpuhit-gateway", cfg.otel)
-    gw = Gateway(cfg, tracer)
-    try:
-        port = await gw.listen()
-        # What exists now lives as long as the gateway: modules, the router, the KV index's sets of
-        # block hashes. Out of the cyclic GC's reach, a full collection no longer walks every hash
-        # an engine holds (hundreds of thousands: ~1.5% of a new 2k-token prompt's instructions
-        # went to set_traverse) and scales with what requests leave behind instead.
-        gc.freeze()
-        print(f"gpuhit serve: listening on http://{cfg.host}:{port} ({len(cfg.engines)} engines, policy "
-              f"{gw.policy_name}, {cfg.index} index, {cfg.transport} transport"
-              f"{', C speedups' if gw.accel is not None else ''})", flush=True)
-        if ready is not None:
-            ready.set()
-        await _until_signalled()
-    finally:
-        await gw.shutdown()
-        tracing.shutdown()
-
-
-def run(cfg: GatewayConfig) -> None:
-    from gpuhit.vtime import run_live
-
-    try:
-        run_live(serve(cfg))
-    except KeyboardInterrupt:
-        pass
-
-
-async def _until_signalled() -> None:
-    """Wait for SIGINT/SIGTERM (Ctrl-C, kill): a clean shutdown, whatever the loop implementation."""
-    import signal
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
