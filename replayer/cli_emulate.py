@@ -37,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a model directory whose tokenizer.json (and chat template) tokenizes text and chat "
                         "prompts as vLLM serving it does (default: a stand-in word hash)")
+    p.add_argument("--no-c-speedups", dest="c_speedups", action="store_false",
+                   help="hash prompts with the pure-Python reference even when the C speedups are built "
+                        "(make compile); the hashes are the same either way")
     p.add_argument("--otel", action="store_true", default=None,
                    help="export llm_request spans over OTLP/HTTP (OTEL_EXPORTER_OTLP_* variables)")
     p.set_defaults(func=_run)
@@ -65,7 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     from engines.emulated.hf_tokenizer import HFTokenizer
     from engines.emulated.server import EmulatedServer
-    from gpuhit import tracing
+    from gpuhit import speedups, tracing
 
     tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else None
     engine = build_engine(args)
@@ -80,7 +83,8 @@ async def serve(args: argparse.Namespace) -> None:
     srv = EmulatedServer(engine, model=args.model or engine.model_name, kv_events_endpoint=pub,
                          kv_replay_endpoint=replay, advertise_host=args.host, max_model_len=engine.max_model_len,
                          kv_event_shape=args.kv_event_shape, tracer=tracer, tokenizer=tokenizer,
-                         root=args.tokenizer, wall_clock=time.time)  # `created` is Unix time, as vLLM's
+                         root=args.tokenizer, wall_clock=time.time,  # `created` is Unix time, as vLLM's
+                         accel=speedups.load() if args.c_speedups else None)
     port = await srv.start(args.host, args.port)
     src = srv._sources["0"]["endpoint"] if srv._sources else "off"
     print(f"gpuhit emulate: {engine.name} serving {srv.model} on http://{args.host}:{port} (KV events {src})",

@@ -33,6 +33,7 @@ from aiohttp import web
 
 from engines.base import GenerateRequest, GenerateResult
 from engines.emulated.responses import cached_tokens
+from engines.emulated.token_stream import Progress, relay_tokens
 from engines.vllm import protocol
 from engines.vllm.chat_messages import NotExact
 from engines.vllm.dialects import anthropic, responses
@@ -44,12 +45,11 @@ STORE_MAX = 4096  # stored responses kept per server (oldest dropped first)
 class DialectRoutes:
     """Messages and Responses routes over one :class:`~engines.emulated.server.EmulatedServer`
     (``server``), which hands over what it shares with its chat route: the text of a generated
-    token, its progress counter type and its chat tokenization (``chat_ids``)."""
+    token and its chat tokenization (``chat_ids``)."""
 
-    def __init__(self, server: Any, token_text: str, progress: Any, chat_ids: Any):
+    def __init__(self, server: Any, token_text: str, chat_ids: Any):
         self.server = server
         self.token_text = token_text
-        self._progress = progress
         self._chat_ids = chat_ids
         self.stored: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
 
@@ -98,18 +98,10 @@ class DialectRoutes:
         """Run ``greq``; ``on_token(k)`` is awaited for each output token as it is produced."""
         if on_token is None:
             return await self.server._run(greq, None)
-        progress = self._progress()
+        progress = Progress()
         task = asyncio.ensure_future(self.server._run(greq, progress))
-        sent = 0
         try:
-            while not task.done():
-                waiter = asyncio.ensure_future(progress.changed.wait())
-                await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                progress.changed.clear()
-                while sent < progress.count and not task.done():
-                    await on_token(sent)
-                    sent += 1
+            sent = await relay_tokens(task, progress, on_token)
             res = task.result()
             for k in range(sent, res.completion_tokens):
                 await on_token(k)

@@ -47,7 +47,9 @@ from typing import Any
 from aiohttp import web
 
 from engines.base import GenerateRequest, GenerateResult
+from engines.emulated.completion_answer import error_response, stream_answer, unary_answer
 from engines.emulated.dialect_routes import DialectRoutes
+from engines.emulated.info_routes import BUFFER_STEPS, HWM, kv_event_sources, metrics_text, model_card
 from engines.emulated.request_fields import (
     VOCAB,
     bool_field,
@@ -57,13 +59,9 @@ from engines.emulated.request_fields import (
     simple_tokenize,
 )
 from engines.emulated.responses import (
-    SYSTEM_FINGERPRINT,
     TOKEN_TEXT,
-    chunk,
-    completion_body,
-    returned_params,
-    usage,
 )
+from engines.emulated.token_stream import Progress
 from engines.hashing import BlockHasher
 from engines.kv_event_codec import VLLM
 from engines.kv_events import KVEventBatch
@@ -73,28 +71,9 @@ from gpuhit.errors import CapacityError, GpuhitError
 
 log = logging.getLogger(__name__)
 
-BUFFER_STEPS = 10_000  # KV-event replay buffer (steps) and ZMQ send high-water mark: vLLM's defaults
-HWM = 100_000
-
-
 _bad = protocol.bad_request
 _invalid = protocol.validation_error
 
-class _Progress:
-    """Output-token count reported by the engine, awaited by the streaming writer. ``per_step``
-    asks the engine to report every decode step at its own time, even inside a decode jump."""
-
-    __slots__ = ("changed", "count")
-    per_step = True
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.changed = asyncio.Event()
-
-    def __call__(self, total: int) -> None:
-        if total > self.count:  # per-step reports scheduled ahead can land after a catch-up
-            self.count = total
-            self.changed.set()
 
 
 class EmulatedServer:
@@ -104,7 +83,8 @@ class EmulatedServer:
     port); None disables KV events. ``advertise_host`` is the host put in ``/kv_event_sources``
     and in the engine's bootstrap address (vLLM reports the address it bound). ``tracer`` is an
     OpenTelemetry tracer or None (off). ``kv_transfer``: serve the bootstrap / pull / release
-    routes (None = when the engine supports transfers).
+    routes (None = when the engine supports transfers). ``accel``: the C speedups
+    (:func:`gpuhit.speedups.load`) the block hasher chains with, or None for the reference.
     """
 
     def __init__(
@@ -123,6 +103,7 @@ class EmulatedServer:
         wall_clock: Callable[[], float] | None = None,
         tokenizer: Any = None,
         root: str | None = None,
+        accel: Any = None,
     ):
         from engines.hashing import SessionHashCache
 
@@ -130,8 +111,10 @@ class EmulatedServer:
         st = engine.stats()
         self.block_size = st.block_size or 16
         # Block hashes are computed here (memoized per prompt prefix) and handed to the engine,
-        # which then need not re-hash a long prompt on every turn.
-        self._hashes = SessionHashCache(BlockHasher(self.block_size, hash_name))
+        # which then need not re-hash a long prompt on every turn; with the C speedups (``accel``,
+        # chosen by whoever builds the server, as the gateway chooses) the chain runs in one C call,
+        # bit-identical to the reference.
+        self._hashes = SessionHashCache(BlockHasher(self.block_size, hash_name, accel=accel))
         self.model = model
         self.max_model_len = max_model_len
         self.tracer = tracer
@@ -148,20 +131,7 @@ class EmulatedServer:
                 kv_events_endpoint, kv_replay_endpoint, topic=topic, shape=kv_event_shape,
                 buffer_steps=BUFFER_STEPS, hwm=HWM,
             )
-            # vLLM 0.32's shape: the KV-events config of each data-parallel rank, keyed by rank.
-            self._sources = {
-                "0": {
-                    "enable_kv_cache_events": True,
-                    "publisher": "zmq",
-                    "endpoint": self._advertise(self._publisher.endpoint_bound, advertise_host),
-                    "replay_endpoint": self._advertise(self._publisher.replay_endpoint_bound, advertise_host),
-                    "buffer_steps": BUFFER_STEPS,
-                    "hwm": HWM,
-                    # vLLM's engine-to-publisher queue bound; the emulator publishes in-line (no queue)
-                    "max_queue_size": HWM,
-                    "topic": topic,
-                }
-            }
+            self._sources = kv_event_sources(self._publisher, advertise_host, topic)
             engine.subscribe_kv_events(self._on_kv_batch)
         self.app = web.Application(client_max_size=256 * 1024**2)
         self.app.add_routes(
@@ -176,7 +146,7 @@ class EmulatedServer:
             ]
         )
         # /v1/messages, /v1/responses (+ stored responses), over this server's chat tokenization
-        self.dialects = DialectRoutes(self, TOKEN_TEXT, _Progress, self._chat_ids)
+        self.dialects = DialectRoutes(self, TOKEN_TEXT, self._chat_ids)
         self.dialects.mount(self.app)
         self.bootstrap = None
         self._advertise_host = advertise_host
@@ -190,14 +160,6 @@ class EmulatedServer:
         self.app.on_cleanup.append(self._on_cleanup)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
-
-    @staticmethod
-    def _advertise(endpoint: str | None, host: str) -> str | None:
-        if endpoint is None:
-            return None
-        # LAST_ENDPOINT of a wildcard bind reads tcp://0.0.0.0:P; clients need a reachable host.
-        port = endpoint.rsplit(":", 1)[1]
-        return f"tcp://{host}:{port}"
 
     @property
     def publisher(self) -> KVEventPublisher | None:
@@ -244,10 +206,7 @@ class EmulatedServer:
 
     # ------------------------------------------------------------------------------- handlers
 
-    @staticmethod
-    def _error(exc: GpuhitError) -> web.Response:
-        status, body = protocol.error_from_exc(exc)
-        return web.json_response(body, status=status)
+    _error = staticmethod(error_response)
 
     def _now(self) -> float:
         return self._wall() if self._wall is not None else asyncio.get_running_loop().time()
@@ -385,8 +344,8 @@ class EmulatedServer:
             span = start_engine_span(self.tracer, request.headers, rid, self.model, len(ids), max_tokens)
         try:
             if stream:
-                return await self._stream(request, greq, rid, chat, include_usage, span)
-            return await self._unary(greq, rid, chat, span)
+                return await stream_answer(request, self._run, greq, self._head(rid, chat), chat, include_usage, span)
+            return await unary_answer(self._run, greq, self._head(rid, chat), chat, span)
         finally:
             if span is not None:
                 span.end()
@@ -399,129 +358,19 @@ class EmulatedServer:
             "model": self.model,
         }
 
-    async def _run(self, greq: GenerateRequest, progress: _Progress | None) -> GenerateResult:
+    async def _run(self, greq: GenerateRequest, progress: Progress | None) -> GenerateResult:
         if progress is None:
             return await self.engine.generate(greq)
         return await self.engine.generate(greq, on_progress=progress)
 
-    def _finish_span(self, span: Any, res: GenerateResult) -> None:
-        if span is None:
-            return
-        from gpuhit.tracing import finish_engine_span
-
-        finish_engine_span(span, res)
-
-    async def _unary(self, greq: GenerateRequest, rid: str, chat: bool, span: Any) -> web.Response:
-        try:
-            res = await self._run(greq, None)
-        except GpuhitError as exc:
-            return self._error(exc)
-        self._finish_span(span, res)
-        if res.error is not None:
-            return web.json_response(protocol.error_body(res.error, 500), status=500)
-        return web.json_response(completion_body(self._head(rid, chat), res, chat))
-
-    async def _stream(
-        self, request: web.Request, greq: GenerateRequest, rid: str, chat: bool, include_usage: bool, span: Any
-    ) -> web.StreamResponse:
-        progress = _Progress()
-        task = asyncio.ensure_future(self._run(greq, progress))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                           "Cache-Control": "no-cache"})
-        head = self._head(rid, chat)
-        sent = 0
-        try:
-            await resp.prepare(request)
-            if chat:
-                await resp.write(chunk(head, chat, None, role=True))
-            while not task.done():
-                waiter = asyncio.ensure_future(progress.changed.wait())
-                await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                progress.changed.clear()
-                # One chunk per token, the final one held back for its finish_reason. The engine
-                # reports each decode step at its own time, so tokens leave at their step times.
-                while sent < min(progress.count, greq.max_tokens - 1) and not task.done():
-                    await resp.write(chunk(head, chat, None))
-                    sent += 1
-            try:
-                res = task.result()
-            except GpuhitError as exc:
-                _, body = protocol.error_from_exc(exc)
-                await resp.write(protocol.sse(body))
-                await resp.write(protocol.SSE_DONE)
-                return resp
-            self._finish_span(span, res)
-            if res.error is not None:
-                await resp.write(protocol.sse(protocol.error_body(res.error, 500)))
-            else:
-                for k in range(sent, res.completion_tokens):
-                    last = k == res.completion_tokens - 1
-                    await resp.write(chunk(head, chat, "length" if last else None,
-                                                 fingerprint=last and not include_usage))
-                if include_usage:
-                    tail = {**head, "choices": [], "usage": usage(res, chat, unary=False),
-                            "system_fingerprint": SYSTEM_FINGERPRINT}
-                    if res.kv_transfer_params:
-                        tail["kv_transfer_params"] = returned_params(res)
-                    await resp.write(protocol.sse(tail))
-            await resp.write(protocol.SSE_DONE)
-            await resp.write_eof()
-            return resp
-        except (ConnectionResetError, asyncio.CancelledError):
-            # The client went away: stop generating, as vLLM aborts a disconnected request.
-            task.cancel()
-            raise
-        finally:
-            if not task.done():
-                task.cancel()
-
     async def models(self, request: web.Request) -> web.Response:
-        created = int(self._now())
-        permission = {
-            "id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": created,
-            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
-            "group": None, "is_blocking": False,
-        }
-        card = {
-            "id": self.model,
-            "object": "model",
-            "created": created,
-            "owned_by": "vllm",
-            "root": self.root or self.model,
-            "parent": None,
-            "max_model_len": self.max_model_len,
-            "permission": [permission],
-        }
-        return web.json_response({"object": "list", "data": [card]})
+        return web.json_response(model_card(self.model, self.root, self.max_model_len, int(self._now())))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        from prometheus_client.core import GaugeMetricFamily
-
-        from engines.emulated.metrics import render
-
-        st = self.engine.stats()
-        # vLLM's cache_config_info info-gauge: block size and pool size ride in its labels.
-        info = {"block_size": str(self.block_size), "engine": "0", "num_gpu_blocks": str(st.kv_capacity_blocks or 0),
-                "enable_prefix_caching": "True"}
-        cache_info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                       labels=list(info))
-        cache_info.add_metric(list(info.values()), 1.0)
-        m = getattr(self.engine, "metrics", None)
-        if m is not None:
-            text = m.render_prometheus([cache_info])
-        else:  # an engine without vLLM metrics (e.g. engines.fake): the gauges routing reads
-            fams = []
-            for name, v in (("vllm:num_requests_running", st.running), ("vllm:num_requests_waiting", st.waiting),
-                            ("vllm:kv_cache_usage_perc", st.kv_usage)):
-                f = GaugeMetricFamily(name, name, labels=["engine", "model_name"])
-                f.add_metric(["0", self.model], float(v or 0))
-                fams.append(f)
-            text = render([*fams, cache_info])
+        text = metrics_text(self.engine, self.block_size, self.model)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def kv_event_sources(self, request: web.Request) -> web.Response:

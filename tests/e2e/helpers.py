@@ -25,6 +25,9 @@ async def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str 
 
 @contextlib.asynccontextmanager
 async def servers(engines: Sequence[Any], model: str = "m", **kw: Any) -> AsyncIterator[list[EmulatedServer]]:
+    from gpuhit import speedups
+
+    kw.setdefault("accel", speedups.load())  # as `gpuhit emulate` builds them: the C chain where it is built
     out = []
     try:
         for eng in engines:

@@ -93,3 +93,47 @@ def test_endpoints_errors_and_kv_transfer_passthrough():
         await srv.close()
 
     asyncio.run(main())
+
+
+def test_hashes_with_the_c_chain_equal_the_reference(c_speedups):
+    """A server built with the C speedups hashes prompts through their chain (the calls are
+    counted), and hands the engine the same block hashes as the reference (vLLM's)."""
+    from engines.hashing import BlockHasher
+
+    calls = []
+
+    class Counting:  # the built extension, its chain calls counted
+        def __getattr__(self, name):
+            return getattr(c_speedups, name)
+
+        def sha256_blocks(self, *a):
+            calls.append(len(a[0]))
+            return c_speedups.sha256_blocks(*a)
+
+    prompt = [(7 * i) % 997 for i in range(100)]
+
+    async def main():
+        eng = FakeEngine("a", capacity_blocks=64, decode_s_per_token=1e-4)
+        seen = []
+        generate = eng.generate
+
+        async def spy(req, **kw):
+            seen.append(req)
+            return await generate(req, **kw)
+
+        eng.generate = spy
+        srv = EmulatedServer(eng, model="m", max_model_len=1000, kv_events_endpoint=None, accel=Counting())
+        port = await srv.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": "m", "prompt": prompt, "max_tokens": 2}
+                async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+        finally:
+            await srv.close()
+        return seen[0]
+
+    req = asyncio.run(main())
+    assert calls, "the server's hasher did not use the C chain it was built with"
+    bs = FakeEngine("b", capacity_blocks=64).stats().block_size or 16
+    assert list(req.block_hashes) == BlockHasher(bs).event_ints(prompt[: len(prompt) // bs * bs])
