@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engines.vllm.dialects.responses import output_messages
+from gpuhit.errors import NotFoundError
 
 
 class ResponseHistory:
@@ -63,6 +64,21 @@ class ResponseHistory:
         entry = self._entries.get(response_id)
         return None if entry is None else entry[0]
 
+    def holder(self, response_id: str, names: Sequence[str], param: str) -> int:
+        """The index in ``names`` (the engines served) of the engine holding ``response_id``. A
+        response the gateway has no record of, or whose engine is no longer served, is vLLM's 404
+        (``param``: the field that named the id), never a guess at another engine."""
+        name = self.engine_of(response_id)
+        if name is not None and name in names:
+            return names.index(name)
+        why = ("the gateway has no record of it (never answered through this gateway, or forgotten: the "
+               "history is bounded, and an engine that restarted lost its stored responses)" if name is None
+               else f"engine {name} that stored it is no longer served")
+        err = NotFoundError(f"Response with id '{response_id}' not found: {why}.")
+        err.param = param  # type: ignore[attr-defined]
+        err.error_type = "invalid_request_error"  # type: ignore[attr-defined]
+        raise err
+
     def messages_after(self, response_id: str) -> list[dict[str, Any]] | None:
         entry = self._entries.get(response_id)
         return None if entry is None else entry[1]
@@ -72,7 +88,8 @@ class ResponseHistory:
         return None if entry is None else entry[2]
 
     def forget_engine(self, engine: str) -> int:
-        """Drop every response held by ``engine`` (it restarted: its memory is gone); how many."""
+        """Drop every response held by ``engine`` (it restarted: its memory is gone, and a request
+        naming one of them gets the gateway's 404 instead of the engine's); how many."""
         gone = [k for k, entry in self._entries.items() if entry[0] == engine]
         for k in gone:
             del self._entries[k]

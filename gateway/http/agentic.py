@@ -29,16 +29,15 @@ from typing import Any
 import orjson
 
 from engines.vllm import protocol
-from engines.vllm.chat_messages import NotExact
 from gateway.dialects import sessions
 from gateway.dialects.history import ResponseHistory
 from gateway.dialects.render import DialectRenderer
 from gateway.http.forward import forwarded_body
-from gateway.http.parse import ParsedRequest, Prompts
+from gateway.http.parse import ErrorBody, ParsedRequest, Prompts
 from gateway.http.prompt import chat_text
 from gateway.http.transport import MESSAGES, RESPONSES
 from gateway.http.usage import Usage, usage_from_tail, usage_of_json
-from gpuhit.errors import BadRequestError, NotFoundError
+from gpuhit.errors import BadRequestError
 
 _bad = protocol.bad_request
 
@@ -50,33 +49,17 @@ def anthropic_error_body(message: str, status: int, error_type: str | None = Non
 
 
 class _Agentic:
-    """What both dialects share: the renderer over the engines' tokenizer, the approximate route."""
+    """What both dialects share: the renderer over the engines' tokenizer, the response history."""
 
     path = ""
     stream_end = b""
+    error_body: ErrorBody | None = None  # vLLM's OpenAI error shape
 
     def __init__(self, prompts: Prompts, history: ResponseHistory | None = None, names: Sequence[str] = ()):
         self.prompts = prompts
         self.renderer = None if prompts.tokenizer is None else DialectRenderer(prompts.tokenizer)
         self.history = history if history is not None else ResponseHistory()
         self.names = list(names)
-
-    def _parsed(self, body: Mapping[str, Any], raw: bytes, max_tokens: int, stream: bool, session: str | None,
-                render: Any, text: Any, **kw: Any) -> ParsedRequest:
-        p = self.prompts
-        label = self.path.rsplit("/", 1)[-1]
-        if self.renderer is not None:
-            try:
-                ids = render()
-                hashes = p.exact(ids, session)
-                return ParsedRequest(self, body, raw, len(ids), p.check_len(len(ids), max_tokens), stream, hashes,
-                                     ids, session, **kw)
-            except NotExact as exc:
-                p.approximate(f"{label}: {exc}")
-        else:
-            p.approximate(f"{label}: no tokenizer")
-        n, hashes = p.text(text())
-        return ParsedRequest(self, body, raw, n, p.check_len(n, max_tokens), stream, hashes, None, session, **kw)
 
     def stream_complete(self, tail: bytes) -> bool:
         return self.stream_end in tail[-256:]
@@ -102,9 +85,9 @@ class Messages(_Agentic):
         if session is None:
             session = sessions.anthropic_session({}, body)
         r = self.renderer
-        return self._parsed(body, raw, max_tokens, stream, session,
-                            lambda: r.messages_ids(body, session),  # type: ignore[union-attr]
-                            lambda: _messages_text(body))
+        return p.rendered(self, body, raw, max_tokens, stream, session, "messages",
+                          lambda: r.messages_ids(body, session),  # type: ignore[union-attr]  # with a tokenizer
+                          lambda: _messages_text(body))
 
     @staticmethod
     def _usage(u: Any) -> Usage | None:
@@ -118,9 +101,7 @@ class Messages(_Agentic):
     def usage_of_stream(self, tail: bytes) -> Usage | None:
         return self._usage(usage_from_tail(tail))  # message_delta: the last event with a usage
 
-    @staticmethod
-    def error_body(message: str, status: int, error_type: str | None = None) -> dict[str, Any]:
-        return anthropic_error_body(message, status, error_type)
+    error_body = staticmethod(anthropic_error_body)  # Anthropic's shape, as vLLM answers there
 
 
 class Responses(_Agentic):
@@ -143,7 +124,7 @@ class Responses(_Agentic):
         if prev is not None:
             if not isinstance(prev, str):
                 raise _bad("previous_response_id must be a string", "previous_response_id")
-            pin = self._engine_of(prev)
+            pin = h.holder(prev, self.names, "previous_response_id")
             previous = h.messages_after(prev)
         if session is None:
             session = sessions.responses_session({}, body, h.session_of)
@@ -162,17 +143,11 @@ class Responses(_Agentic):
             chat.append(conv["messages"])
             return ids
 
-        req = self._parsed(body, raw, max_tokens, stream, session, render, lambda: _responses_text(body), pin=pin)
+        req = p.rendered(self, body, raw, max_tokens, stream, session, "responses", render,
+                         lambda: _responses_text(body), pin=pin)
         store = body.get("store", True) is not False
         req.state = (rid, chat[0] if chat else None, session) if store else None
         return req
-
-    def _engine_of(self, response_id: str) -> int:
-        name = self.history.engine_of(response_id)
-        if name is None or name not in self.names:
-            raise _not_found(response_id, "the gateway has no record of it (never answered through this gateway, "
-                             "or forgotten)" if name is None else f"engine {name} that stored it is no longer served")
-        return self.names.index(name)
 
     def usage_of_answer(self, data: bytes) -> Usage | None:
         return self._usage(usage_of_json(data))
@@ -201,17 +176,6 @@ class Responses(_Agentic):
         elif streamed:
             response = None  # the final event did not fit the tail: the next turn is rendered approximately
         self.history.record(rid, self.names[target], messages if response is not None else None, response, session)
-
-    @staticmethod
-    def error_body(message: str, status: int, error_type: str | None = None) -> dict[str, Any]:
-        return protocol.error_body(message, status, None, error_type)
-
-
-def _not_found(response_id: str, why: str) -> NotFoundError:
-    err = NotFoundError(f"Response with id '{response_id}' not found: {why}.")
-    err.param = "previous_response_id"  # type: ignore[attr-defined]
-    err.error_type = "invalid_request_error"  # type: ignore[attr-defined]
-    return err
 
 
 def _json(data: bytes) -> Any:

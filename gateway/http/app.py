@@ -53,7 +53,7 @@ from gateway.config import GatewayConfig
 from gateway.dialects.history import ResponseHistory
 from gateway.hash_check import HashVerifier
 from gateway.http.admin import Admin
-from gateway.http.agentic import Messages, Responses, anthropic_error_body
+from gateway.http.agentic import Messages, Responses
 from gateway.http.engine_discovery import agreed_block_size, discovered_tokenizer, first_scrape
 from gateway.http.forward import Forwarder
 from gateway.http.forward_breakers import Breakers
@@ -66,7 +66,7 @@ from gateway.http.producer import ProducerStep
 from gateway.http.prompt import PromptMemo, vocab_size_of
 from gateway.http.replies import Access, Replies
 from gateway.http.settle import Settler
-from gateway.http.transport import MESSAGES, AioUpstream, Downstream, Upstream
+from gateway.http.transport import AioUpstream, Downstream, Upstream
 from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router
@@ -267,9 +267,10 @@ class Gateway:
                                 model, limit=cfg.ttfb_timeout + cfg.idle_timeout if cfg.ttfb_timeout else None)
         forwarder = Forwarder(upstream, names, urls, breakers, deadlines, settle, self.replies, producer, loop.time,
                               cfg.ttfb_timeout, cfg.idle_timeout, cfg.unary_timeout)
-        agentic = [Messages(prompts), Responses(prompts, self.responses, names)]
-        self.replies.error_bodies[MESSAGES] = anthropic_error_body
-        self.pipeline = Pipeline(RequestParser([*(d(prompts) for d in DIALECTS), *agentic]), router, forwarder, settle,
+        parser = RequestParser([*(d(prompts) for d in DIALECTS), Messages(prompts),
+                                Responses(prompts, self.responses, names)])
+        self.replies.error_bodies.update(parser.error_bodies())  # Anthropic's for /v1/messages
+        self.pipeline = Pipeline(parser, router, forwarder, settle,
                                  self.replies, self.access, metrics, names, self.policy_name, loop, self.tracer,
                                  cfg.timeout)
         self.handle = self.pipeline.handle
@@ -328,10 +329,14 @@ class Gateway:
         self.breakers.sync_routable(i)
 
     def _on_healthy(self, i: int) -> None:
+        """Engine ``i`` passes its health checks again after failing them: it may have restarted,
+        so what lived in its memory is taken as gone (its prefix cache, its stored responses)."""
         self.breakers.sync_routable(i)  # back in the healthy set only if its circuit breaker is closed too
         self.breakers.probe_now(i)  # an open breaker (e.g. refused connects while it restarted): probe it now
+        # A request naming a response it stored gets the gateway's 404, not the engine's confusion.
+        self.responses.forget_engine(self.engines[i].name)
         if self.cfg.index == "precise" and self.kv_streams is not None:
-            # It may have restarted with an empty cache and a fresh event sequence: resubscribe.
+            # An empty cache and a fresh event sequence: resubscribe.
             self._loop.create_task(self.kv_streams.resubscribe(i))
 
     # ------------------------------------------------------------------------------ admin routes

@@ -15,7 +15,7 @@ parsing never awaits (a parse is CPU work between two reads of the socket).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,10 +70,16 @@ class ParsedRequest:
         return self.dialect.path
 
 
+#: an API's own error body: (message, status, error type) -> the JSON object its clients expect
+ErrorBody = Callable[[str, int, str | None], dict[str, Any]]
+
+
 class Dialect(Protocol):
-    """One prompt dialect: its path, its parse, and how its answers report usage."""
+    """One prompt dialect: its path, its parse, how its answers report usage, and its API's error
+    shape (``error_body``; None: vLLM's OpenAI shape)."""
 
     path: str
+    error_body: ErrorBody | None
 
     def parse(self, raw: bytes, session: str | None) -> ParsedRequest: ...
 
@@ -160,6 +166,27 @@ class Prompts:
             raise _bad("prompt is empty", "prompt")
         return self.hash_cache.hashes(ids, session)
 
+    def rendered(self, dialect: Dialect, body: Mapping[str, Any], raw: bytes, max_tokens: int, stream: bool,
+                 session: str | None, label: str, render: Callable[[], list[int]], text: Callable[[], str],
+                 **kw: Any) -> ParsedRequest:
+        """A prompt the engines render from messages (chat, Messages, Responses): ``render()``
+        gives the token ids vLLM runs (the engines' chat template and tokenizer), routed exactly;
+        without a tokenizer, or when ``render`` raises :class:`NotExact`, the approximate hash of
+        ``text()``, counted under ``label``. ``kw``: the :class:`ParsedRequest`'s other fields."""
+        if self.tokenizer is not None:
+            try:
+                ids = render()
+                hashes = self.exact(ids, session)
+                return ParsedRequest(dialect, body, raw, len(ids), self.check_len(len(ids), max_tokens), stream,
+                                     hashes, ids, session, **kw)
+            except NotExact as exc:
+                self.approximate(f"{label}: {exc}")
+        else:
+            self.approximate(f"{label}: no tokenizer")
+        n, text_hashes = self.text(text())
+        return ParsedRequest(dialect, body, raw, n, self.check_len(n, max_tokens), stream, text_hashes, None,
+                             session, **kw)
+
     def token_array(self, arr: np.ndarray | LazyIds, session: str | None) -> Sequence[int]:
         """Block hashes of a non-empty uint64 token-id array (or :class:`LazyIds`, parsed as far
         as hashing reads, and whole only when the vocabulary check needs every id)."""
@@ -172,6 +199,7 @@ class OpenAIDialect:
     """The answers of OpenAI's dialects: ``usage`` last, ``prompt_tokens_details.cached_tokens``."""
 
     path = ""
+    error_body: ErrorBody | None = None  # vLLM's OpenAI error shape
 
     def __init__(self, prompts: Prompts):
         self.prompts = prompts
@@ -254,18 +282,10 @@ class Chat(OpenAIDialect):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise _bad("messages must be a non-empty list of objects", "messages")
-        if p.tokenizer is not None:
-            try:
-                ids = p.tokenizer.chat_ids(body, session)
-                hashes = p.exact(ids, session)
-                return ParsedRequest(self, body, raw, len(ids), p.check_len(len(ids), max_tokens), stream, hashes,
-                                     ids, session)
-            except NotExact as exc:
-                p.approximate(f"chat: {exc}")
-        else:
-            p.approximate("chat: no tokenizer")
-        n, text_hashes = p.text(chat_text(messages))
-        return ParsedRequest(self, body, raw, n, p.check_len(n, max_tokens), stream, text_hashes, None, session)
+        tok = p.tokenizer
+        return p.rendered(self, body, raw, max_tokens, stream, session, "chat",
+                          lambda: tok.chat_ids(body, session),  # type: ignore[union-attr]  # called with one
+                          lambda: chat_text(messages))
 
 
 class RequestParser:
@@ -277,6 +297,10 @@ class RequestParser:
             if d.path in self.by_path:
                 raise ValueError(f"two dialects for {d.path}")
             self.by_path[d.path] = d
+
+    def error_bodies(self) -> dict[str, ErrorBody]:
+        """The endpoints whose API has an error shape of its own, and that shape."""
+        return {path: d.error_body for path, d in self.by_path.items() if d.error_body is not None}
 
     def parse(self, endpoint: str, raw: bytes, session: str | None) -> ParsedRequest:
         """The :class:`ParsedRequest` of a POST to ``endpoint``; a GpuhitError for a bad one."""

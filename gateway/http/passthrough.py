@@ -80,13 +80,9 @@ class Passthrough:
         router = self.router
         if path.startswith(_RESPONSES):
             rid = path[len(_RESPONSES):].removesuffix("/cancel")
-            name = self.history.engine_of(rid)
-            if name is None or name not in self.names:
-                why = "the gateway has no record of it" if name is None else f"engine {name} is no longer served"
-                raise _not_found(rid, why)
-            i = self.names.index(name)
+            i = self.history.holder(rid, self.names, "response_id")
             if not router.healthy(i):
-                raise NoInstanceError(f"engine {name}, which holds response {rid}, is unhealthy "
+                raise NoInstanceError(f"engine {self.names[i]}, which holds response {rid}, is unhealthy "
                                       f"({router.unhealthy_reason[i]})")
             return [i]
         healthy = [i for i in range(len(self.names)) if router.healthy(i)]
@@ -157,9 +153,3 @@ class Passthrough:
         self.replies.metrics.requests.inc((label, str(status)))
         await down.respond(status, {}, orjson.dumps(body), "application/json")
 
-
-def _not_found(response_id: str, why: str) -> NotFoundError:
-    err = NotFoundError(f"Response with id '{response_id}' not found: {why}.")
-    err.param = "response_id"  # type: ignore[attr-defined]
-    err.error_type = "invalid_request_error"  # type: ignore[attr-defined]
-    return err

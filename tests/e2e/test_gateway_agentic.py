@@ -122,3 +122,54 @@ def test_agentic_dialects_through_the_gateway(transport):
             await e.close()
 
     asyncio.run(main())
+
+
+def test_a_restarted_engine_forgets_the_responses_it_stored():
+    """The engine holding a stored response restarts (its server goes down, its health checks fail,
+    a fresh one comes up on the same port): the gateway forgets what it stored, so a request naming
+    that response gets the gateway's 404 at once, not a route to an engine that no longer has it."""
+    from engines.emulated.server import EmulatedServer
+
+    def engine(i: int) -> EmulatedEngine:
+        return EmulatedEngine(f"emu{i}", fast_profile(), num_gpu_blocks=512, model_name="tiny", block_size=32)
+
+    async def main():
+        engines = [engine(i) for i in range(2)]
+        tok = HFTokenizer(TINY_MODEL_DIR)
+        kw = {"model": "tiny", "tokenizer": tok, "max_model_len": 4096, "kv_events_endpoint": None}
+        restarted = None
+        async with servers(engines, **kw) as srvs:
+            urls = [f"http://127.0.0.1:{s.port}" for s in srvs]
+            async with gateway(urls, policy="lpwl", index="approximate", tokenizer=str(TINY_MODEL_DIR),
+                               health_interval=0.05) as (gw, url), aiohttp.ClientSession() as http:
+                body = {"model": "tiny", "max_output_tokens": 3, "instructions": SYSTEM, "input": "step 0"}
+                async with http.post(url + "/v1/responses", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    held = int(r.headers["x-gpuhit-instance"][1:])
+                    rid = (await r.json())["id"]
+                async with http.get(url + f"/v1/responses/{rid}") as r:
+                    assert r.status == 200  # stored, and found on its engine
+                port = srvs[held].port
+                await srvs[held].close()
+                await wait_until(lambda: not gw.health.healthy[held], what="the health checks to fail")
+                restarted = EmulatedServer(engine(held), **kw)
+                await restarted.start(port=port)
+                await wait_until(lambda: gw.health.healthy[held], what="the restarted engine to pass its checks")
+                async with http.post(url + "/v1/responses", json={**body, "previous_response_id": rid}) as r:
+                    err = await r.json()
+                    assert "x-gpuhit-instance" not in r.headers  # answered by the gateway, not routed
+                assert r.status == 404 and "no record" in err["error"]["message"], err
+                assert err["error"]["param"] == "previous_response_id"
+                async with http.get(url + f"/v1/responses/{rid}") as r:
+                    err = await r.json()
+                assert r.status == 404 and "no record" in err["error"]["message"], err
+                # the restarted engine serves new chains
+                async with http.post(url + "/v1/responses", json=body) as r:
+                    assert r.status == 200, await r.text()
+        if restarted is not None:
+            await restarted.close()
+            await restarted.engine.close()
+        for e in engines:
+            await e.close()
+
+    asyncio.run(main())

@@ -9,7 +9,7 @@ from engines.fake import FakeEngine
 from gateway.kv_index import PreciseKVIndex
 from gateway.router import Router, RouteRequest
 from gateway.share import ShareLink
-from gpuhit.errors import ConfigError
+from gpuhit.errors import ConfigError, NotFoundError
 from policies import registry
 
 BS = 16
@@ -176,15 +176,12 @@ def test_large_continuations_travel_without_their_messages_and_unknown_engines_s
     assert ha.messages_after("big") is not None  # the recording replica keeps them
     assert hb.engine_of("big") == "gpu0" and hb.messages_after("big") is None
     assert la.responses_trimmed == 1
-    # an engine this replica does not serve is kept as named; the Responses route then reports
-    # "engine ... is no longer served" (gateway/http/agentic.py) instead of guessing
-    from gateway.http.agentic import Responses
-
+    # an engine this replica does not serve is kept as named; a request naming the response then
+    # gets "engine ... is no longer served" (ResponseHistory.holder) instead of a guess
     ha.record("gone", "gpu9", None, None, session="s")
-    r = Responses.__new__(Responses)
-    r.history, r.names = hb, ["gpu0", "gpu1"]
-    with pytest.raises(Exception, match="engine gpu9 that stored it is no longer served"):
-        r._engine_of("gone")
+    with pytest.raises(NotFoundError, match="engine gpu9 that stored it is no longer served"):
+        hb.holder("gone", ["gpu0", "gpu1"], "previous_response_id")
+    assert hb.holder("big", ["gpu0", "gpu1"], "previous_response_id") == 0
 
 
 def test_malformed_response_entries_are_errors():
