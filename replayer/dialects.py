@@ -1,6 +1,7 @@
-"""A trace's turns as chat, Anthropic Messages or OpenAI Responses requests (``gpuhit replay --api``).
+"""A trace's turns as requests of each API a live replay speaks (``gpuhit replay --api``): OpenAI
+completions, chat, Anthropic Messages or OpenAI Responses.
 
-The replayer's completions requests carry token ids (:class:`~replayer.synth.TokenSynthesizer`).
+Completions requests carry the turn's token ids (:class:`~replayer.synth.TokenSynthesizer`).
 The text dialects carry a conversation instead, built here from the same ids so that the prefix
 structure of the trace survives: turn k's prompt is cut where earlier turns' prompts ended (those
 still inside the prefix it shares with turn k - 1, recursively), each piece a message: the part
@@ -20,6 +21,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from engines.vllm import protocol
 from gpuhit.errors import ConfigError
 
 APIS = ("completions", "chat", "messages", "responses")
@@ -80,6 +82,15 @@ class Conversations:
         return out
 
 
+def turn_body(api: str, conversations: Conversations, session: Any, k: int, ids: list[int], max_tokens: int,
+              model: str) -> dict[str, Any]:
+    """The streamed request of ``api`` for turn ``k`` of ``session`` (prompt ``ids``): the ids
+    themselves for completions (vLLM's replay request), else the conversation standing for them."""
+    if api == "completions":
+        return protocol.completion_request(ids, max_tokens, model)
+    return request_body(api, conversations.messages(session, k, ids), max_tokens, model)
+
+
 def request_body(api: str, messages: list[tuple[str, str]], max_tokens: int, model: str) -> dict[str, Any]:
     """The streamed request of ``api`` for this conversation, asking for ``max_tokens`` tokens
     (chat also sends ``min_tokens`` and ``ignore_eos``; Messages and Responses have no such fields)."""
@@ -98,15 +109,16 @@ def request_body(api: str, messages: list[tuple[str, str]], max_tokens: int, mod
 def observe(api: str, obj: dict[str, Any], rec: Any, now: float) -> None:
     """Fold one streamed event of ``api`` into the record (first token, output tokens, prefix hit)."""
     kind = obj.get("type")
-    if api == "chat":
+    if api in ("completions", "chat"):
         choices = obj.get("choices")
-        # vLLM's first chat chunk carries only the role, before any token
+        # A chunk per generated token, whose text may be "" (a partial UTF-8 character); vLLM's
+        # first chat chunk carries only the role, before any token.
         if choices and "role" not in (choices[0].get("delta") or {}) and math.isnan(rec.first_token):
             rec.first_token = now
         u = obj.get("usage")
         if u:
             rec.output_tokens = int(u.get("completion_tokens") or 0)
-            rec.realized_hit_tokens = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            rec.realized_hit_tokens = protocol.cached_tokens_of(u) or 0
     elif api == "messages":
         if kind in ("content_block_delta", "message_delta") and math.isnan(rec.first_token):
             rec.first_token = now
@@ -128,6 +140,7 @@ def observe(api: str, obj: dict[str, Any], rec: Any, now: float) -> None:
 
 
 def finished(api: str, obj: dict[str, Any]) -> bool:
-    """Whether ``obj`` is the stream's last event (Messages and Responses send no ``[DONE]``)."""
+    """Whether ``obj`` is the stream's last event (Messages and Responses send no ``[DONE]``;
+    completions and chat end with it, read by the caller)."""
     return (api == "messages" and obj.get("type") == "message_stop") or \
         (api == "responses" and obj.get("type") in ("response.completed", "response.failed", "response.incomplete"))

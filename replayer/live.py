@@ -2,7 +2,8 @@
 
 :class:`HttpTarget` sends each turn as vLLM's replay request (token-id prompt from
 :class:`~replayer.synth.TokenSynthesizer`, ``max_tokens = min_tokens = output_length``,
-``ignore_eos``, streaming with ``include_usage``) with ``x-session-id`` / ``x-request-id`` headers,
+``ignore_eos``, streaming with ``include_usage``; or, with another ``api``, the turn as a chat,
+Messages or Responses conversation: :mod:`replayer.dialects`) with ``x-session-id`` / ``x-request-id`` headers,
 and records the same :class:`~replayer.records.RequestRecord` rows as simulation: first token =
 arrival of the first SSE chunk with text, realized hit = ``usage.prompt_tokens_details.cached_tokens``,
 instance / action / reason / predicted hit from the gateway's ``x-gpuhit-*`` response headers.
@@ -26,7 +27,6 @@ from typing import Any
 
 import aiohttp
 
-from engines.vllm import protocol
 from engines.vllm.client import iter_sse
 from engines.vllm.metrics_scrape import BUSY, DCGM_UTIL, UtilizationMeter
 from gpuhit.aio import cancel_and_wait
@@ -98,12 +98,8 @@ class HttpTarget:
                 max_tokens, rec.note = request_max_tokens(turn.output_length, turn.input_length, self.max_model_len)
             except BadRequestError:
                 max_tokens = max(turn.output_length, 1)
-            ids = self.synth.prompt_tokens(s, k)
-            if self.api == "completions":
-                body = protocol.completion_request(ids, max_tokens, await self._model())
-            else:
-                body = dialects.request_body(self.api, self._conversations.messages(s, k, ids), max_tokens,
-                                             await self._model())
+            body = dialects.turn_body(self.api, self._conversations, s, k, self.synth.prompt_tokens(s, k), max_tokens,
+                                      await self._model())
             rec.arrival = loop.time()
             await self._send(body, headers, rec)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
@@ -140,26 +136,13 @@ class HttpTarget:
                     done = True
                     break
                 obj = json.loads(data)
-                if self.api != "completions":
-                    if "error" in obj:
-                        err = obj["error"]
-                        rec.error = str(err.get("message") if isinstance(err, dict) else err)
-                    dialects.observe(self.api, obj, rec, loop.time())
-                    if dialects.finished(self.api, obj):
-                        done = True
-                        break
-                    continue
                 if "error" in obj:
-                    rec.error = str(obj["error"].get("message") if isinstance(obj["error"], dict) else obj["error"])
-                    continue
-                choices = obj.get("choices")
-                # A chunk per generated token, whose text may be "" (a partial UTF-8 character).
-                if choices and math.isnan(rec.first_token):
-                    rec.first_token = loop.time()
-                u = obj.get("usage")
-                if u:
-                    rec.output_tokens = int(u.get("completion_tokens") or 0)
-                    rec.realized_hit_tokens = protocol.cached_tokens_of(u) or 0
+                    err = obj["error"]
+                    rec.error = str(err.get("message") if isinstance(err, dict) else err)
+                dialects.observe(self.api, obj, rec, loop.time())
+                if dialects.finished(self.api, obj):
+                    done = True
+                    break
             if not done and not rec.error:
                 rec.error = "stream ended without [DONE]" if self.api in ("completions", "chat") else \
                     "stream ended without its final event"
