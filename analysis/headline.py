@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from analysis.compare import paired_difference
+from analysis.compare import paired_difference, t_interval
 
 #: (metric, name) the headline ranks on: what an agent waits for, at the tail
 HEADLINE_METRICS: tuple[tuple[str, str], ...] = (("latency_p90", "latency p90"), ("ttft_p90", "TTFT p90"))
@@ -33,9 +33,9 @@ def winner(runs: Sequence[Mapping[str, Any]], metric: str, level: float = 0.95) 
         per.setdefault(str(r["policy"]), {})[r.get("seed")] = float(r.get(metric, math.nan))
     means = []
     for i, (p, vals) in enumerate(per.items()):
-        xs = [v for v in vals.values() if not math.isnan(v)]
-        if xs:
-            means.append((sum(xs) / len(xs), i, p))
+        m = t_interval(list(vals.values()))["mean"]
+        if not math.isnan(m):
+            means.append((m, i, p))
     if len(means) < 2:
         return None
     means.sort()

@@ -144,8 +144,10 @@ def run_set(folder: pathlib.Path, argv: Sequence[str], expected_runs: int, log: 
 
 
 def _mean(runs: Sequence[Mapping[str, Any]], key: str) -> float:
-    vals = [float(r[key]) for r in runs if r.get(key) is not None and not math.isnan(float(r[key]))]
-    return sum(vals) / len(vals) if vals else math.nan
+    """The mean of ``key`` over the runs that report it (NaN when none does)."""
+    from analysis.compare import t_interval
+
+    return t_interval([r.get(key) for r in runs])["mean"]
 
 
 def _rate_label(rate: float) -> str:

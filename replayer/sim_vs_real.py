@@ -55,13 +55,10 @@ def simulate_run(spec: Mapping[str, Any], engines: Mapping[str, Any], trace: Any
 
 
 def _mean(runs: Sequence[Mapping[str, Any]], key: str) -> float:
-    vals = [float(r[key]) for r in runs if r.get(key) is not None and not math.isnan(float(r[key]))]
-    return float(np.mean(vals)) if vals else math.nan
+    """The mean of ``key`` over the runs that report it (NaN when none does)."""
+    from analysis.compare import t_interval
 
-
-def _nanmean(vals: Sequence[float]) -> float:
-    v = [x for x in vals if not math.isnan(x)]
-    return float(np.mean(v)) if v else math.nan
+    return t_interval([r.get(key) for r in runs])["mean"]
 
 
 def _load_share(runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
@@ -150,7 +147,7 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
         att_runs = attributions.get(pol, [])
         att: dict[str, float] = {}
         if att_runs and sum(a.get("paired", 0) for a in att_runs):
-            att = {k: _nanmean([a.get(k, math.nan) for a in att_runs])
+            att = {k: _mean(att_runs, k)
                    for k in ("hit_mismatch_share", "live_mispredicted_share", "same_hit_ttft_ratio", "tpot_ratio")}
             att["paired"] = sum(a.get("paired", 0) for a in att_runs)
         loads = [x for r in lr for x in r.get("host_load", [])]
