@@ -26,10 +26,10 @@ from __future__ import annotations
 import argparse
 import math
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpuhit.errors import ConfigError
+from analysis.folder_records import read_folder
 
 QUINTILES = 5
 FIELDS = ("first_ttft_p90", "first_ttft_max", "service_p50", "first_wait_ratio",
@@ -65,24 +65,19 @@ def run_fairness(frame: Any) -> dict[str, float]:
     return out
 
 
-def analyze_folder(folder: str | pathlib.Path) -> dict[str, Any]:
-    """``{"runs": {run: figures}, "policies": {policy: {field: t_interval}}}`` over ``records/*.csv``."""
-    import pandas as pd
-
+def analyze_folder(folder: str | pathlib.Path, frames: Sequence[tuple[str, Any]] | None = None) -> dict[str, Any]:
+    """``{"runs": {run: figures}, "policies": {policy: {field: t_interval}}}`` over ``records/*.csv``
+    (``frames``: those records as :func:`analysis.folder_records.read_folder` reads them, when the
+    caller has them already)."""
     from analysis.compare import t_interval
 
-    folder = pathlib.Path(folder)
-    recs = sorted((folder / "records").glob("*.csv"))
-    if not recs:
-        raise ConfigError(f"{folder}: no records/*.csv (is it a gpuhit replay results folder?)")
     runs: dict[str, dict[str, float]] = {}
     by_policy: dict[str, list[dict[str, float]]] = {}
-    for path in recs:
-        df = pd.read_csv(path)
+    for run, df in read_folder(folder) if frames is None else frames:
         if df.empty:
             continue
         figs = run_fairness(df)
-        runs[path.stem] = figs
+        runs[run] = figs
         by_policy.setdefault(str(df["policy"].iloc[0]), []).append(figs)
     policies = {p: {f: t_interval([r[f] for r in rows]) for f in FIELDS} for p, rows in by_policy.items()}
     return {"runs": runs, "policies": policies}
@@ -113,9 +108,10 @@ def report_markdown(res: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_folder_section(folder: str | pathlib.Path) -> str:
-    """The replay report's hook: write ``fairness.md`` into a results folder; returns its Markdown."""
-    text = report_markdown(analyze_folder(folder))
+def write_folder_section(folder: str | pathlib.Path, frames: Sequence[tuple[str, Any]] | None = None) -> str:
+    """The replay report's hook: write ``fairness.md`` into a results folder; returns its Markdown
+    (``frames``: as :func:`analyze_folder` takes them)."""
+    text = report_markdown(analyze_folder(folder, frames))
     (pathlib.Path(folder) / "fairness.md").write_text(text + "\n", encoding="utf-8")
     return text
 

@@ -35,6 +35,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from analysis.folder_records import read_folder
 from gpuhit.errors import ConfigError
 
 REASONS = ("evicted_idle", "evicted_queued", "preempted", "cold_instance", "rejected")
@@ -180,17 +181,18 @@ def capacity_tokens(profile: str | None, block_size: int) -> float:
 
 
 def analyze_folder(folder: str | pathlib.Path, *, bin_s: float | None = None,
-                   profile: str | None = None) -> dict[str, Any]:
-    """Classify every run of a results folder. Returns ``{"runs": {run: summary}, "instances":
-    {run: rows}, "timelines": {run: timeline}, "capacity_tokens": C, "block_size": bs}``."""
+                   profile: str | None = None, frames: Sequence[tuple[str, Any]] | None = None) -> dict[str, Any]:
+    """Classify every run of a results folder (``frames``: its records as
+    :func:`analysis.folder_records.read_folder` reads them, when the caller has them already).
+    Returns ``{"runs": {run: summary}, "instances": {run: rows}, "timelines": {run: timeline},
+    "capacity_tokens": C, "block_size": bs}``."""
     import json
 
     import pandas as pd
 
     folder = pathlib.Path(folder)
-    recs = sorted((folder / "records").glob("*.csv"))
-    if not recs:
-        raise ConfigError(f"{folder}: no records/*.csv (is it a gpuhit replay results folder?)")
+    if frames is None:
+        frames = read_folder(folder)
     opts: dict[str, Any] = {}
     plan = folder / "plan.json"
     if plan.exists():
@@ -198,10 +200,8 @@ def analyze_folder(folder: str | pathlib.Path, *, bin_s: float | None = None,
     bs = int(opts.get("block_size") or 16)
     cap = capacity_tokens(profile or opts.get("profile"), bs)
     out: dict[str, Any] = {"runs": {}, "instances": {}, "timelines": {}, "capacity_tokens": cap, "block_size": bs}
-    for path in recs:
-        df = classify(pd.read_csv(path, keep_default_na=False, na_values={"first_token": [""], "finish": [""],
-                                                                          "arrival": [""]}), bs)
-        run = path.stem
+    for run, frame in frames:
+        df = classify(frame, bs)
         span = float(pd.to_numeric(df["finish"], errors="coerce").max() or 0.0)
         b = bin_s or max(1.0, span / 200.0)
         tl = instance_timeline(df, b)
@@ -290,13 +290,13 @@ def plot_timeline(tl: Mapping[str, Mapping[str, list[float]]], capacity: float, 
     return path
 
 
-def write_folder_section(folder: str | pathlib.Path, *, plots: bool, profile: str | None = None
-                         ) -> tuple[str, list[pathlib.Path]]:
+def write_folder_section(folder: str | pathlib.Path, *, plots: bool, profile: str | None = None,
+                         frames: Sequence[tuple[str, Any]] | None = None) -> tuple[str, list[pathlib.Path]]:
     """The replay report's hook: write ``lost_hits.md`` into a simulated replay's results folder
     and, with ``plots``, one timeline per policy (its first seed's run) as ``lost-hits-<run>.png``.
-    Returns the Markdown and the plot paths."""
+    Returns the Markdown and the plot paths. ``frames``: as :func:`analyze_folder` takes them."""
     folder = pathlib.Path(folder)
-    res = analyze_folder(folder, profile=profile)
+    res = analyze_folder(folder, profile=profile, frames=frames)
     text = report_markdown(res)
     (folder / "lost_hits.md").write_text(text + "\n", encoding="utf-8")
     out: list[pathlib.Path] = []

@@ -221,8 +221,7 @@ def _rates(args: argparse.Namespace) -> list[float]:
 
 def main(args: argparse.Namespace) -> int:
     from analysis.compare import compare, format_table, to_json
-    from analysis.fairness import analyze_folder as analyze_fairness
-    from analysis.fairness import report_markdown as fairness_markdown
+    from analysis.fairness import write_folder_section as write_fairness
     from policies.registry import available
 
     if args.seeds < 2:
@@ -286,7 +285,10 @@ def main(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(f"{label}: {exc}") from None
         table = format_table(cmp)
-        fair = fairness_markdown(analyze_fairness(folder))
+        # the fairness view the replay wrote beside its records (computed here only for a folder
+        # an older replay wrote without it)
+        written = folder / "fairness.md"
+        fair = written.read_text(encoding="utf-8").rstrip("\n") if written.exists() else write_fairness(folder)
         comparisons[label] = {"rate": rate, "folder": str(folder), "comparison": cmp, "table": table,
                               "fairness": fair, "meta": doc.get("meta", {})}
         (out / f"comparison-{label}.txt").write_text(

@@ -134,6 +134,7 @@ def finish(out: pathlib.Path, *, doc: Mapping[str, Any], table: str, meta: Mappi
     one JSON document with ``as_json``. ``with_plots``: the PNG figures (and the report's images)."""
     from analysis.compare import TABLE_COLUMNS, format_table, to_json
     from analysis.fairness import write_folder_section as write_fairness
+    from analysis.folder_records import read_folder
     from analysis.headline import headline
     from analysis.lost_hits import write_folder_section
     from analysis.report import write_report
@@ -151,8 +152,9 @@ def finish(out: pathlib.Path, *, doc: Mapping[str, Any], table: str, meta: Mappi
 
         pngs = plots(out, results)
         answer = plot_p90_intervals(doc, out / "p90_by_policy.png")
-    lost_text, lost_plots = write_folder_section(out, plots=with_plots, profile=profile)
-    fair_text = write_fairness(out)
+    frames = read_folder(out)  # every run's records, read once for both sections
+    lost_text, lost_plots = write_folder_section(out, plots=with_plots, profile=profile, frames=frames)
+    fair_text = write_fairness(out, frames)
     opening = headline(summaries, meta, str(out))
     write_report(out / "report.html", title=title, comparison=doc, table_text=table, plots=pngs + lost_plots,
                  meta=meta, runs=summaries, headline=opening[:2], answer_plot=answer,
