@@ -18,3 +18,15 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
         await task
     except asyncio.CancelledError:
         pass
+
+
+async def until_signalled() -> None:
+    """Wait for SIGINT/SIGTERM (Ctrl-C, kill): the long-running commands (``gpuhit serve``,
+    ``gpuhit emulate``) then shut down cleanly, whatever the loop implementation."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 
+from gpuhit.aio import until_signalled
 from gpuhit.errors import ConfigError
 
 
@@ -90,7 +90,7 @@ async def serve(args: argparse.Namespace) -> None:
     print(f"gpuhit emulate: {engine.name} serving {srv.model} on http://{args.host}:{port} (KV events {src})",
           flush=True)
     try:
-        await _until_signalled()
+        await until_signalled()
     finally:
         await srv.close()
         close = getattr(engine, "close", None)
@@ -109,14 +109,3 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
-
-
-async def _until_signalled() -> None:
-    """Wait for SIGINT/SIGTERM (Ctrl-C, kill): a clean shutdown, whatever the loop implementation."""
-    import signal
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()

@@ -13,6 +13,7 @@ import gc
 from gateway.config import GatewayConfig
 from gateway.http.app import Gateway
 from gpuhit import tracing
+from gpuhit.aio import until_signalled
 
 
 async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
@@ -31,7 +32,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
               f"{', C speedups' if gw.accel is not None else ''})", flush=True)
         if ready is not None:
             ready.set()
-        await _until_signalled()
+        await until_signalled()
     finally:
         await gw.shutdown()
         tracing.shutdown()
@@ -44,17 +45,6 @@ def run(cfg: GatewayConfig) -> None:
         run_live(serve(cfg))
     except KeyboardInterrupt:
         pass
-
-
-async def _until_signalled() -> None:
-    """Wait for SIGINT/SIGTERM (Ctrl-C, kill): a clean shutdown, whatever the loop implementation."""
-    import signal
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
 
 
 __all__ = ["run", "serve"]
