@@ -39,6 +39,7 @@ from engines.base import EngineClient, EngineStats, max_cached_tokens
 from engines.kv_events import KVEventBatch
 from gateway.bindings import SessionBindings
 from gateway.inprocess import RoutedResult, accepts_on_progress, run_routed
+from gateway.instance_health import InstanceHealth
 from gateway.kv_index import KVIndex
 from gateway.residency import SessionResidency
 from gateway.ticket import RouteRecord, RouteRequest, RouterStats, Ticket
@@ -96,8 +97,6 @@ class Router:
         names = [e.name for e in engines]
         if len(set(names)) != n:
             raise ConfigError(f"engine names must be unique, got {names}")
-        if unhealthy_after is not None and unhealthy_after <= 0:
-            raise ConfigError("unhealthy_after must be positive or None")
         self.engines = tuple(engines)
         self.policy = policy
         self.policy_name = str(getattr(policy, "name", type(policy).__name__))
@@ -116,7 +115,6 @@ class Router:
         self.names = tuple(names)
         self.decision_sink = decision_sink
         self.kv_bytes_per_token = kv_bytes_per_token
-        self.unhealthy_after = unhealthy_after
         # The engines' stats (running, waiting, KV usage, capacity) go into snapshots only for a
         # policy that reads them: one that declares ``reads_engine_stats = False`` gets None there.
         self.use_engine_stats = use_engine_stats and bool(getattr(policy, "reads_engine_stats", True))
@@ -130,9 +128,9 @@ class Router:
         self._pending: list[int] = [0] * n
         self._decode: list[int] = [0] * n
         self._active_blocks: list[int] = [0] * n
-        self._healthy = [True] * n
-        self.unhealthy_reason: list[str | None] = [None] * n
-        self._consecutive_errors = [0] * n
+        # Health marks (gateway/instance_health.py); the lists are shared: snapshots read them as they are.
+        health = self.health = InstanceHealth(n, unhealthy_after)
+        self._healthy, self.unhealthy_reason, self._consecutive_errors = health.ok, health.reason, health.consecutive_errors
         self._seq = itertools.count()
         self._xfer = itertools.count()
         self._progress_ok = [accepts_on_progress(e) for e in engines]
@@ -177,29 +175,18 @@ class Router:
     def _note_error(self, i: int, reason: str) -> None:
         self.stats.errors += 1
         self.stats.errors_by_instance[i] += 1
-        self._consecutive_errors[i] += 1
-        if self.unhealthy_after is not None and self._consecutive_errors[i] >= self.unhealthy_after:
-            self.mark_unhealthy(i, f"{self._consecutive_errors[i]} consecutive errors, last: {reason}")
+        self.health.failed(i, reason)
 
     # -- health ------------------------------------------------------------------------------------
 
     def mark_unhealthy(self, i: int, reason: str) -> None:
-        self._check(i)
-        self._healthy[i] = False
-        self.unhealthy_reason[i] = reason
+        self.health.mark_unhealthy(i, reason)
 
     def mark_healthy(self, i: int) -> None:
-        self._check(i)
-        self._healthy[i] = True
-        self.unhealthy_reason[i] = None
-        self._consecutive_errors[i] = 0
+        self.health.mark_healthy(i)
 
     def healthy(self, i: int) -> bool:
         return self._healthy[i]
-
-    def _check(self, i: int) -> None:
-        if not 0 <= i < len(self.engines):
-            raise ConfigError(f"instance {i} out of range 0..{len(self.engines) - 1}")
 
     # -- deciding ----------------------------------------------------------------------------------
 
@@ -304,7 +291,7 @@ class Router:
         """Account a request that must run on ``target`` (it names state only that engine holds,
         e.g. a stored response): no policy choice, the same bookkeeping and predicted hit as
         :meth:`begin`. An unhealthy target is a :class:`NoInstanceError` naming it."""
-        self._check(target)
+        self.health.check(target)
         if not self._healthy[target]:
             raise NoInstanceError(f"engine {self.names[target]} is unhealthy ({self.unhealthy_reason[target]}) "
                                   f"and {reason}")
