@@ -73,7 +73,7 @@ def advertised(endpoint: str | None, host: str) -> str | None:
     return f"tcp://{host}:{port}"
 
 
-def kv_event_sources(publisher: KVEventPublisher, host: str, topic: str) -> dict[str, dict[str, Any]]:
+def describe_kv_sources(publisher: KVEventPublisher, host: str, topic: str) -> dict[str, dict[str, Any]]:
     """vLLM 0.32's ``/kv_event_sources``: the KV-events config of each data-parallel rank, keyed by rank."""
     return {
         "0": {
@@ -90,4 +90,4 @@ def kv_event_sources(publisher: KVEventPublisher, host: str, topic: str) -> dict
     }
 
 
-__all__ = ["BUFFER_STEPS", "HWM", "advertised", "kv_event_sources", "metrics_text", "model_card"]
+__all__ = ["BUFFER_STEPS", "HWM", "advertised", "describe_kv_sources", "metrics_text", "model_card"]

@@ -49,7 +49,7 @@ from aiohttp import web
 from engines.base import GenerateRequest, GenerateResult
 from engines.emulated.completion_answer import error_response, stream_answer, unary_answer
 from engines.emulated.dialect_routes import DialectRoutes
-from engines.emulated.info_routes import BUFFER_STEPS, HWM, kv_event_sources, metrics_text, model_card
+from engines.emulated.info_routes import BUFFER_STEPS, HWM, describe_kv_sources, metrics_text, model_card
 from engines.emulated.request_fields import (
     VOCAB,
     bool_field,
@@ -131,7 +131,7 @@ class EmulatedServer:
                 kv_events_endpoint, kv_replay_endpoint, topic=topic, shape=kv_event_shape,
                 buffer_steps=BUFFER_STEPS, hwm=HWM,
             )
-            self._sources = kv_event_sources(self._publisher, advertise_host, topic)
+            self._sources = describe_kv_sources(self._publisher, advertise_host, topic)
             engine.subscribe_kv_events(self._on_kv_batch)
         self.app = web.Application(client_max_size=256 * 1024**2)
         self.app.add_routes(
