@@ -146,10 +146,12 @@ class BlockPool:
         return bool(self._watch[ids].any())
 
     # ---- allocation ----------------------------------------------------------------------------
-    def get_new_blocks(self, n: int) -> np.ndarray:
+    def get_new_blocks(self, n: int, event_per_block: bool = False) -> np.ndarray:
         """Pop ``n`` blocks from the head of the free queue, evicting cached ones; ref count 1.
 
-        Evictions, their events and ``on_evict`` calls follow the popping order.
+        Evictions, their events and ``on_evict`` calls follow the popping order. The evictions share
+        one ``BlockRemoved``; with ``event_per_block`` each gets its own, as ``n`` allocations of
+        one block would publish them (a decode stretch's allocations made in one pop).
         """
         q = self.free_queue
         if n > q.num_free:
@@ -159,8 +161,19 @@ class BlockPool:
         ids = q.popleft_many(n)
         self.ref_cnt[ids] = 1
         if n == 1:
-            h = self.block_hash[ids[0]]
+            b = int(ids[0])
+            h = self.block_hash[b]
             if h is None:
+                return ids
+            if not self._dups and self.on_evict is None:
+                # one eviction (every decode that starts a block): scalar operations only
+                if self.watching and not self.watch_dirty and self._watch[b]:
+                    self.watch_dirty = True
+                self._cached.pop(h)
+                self.block_hash[b] = None
+                self.has_hash[b] = False
+                if self.enable_events:
+                    self.events.append(BlockRemoved((h,), GPU))
                 return ids
             hs = (h,)
         else:
@@ -181,7 +194,10 @@ class BlockPool:
             self.block_hash[ids] = None  # parent_hash is left stale: read only while cached
             self.has_hash[ids] = False
         if self.enable_events:
-            self.events.append(BlockRemoved(hs, GPU))
+            if event_per_block:
+                self.events.extend([BlockRemoved((h,), GPU) for h in hs])
+            else:
+                self.events.append(BlockRemoved(hs, GPU))
         return ids
 
     def _evict(self, b: int) -> None:

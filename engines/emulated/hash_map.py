@@ -106,8 +106,13 @@ class ChainIdMap:
         self._drop(h >> _BITS, 1)
 
     def pop(self, h: int) -> int:
-        b = self[h]
-        del self[h]
+        p, o = h >> _BITS, h & _LOW
+        page = self._pages.get(p)
+        b = -1 if page is None else int(page[o])
+        if b < 0:
+            raise KeyError(h)
+        page[o] = -1  # type: ignore[index]
+        self._drop(p, 1)
         return b
 
     def __iter__(self) -> Iterator[int]:

@@ -22,6 +22,8 @@ import pathlib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 from gpuhit.errors import ConfigError
 
 PROFILES_PATH = pathlib.Path(__file__).with_name("profiles.json")
@@ -86,6 +88,19 @@ class Profile:
             + prefill_cost
             + self.decode_per_ctx_token_s * decode_ctx_sum
         )
+
+    def decode_step_ends(self, start: float, num_seqs: int, decode_ctx_sum: int, k: int) -> np.ndarray:
+        """End times of ``k`` decode-only steps of a fixed batch from ``start``: step ``j`` (from 0)
+        lasts ``step_time(num_seqs, 0.0, decode_ctx_sum + num_seqs * j)`` and ends where the next
+        begins. Bit-identical to summing :meth:`step_time` one step at a time (the decode jump relies
+        on it): the same operations in the same order on float64 (contexts are exact below 2**53),
+        and ``np.add.accumulate`` adds in sequence, not pairwise."""
+        base = self.step_overhead_s + self.per_seq_overhead_s * num_seqs + 0.0
+        ctx = decode_ctx_sum + num_seqs * np.arange(k, dtype=np.int64)
+        steps = np.empty(k + 1)
+        steps[0] = start
+        steps[1:] = base + self.decode_per_ctx_token_s * ctx.astype(np.float64)
+        return np.add.accumulate(steps)[1:]
 
     def frontend_delay(self, prompt_len: int) -> float:
         return self.frontend_overhead_s + self.frontend_per_token_s * prompt_len
