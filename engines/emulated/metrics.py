@@ -12,7 +12,6 @@ import bisect
 from collections.abc import Iterable
 
 import numpy as np
-
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
