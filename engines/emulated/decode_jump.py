@@ -215,7 +215,7 @@ class DecodeJumpMixin:
                 node = order[popped]
                 popped += 1
                 if node in in_hit:
-                    if pool.block_hash[node] in dups:
+                    if pool.block_hash.item(node) in dups:
                         # a duplicate takes over the hash and the hit goes on with another block,
                         # whose reference count this plan does not follow: step from here instead
                         return j - 1, (head, hits)

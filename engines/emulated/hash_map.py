@@ -10,10 +10,16 @@ The pool is given one of them where its engine is built; both answer every query
 blocks, the same first-cached block per hash), which ``tests/engines/emulated/test_hash_map.py``
 holds them to.
 
-Batch operations (the pool's hot paths): ``pop_all(hashes)`` removes hashes that are all present;
-``setdefault_all(hashes, blocks)`` maps each new hash to its block and returns, per hash, the block
-it maps to afterwards (its own, or the one cached before: a duplicate); ``get_all(hashes)`` returns
-the blocks of hashes that are all present as an id array, or None when one is absent.
+Each map also decides how the pool stores a block's hash (``key_array``, ``NO_KEY``, ``keys``): a numpy
+object array of the hash ints for :class:`HashMap` (vLLM's 64-bit hashes need not fit int64), a
+plain int64 array for :class:`ChainIdMap`, so that a batch of evictions or cached blocks goes from
+the pool's arrays to the map and back with no Python int per block.
+
+Batch operations (the pool's hot paths) take the pool's key arrays: ``pop_all(keys)`` removes hashes
+that are all present; ``setdefault_all(keys, blocks)`` maps each new hash to its block and returns
+None when every hash was new, else, per hash, the block it maps to afterwards (its own, or the one
+cached before: a duplicate); ``get_all(hashes)`` returns the blocks of hashes that are all present
+as an id array, or None when one is absent.
 """
 
 from __future__ import annotations
@@ -23,19 +29,34 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from engines.emulated.block_ids import BLOCK_ID as _BLOCK_ID
+from engines.emulated.block_ids import distinct
 from gpuhit.errors import ConfigError
-
-_BLOCK_ID = np.intp
 
 
 class HashMap(dict):
     """The reference map: a dict, for any int hashes (vLLM's event ints)."""
 
-    def pop_all(self, hashes: Sequence[int]) -> None:
-        deque(map(self.pop, hashes), 0)  # pop: a fast call, unlike the __delitem__ slot wrapper
+    NO_KEY = None
 
-    def setdefault_all(self, hashes: Sequence[int], blocks: list[int]) -> list[int]:
-        return list(map(self.setdefault, hashes, blocks))
+    @staticmethod
+    def key_array(n: int) -> np.ndarray:
+        return np.full(n, None, object)
+
+    @staticmethod
+    def keys(hashes: Sequence[int]) -> np.ndarray:
+        """The hashes as the pool stores them: an object array of these very ints."""
+        out = np.empty(len(hashes), object)
+        out[:] = hashes
+        return out
+
+    def pop_all(self, keys: np.ndarray) -> None:
+        deque(map(self.pop, keys.tolist()), 0)  # pop: a fast call, unlike the __delitem__ slot wrapper
+
+    def setdefault_all(self, keys: np.ndarray, blocks: np.ndarray) -> np.ndarray | None:
+        ids = blocks.tolist()
+        got = list(map(self.setdefault, keys.tolist(), ids))
+        return None if got == ids else np.array(got, _BLOCK_ID)
 
     def get_all(self, hashes: Sequence[int]) -> np.ndarray | None:
         try:
@@ -57,6 +78,12 @@ class ChainIdMap:
     """
 
     __slots__ = ("_count", "_len", "_pages", "_scratch")
+
+    NO_KEY = -1
+
+    @staticmethod
+    def key_array(n: int) -> np.ndarray:
+        return np.full(n, -1, np.int64)
 
     def __init__(self) -> None:
         self._pages: dict[int, np.ndarray] = {}
@@ -125,22 +152,22 @@ class ChainIdMap:
         self._len = 0
 
     # ---- batches -------------------------------------------------------------------------------
-    def pop_all(self, hashes: Sequence[int]) -> None:
-        hs = self._array(hashes)
-        for p, offs in self._by_page(hs):
+    def pop_all(self, keys: np.ndarray) -> None:
+        for p, offs in self._by_page(keys):
             self._pages[p][offs] = -1
             self._drop(p, len(offs))
 
-    def setdefault_all(self, hashes: Sequence[int], blocks: list[int]) -> list[int]:
-        hs = self._array(hashes)
-        ids = np.asarray(blocks, np.int64)
-        got = ids.copy()
+    def setdefault_all(self, keys: np.ndarray, blocks: np.ndarray) -> np.ndarray | None:
+        got: np.ndarray | None = None
         pos = 0
-        for p, offs in self._by_page(hs, ordered=True):
+        for p, offs in self._by_page(keys, ordered=True):
             n = len(offs)
-            if not self._distinct(offs):  # a hash twice in one batch: the first one is cached
+            ids = blocks[pos : pos + n]
+            if not distinct(offs, self._scratch):  # a hash twice in one batch: the first one is cached
+                if got is None:
+                    got = np.array(blocks, _BLOCK_ID)
                 for i in range(pos, pos + n):
-                    got[i] = self.setdefault(int(hs[i]), int(ids[i]))
+                    got[i] = self.setdefault(int(keys[i]), int(blocks[i]))
                 pos += n
                 continue
             page = self._page(p)
@@ -148,18 +175,20 @@ class ChainIdMap:
             new = cur < 0
             n_new = int(np.count_nonzero(new))
             if n_new == n:
-                page[offs] = ids[pos : pos + n]
+                page[offs] = ids
             else:
-                page[offs[new]] = ids[pos : pos + n][new]
+                page[offs[new]] = ids[new]
+                if got is None:
+                    got = np.array(blocks, _BLOCK_ID)
                 got[pos : pos + n][~new] = cur[~new]
             if n_new:
                 self._count[p] += n_new
                 self._len += n_new
             pos += n
-        return got.tolist()
+        return got
 
     def get_all(self, hashes: Sequence[int]) -> np.ndarray | None:
-        hs = self._array(hashes)
+        hs = self.keys(hashes)
         out = np.empty(len(hs), _BLOCK_ID)
         pos = 0
         for p, offs in self._by_page(hs, ordered=True):
@@ -175,7 +204,8 @@ class ChainIdMap:
 
     # ---- internals -----------------------------------------------------------------------------
     @staticmethod
-    def _array(hashes: Sequence[int]) -> np.ndarray:
+    def keys(hashes: Sequence[int]) -> np.ndarray:
+        """The hashes as the pool stores them: int64 (ConfigError for hashes that are not chain ids)."""
         try:
             hs = np.fromiter(hashes, np.int64, len(hashes))
         except OverflowError:
@@ -202,11 +232,6 @@ class ChainIdMap:
             return
         for p in np.unique(pages):
             yield int(p), hs[pages == p] & _LOW
-
-    def _distinct(self, offs: np.ndarray) -> bool:
-        pos = np.arange(len(offs))
-        self._scratch[offs] = pos
-        return bool((self._scratch[offs] == pos).all())
 
     def _page(self, p: int) -> np.ndarray:
         page = self._pages.get(p)

@@ -136,8 +136,8 @@ class KVCacheManager:
         (the session's previous turn) held at the same chain positions. The run holding the
         block of the last hash gives candidates; they are the answer if each still holds its
         hash (without duplicates, a block holding ``h`` is the one ``h`` maps to). Checking that
-        is one vectorized gather and a list comparison of identical int objects, several times
-        cheaper than a dict lookup per block. Any mismatch: None, and the caller looks up.
+        is one vectorized gather and a list comparison, several times cheaper than a lookup per
+        block. Any mismatch: None, and the caller looks up.
         """
         k = len(hs)
         if self._pos_in_run[last] != k - 1:
