@@ -226,8 +226,8 @@ class ChainIdMap:
             yield first, hs & _LOW
             return
         if ordered:
-            cut = np.flatnonzero(pages[1:] != pages[:-1]) + 1
-            for lo, hi in zip(np.r_[0, cut], np.r_[cut, len(hs)]):
+            bounds = [0, *(np.flatnonzero(pages[1:] != pages[:-1]) + 1).tolist(), len(hs)]
+            for lo, hi in zip(bounds, bounds[1:]):
                 yield int(pages[lo]), hs[lo:hi] & _LOW
             return
         for p in np.unique(pages):
