@@ -60,3 +60,20 @@ def test_scalar_operations_and_bad_hashes():
         m.keys(((1 << 63) + 5,))
     with pytest.raises(ConfigError, match="not chain ids"):
         m.keys((-1,))
+
+
+def test_rows_grow_and_are_given_back():
+    """Ids spread over more pages than the first rows: the store grows (row views remade) and a
+    page whose last id goes gives its row back, in batches and one by one."""
+    ref, fast = HashMap(), ChainIdMap()
+    keys = np.array([p * 4096 + o for p in range(0, 400, 7) for o in (0, 5, 4095)], np.int64)
+    blocks = np.arange(len(keys))
+    assert fast.setdefault_all(keys, blocks) is None and ref.setdefault_all(ref.keys(keys.tolist()), blocks) is None
+    assert fast.get_all(keys.tolist()).tolist() == blocks.tolist() and len(fast) == len(ref) == len(keys)
+    assert fast.get(7 * 4096 + 5) == 4 and 7 * 4096 + 6 not in fast
+    fast.pop_all(keys[: len(keys) // 2])
+    for h in keys[len(keys) // 2 :].tolist():
+        assert fast.pop(h) == ref[h]
+    assert len(fast) == 0 and not fast._pages and len(fast._free) == len(fast._count)
+    fast[3] = 9  # a freed row is reused
+    assert fast[3] == 9 and list(fast) == [3]
