@@ -76,6 +76,12 @@ class BlockPool:
         # the hashes as the map keeps them (objects for vLLM's hashes, int64 for chain ids)
         self.block_hash = self._cached.key_array(num_blocks)
         self._no_key = self._cached.NO_KEY
+        # The hashes as the very int objects the requests carry, for comparing a run of blocks with a
+        # prompt's hashes (kv_manager's run check): a list of the same objects compares at memory
+        # speed, where int64 keys would make a new int per block. Written when blocks are cached,
+        # left stale after an eviction (read only where has_hash holds).
+        self._objects_apart = self.block_hash.dtype != object
+        self.hash_objects = HashMap.key_array(num_blocks) if self._objects_apart else self.block_hash
         # block_hash[id] is not None, kept beside it so that masks over many blocks are one numpy
         # operation instead of a Python comparison per object
         self.has_hash = np.zeros(num_blocks, bool)
@@ -117,6 +123,7 @@ class BlockPool:
     def reset_cache(self) -> None:
         """Forget every cached hash (vLLM's prefix-cache reset); the caller checked nothing is in use."""
         self.block_hash[:] = self._no_key
+        self.hash_objects[:] = None
         self.has_hash[:] = False
         self.parent_hash[:] = None
         self._cached.clear()
@@ -304,6 +311,8 @@ class BlockPool:
                 if c != b:  # vLLM keeps the duplicate blocks, first cached one in the map
                     dups.setdefault(h, []).append(b)
         self.block_hash[seg] = keys
+        if self._objects_apart:
+            self.hash_objects[seg] = HashMap.keys(hs)
         self.has_hash[seg] = True
         if self.on_evict is not None:
             # parent_hash is read only by on_evict (the CPU tier's BlockStored)

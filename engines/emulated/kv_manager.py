@@ -146,7 +146,10 @@ class KVCacheManager:
         if run is None:
             return None
         cand = run[:k]
-        held = self.pool.block_hash[cand].tolist()
+        pool = self.pool
+        if not pool.has_hash[cand].all():
+            return None
+        held = pool.hash_objects[cand].tolist()
         if held != (hs if isinstance(hs, list) else list(hs)):
             return None
         self.run_hits += 1
