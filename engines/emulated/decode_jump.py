@@ -66,6 +66,11 @@ class Allocations:
         a request needs a new block at the step whose token starts one)."""
         if k < 2:
             return cls(_NONE, _NONE)
+        if len(computed) * (k // block_size + 1) <= 64:
+            # a few allocations: the definition itself, cheaper than a dozen numpy calls
+            pairs = sorted((j, idx) for idx, c in enumerate(computed)
+                           for j in range(_first_step(c, block_size), k + 1, block_size))
+            return cls(np.array([j for j, _ in pairs], np.int64), np.array([i for _, i in pairs], np.int64))
         c = np.asarray(computed, np.int64)
         first = 1 + (-c) % block_size  # the step of the first block it starts
         first[first == 1] += block_size  # step 1's allocation was made when it was scheduled
@@ -88,6 +93,12 @@ class Allocations:
 
 
 _NONE = np.empty(0, np.int64)
+
+
+def _first_step(computed: int, block_size: int) -> int:
+    """The step (from 1) whose decode starts a new block, after step 1 (allocated when scheduled)."""
+    j0 = 1 + (-computed) % block_size
+    return j0 + block_size if j0 == 1 else j0
 
 
 class DecodeJumpMixin:
@@ -270,8 +281,7 @@ class DecodeJumpMixin:
             await self._sleep_until(end)
             self._apply(out, start, end)
             return
-        ends_arr = self.profile.decode_step_ends(start, n, sum(out.contexts), k)
-        ends = ends_arr.tolist()
+        ends = self.profile.decode_step_ends(start, n, sum(out.contexts), k)
         self._jump_state = [reqs, allocs, ends, start, 0]
         timers = self._per_step_progress(reqs, ends)
         try:
@@ -291,7 +301,7 @@ class DecodeJumpMixin:
                 m = bisect.bisect_left(ends, now) + 1
                 if ends[m - 1] > now:
                     await self._sleep_until(ends[m - 1])
-        self._apply_jump(reqs, m, ends_arr, start, allocs)
+        self._apply_jump(reqs, m, ends, start, allocs)
 
     @staticmethod
     def _per_step_progress(reqs: list[EmuRequest], ends: list[float]) -> list[asyncio.TimerHandle]:
@@ -308,7 +318,7 @@ class DecodeJumpMixin:
                 timers.extend(loop.call_at(t, cb, base + j) for j, t in enumerate(ends[:-1], 1))
         return timers
 
-    def _apply_jump(self, reqs: list[EmuRequest], m: int, ends: np.ndarray, start: float,
+    def _apply_jump(self, reqs: list[EmuRequest], m: int, ends: list[float], start: float,
                     allocs: Allocations) -> None:
         done = 0
         if self._jump_state is not None:
@@ -318,16 +328,15 @@ class DecodeJumpMixin:
         if upto > done:
             self.kv.append_blocks(reqs, allocs.owner[done:upto])
         met = self.metrics
-        end = float(ends[m - 1])
+        end = ends[m - 1]
         met.add_busy(start, end)
         met.num_steps += m
         n = len(reqs)
         itl = met.itl
-        first = float(ends[0])
         for r in reqs:
-            itl.observe(first - r.last_token_time)
+            itl.observe(ends[0] - r.last_token_time)
         if m > 1:
-            itl.observe_array(np.diff(ends[:m]), n)
+            itl.observe_gaps(ends[:m], n)
         finished = []
         for r in reqs:
             r.num_computed_tokens += m

@@ -9,6 +9,7 @@ is ``busy / elapsed``, with a binned series for plots.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable
 
 import numpy as np
@@ -47,6 +48,21 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, v)] += weight
         self.sum += v * weight
         self.count += weight
+
+    def observe_gaps(self, times: list[float], weight: int = 1) -> None:
+        """Each gap between consecutive ``times`` observed ``weight`` times (a decode stretch's step
+        ends, one gap per sequence of its batch): in Python for a few, in numpy for many."""
+        if len(times) <= 64:
+            b, c = self.buckets, self.counts
+            s = 0.0
+            for t0, t1 in itertools.pairwise(times):
+                v = t1 - t0
+                c[bisect.bisect_left(b, v)] += weight
+                s += v
+            self.sum += s * weight
+            self.count += (len(times) - 1) * weight
+        else:
+            self.observe_array(np.diff(np.asarray(times)), weight)
 
     def observe_array(self, values: np.ndarray, weight: int = 1) -> None:
         """Each value observed ``weight`` times (one decode step's gap for each of its sequences), in

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import random
 
 import numpy as np
@@ -24,7 +25,7 @@ def test_step_ends_equal_summing_step_time(seed):
     for j in range(k):
         t = t + prof.step_time(n, 0.0, ctx + n * j)
         ref.append(t)
-    assert prof.decode_step_ends(start, n, ctx, k).tolist() == ref  # exact, float for float
+    assert prof.decode_step_ends(start, n, ctx, k) == ref  # exact, float for float (short: the sum itself)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -57,3 +58,13 @@ def test_observe_array_buckets_like_observe():
     assert arr.counts == one.counts and arr.count == one.count
     assert arr.sum == pytest.approx(one.sum)
     assert one.counts[bisect.bisect_left(ITL_BUCKETS, 0.01)] >= 3
+
+
+@pytest.mark.parametrize("n", [2, 30, 200])
+def test_observe_gaps_buckets_like_observe(n):
+    times = np.cumsum(np.random.default_rng(n).exponential(0.05, n)).tolist()
+    one, gaps = Histogram(ITL_BUCKETS), Histogram(ITL_BUCKETS)
+    for a, b in itertools.pairwise(times):
+        one.observe(b - a, 4)
+    gaps.observe_gaps(times, 4)
+    assert gaps.counts == one.counts and gaps.count == one.count and gaps.sum == pytest.approx(one.sum)
