@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.base import EngineClient
 from engines.emulated.profile import DEFAULT_PROFILE
 from gpuhit import vtime
 from gpuhit.errors import BadRequestError, ConfigError
@@ -51,9 +50,8 @@ from replayer.driver import (
     request_max_tokens,
 )
 from replayer.records import RequestRecord, records_to_frame
+from replayer.sim_engines import EngineFactory, busy_time, emulated_factory, engine_series, new_registry
 from replayer.trace import Trace
-
-EngineFactory = Callable[[str, int, Any], EngineClient]  # (name, index, transfer registry) -> engine
 
 
 @dataclass(slots=True)
@@ -176,62 +174,6 @@ def trace_span(trace: Trace, cfg: ArrivalConfig, max_sessions: int | None = None
     return span
 
 
-def _busy_time(engine: Any) -> float | None:
-    """Cumulative busy seconds of an engine (None = the engine does not report it)."""
-    m = getattr(engine, "metrics", None)
-    if m is not None and isinstance(getattr(m, "busy_s", None), (int, float)):
-        return float(m.busy_s)
-    v = getattr(engine, "busy_time", None)
-    if v is not None:
-        return float(v() if callable(v) else v)
-    return None
-
-
-def _engine_series(engine: Any, now: float, t0: float) -> tuple[list[float], list[float]] | None:
-    """The engine's own binned busy-fraction series, relative to ``t0`` (None = not provided)."""
-    m = getattr(engine, "metrics", None)
-    fn = getattr(m, "utilization_series", None)
-    if fn is None:
-        return None
-    pts = fn(now)
-    return [t - t0 for t, _ in pts], [u for _, u in pts]
-
-
-def emulated_factory(profile: str, engine_kwargs: Mapping[str, Any] | None = None,
-                     util_bin_s: float | None = None, block_ids: str = "vllm") -> EngineFactory:
-    """Factory of :class:`engines.emulated.EmulatedEngine` instances sharing one transfer registry.
-    ``block_ids``: the identity of the block hashes the engines will be sent ("chain": the
-    synthesizer's chain ids, which the engines' block pools keep in numpy pages)."""
-    from engines.emulated.engine import EmulatedEngine as Engine
-    from engines.emulated.profile import load_profile
-
-    prof = load_profile(profile)  # once per run, not per engine; unknown names raise ConfigError
-    kwargs = dict(engine_kwargs or {})
-    params = inspect.signature(Engine).parameters
-    if "emit_token_ids" in params:
-        # The simulation sends block hashes, not token ids: nothing to put into BlockStored events.
-        kwargs.setdefault("emit_token_ids", False)
-    if util_bin_s is not None and "util_bin_s" in params:
-        kwargs.setdefault("util_bin_s", util_bin_s)
-    if block_ids != "vllm":
-        kwargs.setdefault("block_ids", block_ids)
-
-    def make(name: str, index: int, registry: Any) -> EngineClient:
-        kw = dict(kwargs)
-        if registry is not None and "transfer_registry" in params:
-            kw["transfer_registry"] = registry
-        return Engine(name, prof, **kw)
-
-    return make
-
-
-def _new_registry() -> Any:
-    """The in-process KV transfer registry the engines of one simulation share (PD, migration)."""
-    from engines.emulated.kv_transfer import TransferRegistry
-
-    return TransferRegistry()
-
-
 def _pd_roles(spec: str, instances: int) -> tuple[str, ...]:
     """'6P+2D' -> ('prefill',)*6 + ('decode',)*2, checked against the instance count."""
     import re
@@ -340,7 +282,7 @@ def simulate(
                                                  block_ids=getattr(synth, "identity", "vllm"))
 
     async def main() -> tuple[ReplayOutcome, dict[str, float], dict[str, tuple[list[float], list[float]]], Any]:
-        registry = _new_registry() if engine_factory is None else None
+        registry = new_registry() if engine_factory is None else None
         engines = [factory(f"gpu{i}", i, registry) for i in range(instances)]
         def make_index(engs: Sequence[Any]) -> Any:
             return PreciseKVIndex(instances) if index == "precise" else ApproximateKVIndex.from_engines(engs)
@@ -357,7 +299,7 @@ def simulate(
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
-        busy0 = [_busy_time(e) for e in engines]
+        busy0 = [busy_time(e) for e in engines]
         series: dict[str, tuple[list[float], list[float]]] = {e.name: ([], []) for e in engines}
         stop = asyncio.Event()
 
@@ -368,7 +310,7 @@ def simulate(
                 await asyncio.sleep(util_interval)
                 now = loop.time()
                 for i, e in enumerate(engines):
-                    b = _busy_time(e)
+                    b = busy_time(e)
                     if own[i] or b is None or prev[i] is None:
                         continue
                     ts, us = series[e.name]
@@ -414,10 +356,10 @@ def simulate(
         busy = {}
         now = loop.time()
         for i, e in enumerate(engines):
-            b = _busy_time(e)
+            b = busy_time(e)
             busy[e.name] = (b - busy0[i]) if (b is not None and busy0[i] is not None) else math.nan
             if own[i]:
-                got = _engine_series(e, now, t0)
+                got = engine_series(e, now, t0)
                 if got is not None:
                     series[e.name] = got
             close = getattr(e, "close", None)

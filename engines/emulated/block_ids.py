@@ -39,6 +39,17 @@ def positions(n: int) -> np.ndarray:
     return _POSITIONS[:n]
 
 
+def distinct(ids: np.ndarray, scratch: np.ndarray) -> bool:
+    """Whether no id occurs twice in ``ids`` (O(n), no sort: the common case). ``scratch``: an int64
+    array longer than the largest id, owned by the caller (its contents are overwritten)."""
+    n = len(ids)
+    if n < 2:
+        return True
+    pos = positions(n)
+    scratch[ids] = pos
+    return bool((scratch[ids] == pos).all())
+
+
 class FreeBlockQueue:
     """vLLM's ``FreeKVCacheBlockQueue`` (popleft, append, removal from the middle), lazily.
 

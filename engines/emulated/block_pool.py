@@ -16,8 +16,8 @@ events that follow. vLLM's semantics, kept exactly because routers read them thr
   at once both cache it; lookups return the first one cached.
 
 Representation (speed, no behaviour): a block is its integer id, and the per-block state lives in
-arrays indexed by id (reference counts in numpy, hashes in a numpy object array so that the
-engines' hash ints keep their identity). An agentic prompt hits thousands of cached blocks, and
+arrays indexed by id (reference counts in numpy; hashes in the array the hash map chooses: objects
+for vLLM's 64-bit hashes, int64 for the replayer's chain ids, :mod:`engines.emulated.hash_map`). An agentic prompt hits thousands of cached blocks, and
 each request touches them all when admitted and frees them all when it finishes; as numpy
 operations over id arrays that is ~15 ns a block, where a Python loop over block objects took
 ~150 ns and was a sixth of a simulation's time. The free queue is vLLM's doubly linked list made
@@ -42,23 +42,16 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from engines.emulated.block_ids import BLOCK_ID, NO_BLOCKS, FreeBlockQueue, as_block_ids, positions
+from engines.emulated.block_ids import BLOCK_ID, NO_BLOCKS, FreeBlockQueue, as_block_ids, distinct
 from engines.emulated.hash_map import ChainIdMap, HashMap
 from engines.kv_events import GPU, BlockRemoved, BlockStored, KVEvent
-
-
-def _objects(values: Sequence[object]) -> np.ndarray:
-    """A numpy object array holding these very objects (``np.array`` would convert ints)."""
-    out = np.empty(len(values), object)
-    out[:] = values
-    return out
 
 
 class BlockPool:
     """Fixed pool of ``num_blocks`` blocks of ``block_size`` tokens with a prefix-cache hash map.
 
     Blocks are ids ``0..num_blocks-1``. Per block: ``ref_cnt[id]`` (users), ``block_hash[id]``
-    (the 64-bit event int while cached, else None) and ``parent_hash[id]`` (kept only when a CPU
+    (its hash while cached, else the map's ``NO_KEY``; ``has_hash[id]`` says which) and ``parent_hash[id]`` (kept only when a CPU
     tier reads it). ``on_evict(block_hash, parent_hash)`` is called when a cached block is evicted
     for reuse, so a CPU offload tier can take it (vLLM's offloading connector is fed the same way
     in this model). ``hash_map``: the map class of the hashes (:mod:`engines.emulated.hash_map`:
@@ -79,7 +72,16 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_cnt = np.zeros(num_blocks, np.int32)
-        self.block_hash = np.full(num_blocks, None, object)
+        self._cached = hash_map()  # hash -> block id (a dict, or numpy pages for chain ids)
+        # the hashes as the map keeps them (objects for vLLM's hashes, int64 for chain ids)
+        self.block_hash = self._cached.key_array(num_blocks)
+        self._no_key = self._cached.NO_KEY
+        # The hashes as the very int objects the requests carry, for comparing a run of blocks with a
+        # prompt's hashes (kv_manager's run check): a list of the same objects compares at memory
+        # speed, where int64 keys would make a new int per block. Written when blocks are cached,
+        # left stale after an eviction (read only where has_hash holds).
+        self._objects_apart = self.block_hash.dtype != object
+        self.hash_objects = HashMap.key_array(num_blocks) if self._objects_apart else self.block_hash
         # block_hash[id] is not None, kept beside it so that masks over many blocks are one numpy
         # operation instead of a Python comparison per object
         self.has_hash = np.zeros(num_blocks, bool)
@@ -87,7 +89,6 @@ class BlockPool:
         self.parent_hash = np.full(num_blocks, None, object)
         self.free_queue = FreeBlockQueue(num_blocks, np.arange(num_blocks, dtype=BLOCK_ID))
         self.null_block = int(self.free_queue.popleft_many(1)[0])  # block 0, as vLLM does
-        self._cached = hash_map()  # hash -> block id (a dict, or numpy pages for chain ids)
         # further blocks holding an already-cached hash, in caching order (vLLM keeps them all)
         self._dups: dict[int, list[int]] = {}
         self.enable_events = enable_events
@@ -98,7 +99,7 @@ class BlockPool:
         self._watch = np.zeros(num_blocks, bool)
         self._watched = NO_BLOCKS
         self.watch_dirty = False
-        self._mark = np.zeros(num_blocks, np.int64)  # scratch for _distinct
+        self._mark = np.zeros(num_blocks, np.int64)  # scratch for distinct()
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -121,7 +122,8 @@ class BlockPool:
 
     def reset_cache(self) -> None:
         """Forget every cached hash (vLLM's prefix-cache reset); the caller checked nothing is in use."""
-        self.block_hash[:] = None
+        self.block_hash[:] = self._no_key
+        self.hash_objects[:] = None
         self.has_hash[:] = False
         self.parent_hash[:] = None
         self._cached.clear()
@@ -146,10 +148,12 @@ class BlockPool:
         return bool(self._watch[ids].any())
 
     # ---- allocation ----------------------------------------------------------------------------
-    def get_new_blocks(self, n: int) -> np.ndarray:
+    def get_new_blocks(self, n: int, event_per_block: bool = False) -> np.ndarray:
         """Pop ``n`` blocks from the head of the free queue, evicting cached ones; ref count 1.
 
-        Evictions, their events and ``on_evict`` calls follow the popping order.
+        Evictions, their events and ``on_evict`` calls follow the popping order. The evictions share
+        one ``BlockRemoved``; with ``event_per_block`` each gets its own, as ``n`` allocations of
+        one block would publish them (a decode stretch's allocations made in one pop).
         """
         q = self.free_queue
         if n > q.num_free:
@@ -159,36 +163,51 @@ class BlockPool:
         ids = q.popleft_many(n)
         self.ref_cnt[ids] = 1
         if n == 1:
-            h = self.block_hash[ids[0]]
-            if h is None:
+            b = int(ids[0])
+            if not self.has_hash[b]:
                 return ids
-            hs = (h,)
+            if not self._dups and self.on_evict is None:
+                # one eviction (every decode that starts a block): scalar operations only
+                if self.watching and not self.watch_dirty and self._watch[b]:
+                    self.watch_dirty = True
+                h = self.block_hash.item(b)
+                self._cached.pop(h)
+                self.block_hash[b] = self._no_key
+                self.has_hash[b] = False
+                if self.enable_events:
+                    self.events.append(BlockRemoved((h,), GPU))
+                return ids
+            evicted = ids
         else:
             cached = self.has_hash[ids]
             n_cached = int(np.count_nonzero(cached))  # in a full cache nearly every popped block is cached
             if not n_cached:
                 return ids
-            hs = tuple(self.block_hash[ids if n_cached == n else ids[cached]].tolist())
+            evicted = ids if n_cached == n else ids[cached]
+        keys = self.block_hash[evicted]
         if self.watching and not self.watch_dirty and self._watched_any(ids):
             self.watch_dirty = True
         if self._dups or self.on_evict is not None:
-            for b in ids.tolist():
-                if self.block_hash[b] is not None:
-                    self._evict(b)
+            for b in evicted.tolist():
+                self._evict(b)
         else:
             # no duplicates anywhere: each hash maps to the block being evicted
-            self._cached.pop_all(hs)
-            self.block_hash[ids] = None  # parent_hash is left stale: read only while cached
-            self.has_hash[ids] = False
+            self._cached.pop_all(keys)
+            self.block_hash[evicted] = self._no_key  # parent_hash is left stale: read only while cached
+            self.has_hash[evicted] = False
         if self.enable_events:
-            self.events.append(BlockRemoved(hs, GPU))
+            hs = tuple(keys.tolist())
+            if event_per_block:
+                self.events.extend([BlockRemoved((h,), GPU) for h in hs])
+            else:
+                self.events.append(BlockRemoved(hs, GPU))
         return ids
 
     def _evict(self, b: int) -> None:
         """General eviction (duplicates, an ``on_evict`` tier); the caller handled the watch and
         reports the hash in its ``BlockRemoved``."""
-        h = self.block_hash[b]
-        assert h is not None
+        assert self.has_hash[b]
+        h = self.block_hash.item(b)
         if self._cached.get(h) == b:
             dups = self._dups.get(h)
             if dups:
@@ -204,18 +223,9 @@ class BlockPool:
                 del self._dups[h]
         if self.on_evict is not None:
             self.on_evict(h, self.parent_hash[b])
-        self.block_hash[b] = None
+        self.block_hash[b] = self._no_key
         self.has_hash[b] = False
         self.parent_hash[b] = None
-
-    def _distinct(self, ids: np.ndarray) -> bool:
-        """Whether no block occurs twice in ``ids`` (O(n), no sort: the common case)."""
-        n = len(ids)
-        if n < 2:
-            return True
-        pos = positions(n)
-        self._mark[ids] = pos
-        return bool((self._mark[ids] == pos).all())
 
     def touch(self, blocks: Iterable[int]) -> None:
         """A prefix hit: take ref-0 blocks out of the free queue and count the new user.
@@ -227,7 +237,7 @@ class BlockPool:
         if not len(ids):
             return
         counts: np.ndarray | int = 1
-        if not self._distinct(ids):
+        if not distinct(ids, self._mark):
             ids, counts = np.unique(ids, return_counts=True)
         ref = self.ref_cnt
         r = ref[ids]
@@ -249,7 +259,7 @@ class BlockPool:
         if not len(ids):
             return
         counts: np.ndarray | int = 1
-        if not self._distinct(ids):
+        if not distinct(ids, self._mark):
             uniq, first_rev, counts = np.unique(ids[::-1], return_index=True, return_counts=True)
             by_last = np.argsort(-first_rev)  # the last occurrence is the first one reversed
             ids, counts = uniq[by_last], counts[by_last]
@@ -289,22 +299,24 @@ class BlockPool:
             return
         parent = hashes[start - 1] if start > 0 else None
         seg = as_block_ids(blocks)[start:end]
-        ids = seg.tolist()
         hs = tuple(hashes[start:end])
-        # One C-level pass maps each new hash to its block; ``setdefault`` hands back the block
-        # already cached under a hash, so a duplicate (a recomputed last block, a hash twice in
-        # the run) shows up as a mismatch with ``ids``.
-        got = self._cached.setdefault_all(hs, ids)
-        if got != ids:
+        keys = self._cached.keys(hs)
+        # One batch maps each new hash to its block; a hash already cached keeps its block, and the
+        # map hands that back, so a duplicate (a recomputed last block, a hash twice in the run)
+        # shows up as a mismatch with ``seg``.
+        got = self._cached.setdefault_all(keys, seg)
+        if got is not None:
             dups = self._dups
-            for b, h, c in zip(ids, hs, got):
+            for b, h, c in zip(seg.tolist(), hs, got.tolist()):
                 if c != b:  # vLLM keeps the duplicate blocks, first cached one in the map
                     dups.setdefault(h, []).append(b)
-        self.block_hash[seg] = _objects(hs)
+        self.block_hash[seg] = keys
+        if self._objects_apart:
+            self.hash_objects[seg] = HashMap.keys(hs)
         self.has_hash[seg] = True
         if self.on_evict is not None:
             # parent_hash is read only by on_evict (the CPU tier's BlockStored)
-            self.parent_hash[seg] = _objects((parent, *hs[:-1]))
+            self.parent_hash[seg] = HashMap.keys((parent, *hs[:-1]))
         if self.enable_events:
             self.events.append(
                 BlockStored(

@@ -45,10 +45,66 @@ if TYPE_CHECKING:
     from engines.emulated.scheduler import Scheduler
 
 
+class Allocations:
+    """The block allocations of a decode stretch's steps 2..k, in vLLM's order (step, then running
+    order): allocation ``i`` gives ``owner[i]`` (an index into the batch) one block at step ``step[i]``.
+
+    Why arrays: a stretch of long decodes allocates a block per request every ``block_size`` steps;
+    built, searched and applied as arrays, the stretch costs a few numpy calls instead of a Python
+    tuple, a comparison and a one-block pool allocation per block.
+    """
+
+    __slots__ = ("owner", "step")
+
+    def __init__(self, step: np.ndarray, owner: np.ndarray):
+        self.step = step
+        self.owner = owner
+
+    @classmethod
+    def of_stretch(cls, computed: list[int], block_size: int, k: int) -> Allocations:
+        """Allocations of steps 2..k for requests with these computed tokens (one decode per step:
+        a request needs a new block at the step whose token starts one)."""
+        if k < 2:
+            return cls(_NONE, _NONE)
+        if len(computed) * (k // block_size + 1) <= 64:
+            # a few allocations: the definition itself, cheaper than a dozen numpy calls
+            pairs = sorted((j, idx) for idx, c in enumerate(computed)
+                           for j in range(_first_step(c, block_size), k + 1, block_size))
+            return cls(np.array([j for j, _ in pairs], np.int64), np.array([i for _, i in pairs], np.int64))
+        c = np.asarray(computed, np.int64)
+        first = 1 + (-c) % block_size  # the step of the first block it starts
+        first[first == 1] += block_size  # step 1's allocation was made when it was scheduled
+        count = np.maximum((k - first) // block_size + 1, 0)
+        total = int(count.sum())
+        if not total:
+            return cls(_NONE, _NONE)
+        owner = np.repeat(np.arange(len(c)), count)
+        starts = np.cumsum(count) - count
+        step = np.repeat(first, count) + block_size * (np.arange(total) - np.repeat(starts, count))
+        order = np.lexsort((owner, step))
+        return cls(step[order], owner[order])
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def upto(self, j: int) -> int:
+        """How many allocations belong to steps <= ``j``."""
+        return int(np.searchsorted(self.step, j, "right"))
+
+
+_NONE = np.empty(0, np.int64)
+
+
+def _first_step(computed: int, block_size: int) -> int:
+    """The step (from 1) whose decode starts a new block, after step 1 (allocated when scheduled)."""
+    j0 = 1 + (-computed) % block_size
+    return j0 + block_size if j0 == 1 else j0
+
+
 class DecodeJumpMixin:
     """The decode-jump half of :class:`~engines.emulated.engine.EmulatedEngine` (see module docstring).
 
-    ``_jump_state`` is ``[reqs, allocs, step ends, start, allocations made]`` while a jump is in flight.
+    ``_jump_state`` is ``[reqs, Allocations, step ends, start, allocations made]`` while a jump is in flight.
     """
 
     if TYPE_CHECKING:  # provided by EmulatedEngine
@@ -96,12 +152,10 @@ class DecodeJumpMixin:
         ended = bisect.bisect_right(ends, now)  # steps 1..ended are over
         if not ended:
             return
-        n_alloc = len(allocs)
-        kv = self.kv
-        while done < n_alloc and allocs[done][0] <= ended:
-            kv.append_block(reqs[allocs[done][1]])
-            done += 1
-        js[4] = done
+        upto = allocs.upto(ended)
+        if upto > done:
+            self.kv.append_blocks(reqs, allocs.owner[done:upto])
+            js[4] = upto
         if self.pool.events:  # step 1's allocations (made when it was scheduled) and the above
             self._publish(ends[ended - 1])
 
@@ -121,7 +175,7 @@ class DecodeJumpMixin:
         params = head.kv_transfer_params
         return not (params and params.get("do_remote_prefill") and not head.transfer_tried)
 
-    def _blocked_plan(self, n_decodes: int, allocs: list[tuple[int, int]], k: int
+    def _blocked_plan(self, n_decodes: int, allocs: Allocations, k: int
                       ) -> tuple[int, tuple[EmuRequest, list[int]] | None]:
         """How many steps of a decode stretch the waiting head stays blocked, and its lookups' hits.
 
@@ -164,16 +218,15 @@ class DecodeJumpMixin:
         # the blocks the decodes' allocations pop, in order (within the jump they fit in the free queue)
         order = pool.free_queue.peek(len(allocs)).tolist() if in_hit is not None else ()
         popped = 0
-        a = 0  # index into allocs: allocations of steps < j done
+        # per step j = 2..k: the allocations of steps <= j (the free queue pops them before the lookup)
+        made = np.searchsorted(allocs.step, np.arange(2, k + 1), "right").tolist()
         hits: list[int] = []
-        for j in range(2, k + 1):
-            while a < len(allocs) and allocs[a][0] <= j:
-                a += 1
+        for j, a in zip(range(2, k + 1), made):
             while in_hit is not None and popped < a:  # step j's decode allocations pop these
                 node = order[popped]
                 popped += 1
                 if node in in_hit:
-                    if pool.block_hash[node] in dups:
+                    if pool.block_hash.item(node) in dups:
                         # a duplicate takes over the hash and the hit goes on with another block,
                         # whose reference count this plan does not follow: step from here instead
                         return j - 1, (head, hits)
@@ -206,20 +259,11 @@ class DecodeJumpMixin:
         n = len(reqs)
         bs = self.block_size
         k_complete = min(r.max_tokens - r.num_output_tokens for r in reqs)
-        # block allocations of steps 2..k in vLLM's order (step, then running order)
-        allocs: list[tuple[int, int]] = []
-        if k_complete >= 2:
-            for idx, r in enumerate(reqs):
-                c = r.num_computed_tokens
-                j0 = 1 + ((-c) % bs)
-                if j0 == 1:
-                    j0 += bs
-                allocs.extend((j, idx) for j in range(j0, k_complete + 1, bs))
-            allocs.sort()
+        allocs = Allocations.of_stretch([r.num_computed_tokens for r in reqs], bs, k_complete)
         k = k_complete
         free = self.pool.free_queue.num_free
         if len(allocs) > free:
-            k = allocs[free][0] - 1
+            k = int(allocs.step[free]) - 1
         if self.kv.enable_caching:
             # A request whose generated tokens are known caches each block its decodes fill, in
             # the allocation of the step after (a BlockStored between that step's evictions, as
@@ -237,13 +281,7 @@ class DecodeJumpMixin:
             await self._sleep_until(end)
             self._apply(out, start, end)
             return
-        prof = self.profile
-        s = sum(out.contexts)
-        ends: list[float] = []
-        t = start
-        for j in range(k):
-            t = t + prof.step_time(n, 0.0, s + n * j)
-            ends.append(t)
+        ends = self.profile.decode_step_ends(start, n, sum(out.contexts), k)
         self._jump_state = [reqs, allocs, ends, start, 0]
         timers = self._per_step_progress(reqs, ends)
         try:
@@ -281,16 +319,14 @@ class DecodeJumpMixin:
         return timers
 
     def _apply_jump(self, reqs: list[EmuRequest], m: int, ends: list[float], start: float,
-                    allocs: list[tuple[int, int]]) -> None:
-        kv = self.kv
+                    allocs: Allocations) -> None:
         done = 0
         if self._jump_state is not None:
             done = self._jump_state[4]  # allocations a catch-up already made
             self._jump_state = None
-        for j, idx in allocs[done:]:
-            if j > m:
-                break
-            kv.append_block(reqs[idx])
+        upto = allocs.upto(m)
+        if upto > done:
+            self.kv.append_blocks(reqs, allocs.owner[done:upto])
         met = self.metrics
         end = ends[m - 1]
         met.add_busy(start, end)
@@ -300,7 +336,7 @@ class DecodeJumpMixin:
         for r in reqs:
             itl.observe(ends[0] - r.last_token_time)
         if m > 1:
-            itl.observe_many((ends[j] - ends[j - 1] for j in range(1, m)), n)
+            itl.observe_gaps(ends[:m], n)
         finished = []
         for r in reqs:
             r.num_computed_tokens += m

@@ -136,8 +136,8 @@ class KVCacheManager:
         (the session's previous turn) held at the same chain positions. The run holding the
         block of the last hash gives candidates; they are the answer if each still holds its
         hash (without duplicates, a block holding ``h`` is the one ``h`` maps to). Checking that
-        is one vectorized gather and a list comparison of identical int objects, several times
-        cheaper than a dict lookup per block. Any mismatch: None, and the caller looks up.
+        is one vectorized gather and a list comparison, several times cheaper than a lookup per
+        block. Any mismatch: None, and the caller looks up.
         """
         k = len(hs)
         if self._pos_in_run[last] != k - 1:
@@ -146,7 +146,10 @@ class KVCacheManager:
         if run is None:
             return None
         cand = run[:k]
-        held = self.pool.block_hash[cand].tolist()
+        pool = self.pool
+        if not pool.has_hash[cand].all():
+            return None
+        held = pool.hash_objects[cand].tolist()
         if held != (hs if isinstance(hs, list) else list(hs)):
             return None
         self.run_hits += 1
@@ -293,9 +296,25 @@ class KVCacheManager:
             self.cache_blocks(req, min(need_tokens, req.num_tokens))
         return new_blocks
 
-    def append_block(self, req: EmuRequest) -> None:
-        """One more block for a decoding request (decode-jump fast path; caller checked space)."""
-        self.req_blocks[req.request_id].extend(self.pool.get_new_blocks(1))
+    def append_blocks(self, reqs: Sequence[EmuRequest], owners: np.ndarray) -> None:
+        """One more block for ``reqs[owners[i]]`` per allocation ``i``, in this order (a decode stretch's
+        allocations: one pop of the free queue, the evictions and their events as one allocation
+        per block would make them; the caller checked there is space)."""
+        n = len(owners)
+        if not n:
+            return
+        ids = self.pool.get_new_blocks(n, event_per_block=True)
+        rb = self.req_blocks
+        if n == 1:
+            rb[reqs[int(owners[0])].request_id].extend(ids)
+            return
+        # each request's blocks in allocation order: a stable sort by owner
+        ids = ids[np.argsort(owners, kind="stable")]
+        pos = 0
+        for r, c in zip(reqs, np.bincount(owners, minlength=len(reqs)).tolist()):
+            if c:
+                rb[r.request_id].extend(ids[pos : pos + c])
+                pos += c
 
     def cache_blocks(self, req: EmuRequest, num_tokens: int) -> None:
         """Cache the request's full blocks covering its first ``num_tokens`` tokens."""

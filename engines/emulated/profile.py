@@ -22,12 +22,18 @@ import pathlib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 from gpuhit.errors import ConfigError
 
 PROFILES_PATH = pathlib.Path(__file__).with_name("profiles.json")
 # The profile every command uses unless told otherwise: the model and GPU that the *GPU-Hit-First*
 # note measured (README "References").
 DEFAULT_PROFILE = "qwen3-coder-30b-a3b@h20"
+
+
+#: decode stretches up to this many steps are summed in Python (see Profile.decode_step_ends)
+_SHORT_STRETCH = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +92,26 @@ class Profile:
             + prefill_cost
             + self.decode_per_ctx_token_s * decode_ctx_sum
         )
+
+    def decode_step_ends(self, start: float, num_seqs: int, decode_ctx_sum: int, k: int) -> list[float]:
+        """End times of ``k`` decode-only steps of a fixed batch from ``start``: step ``j`` (from 0)
+        lasts ``step_time(num_seqs, 0.0, decode_ctx_sum + num_seqs * j)`` and ends where the next
+        begins. Long stretches in numpy, bit-identical to summing :meth:`step_time` one step at a
+        time (the decode jump relies on it): the same operations in the same order on float64
+        (contexts are exact below 2**53), and ``np.add.accumulate`` adds in sequence, not pairwise.
+        Short ones by that sum itself: below ~64 steps a handful of numpy calls costs more."""
+        if k <= _SHORT_STRETCH:
+            ends, t = [], start
+            for j in range(k):
+                t = t + self.step_time(num_seqs, 0.0, decode_ctx_sum + num_seqs * j)
+                ends.append(t)
+            return ends
+        base = self.step_overhead_s + self.per_seq_overhead_s * num_seqs + 0.0
+        ctx = decode_ctx_sum + num_seqs * np.arange(k, dtype=np.int64)
+        steps = np.empty(k + 1)
+        steps[0] = start
+        steps[1:] = base + self.decode_per_ctx_token_s * ctx.astype(np.float64)
+        return np.add.accumulate(steps)[1:].tolist()
 
     def frontend_delay(self, prompt_len: int) -> float:
         return self.frontend_overhead_s + self.frontend_per_token_s * prompt_len

@@ -9,12 +9,18 @@ one seed. CPU seconds are the process's own (``time.process_time``), so a loaded
 the wall time but not the requests per CPU-second.
 
     PYTHONPATH=. python tests/perf/test_sim_scaling.py            # prints the markdown table
+    PYTHONPATH=. python tests/perf/test_sim_scaling.py 128x64 128x16   # only these rows
     PYTHONPATH=. python -m pytest -s tests/perf/test_sim_scaling.py
+
+Each row also gives the machine's 1-minute load average at its start and end: on a shared machine
+CPU seconds are inflated by contention too, so only rows measured under similar load compare.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
 
 import pytest
@@ -43,6 +49,7 @@ def measure(instances: int, block_size: int) -> dict[str, float]:
     base = load_trace(bundled_path("weka")).trace
     copies = instances // 8
     trace = scaled_trace(base, copies)
+    load0 = os.getloadavg()[0]
     cpu0, wall0 = time.process_time(), time.perf_counter()
     res = simulate(trace, "lpwl_resident", instances=instances, seed=0, arrival="poisson",
                    session_rate=BASE_RATE * copies, max_think_time=60.0, progress=False, block_size=block_size,
@@ -51,15 +58,16 @@ def measure(instances: int, block_size: int) -> dict[str, float]:
     n = len(res.records)
     return {"instances": instances, "block_size": block_size, "conversations": 20 * copies, "requests": n,
             "cpu_s": cpu, "wall_s": wall, "req_per_cpu_s": n / cpu, "sim_wall": res.makespan / wall,
-            "makespan_s": res.makespan}
+            "makespan_s": res.makespan, "load": f"{load0:.0f}-{os.getloadavg()[0]:.0f}"}
 
 
 def table(rows: list[dict[str, float]]) -> str:
-    out = ["| instances | block | conversations | requests | CPU s | wall s | requests / CPU-s | sim/wall |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| instances | block | conversations | requests | CPU s | wall s | requests / CPU-s | sim/wall | load |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         out.append(f"| {r['instances']} | {r['block_size']} | {r['conversations']} | {r['requests']:,} | "
-                   f"{r['cpu_s']:.1f} | {r['wall_s']:.1f} | {r['req_per_cpu_s']:,.0f} | {r['sim_wall']:,.0f}x |")
+                   f"{r['cpu_s']:.1f} | {r['wall_s']:.1f} | {r['req_per_cpu_s']:,.0f} | {r['sim_wall']:,.0f}x | "
+                   f"{r['load']} |")
     return "\n".join(out)
 
 
@@ -73,10 +81,11 @@ def test_sim_scaling(instances, block_size):
 
 
 if __name__ == "__main__":
+    wanted = [tuple(map(int, a.split("x"))) for a in sys.argv[1:]] or [(n, bs) for bs in BLOCK_SIZES
+                                                                       for n in INSTANCES]
     rows = []
-    for bs in BLOCK_SIZES:
-        for n in INSTANCES:
-            rows.append(measure(n, bs))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    for n, bs in wanted:
+        rows.append(measure(n, bs))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(table(rows))
