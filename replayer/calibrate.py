@@ -11,8 +11,10 @@ nothing here assumes either), and writes a profile in the ``profiles.json`` form
   and after a cached context of several lengths (the context is sent once to fill the cache, then the
   longer prompt); timings from the streamed answer (TTFT) and from the deltas of vLLM's
   ``vllm:request_prefill_time_seconds`` / ``vllm:request_queue_time_seconds`` histograms;
-* **decode probes**: batches of several sizes and context lengths sent together, their step time
-  from ``vllm:request_decode_time_seconds``;
+* **decode probes**: batches of several sizes and context lengths sent together, their prompts
+  cached first (so the batch's prefills are short and its decode steps are decode steps, not
+  decodes riding along a long prefill chunk), their step time from
+  ``vllm:request_decode_time_seconds``;
 
 then fits the profile (:mod:`engines.emulated.profile_fit`) and reports the error on probes held back
 from the fit. Several ``--engine`` URLs are measured together (each probe on all of them at once, as
@@ -145,8 +147,13 @@ class Prober:
 
     async def decode(self, batch: int, context: int, tokens: int) -> DecodeProbe:
         await self.reset()
+        prompts = [self.ids(context) for _ in range(batch)]
+        warm = await scrape(self.http, self.url)
+        await asyncio.gather(*(self.complete(ids, 1) for ids in prompts))
+        # the warm-up's own (zero) decode times must be counted before the probe's baseline
+        await self.deltas(warm, batch, (DECODE_H,))
         before = await scrape(self.http, self.url)
-        await asyncio.gather(*(self.complete(self.ids(context), tokens) for _ in range(batch)))
+        await asyncio.gather(*(self.complete(ids, tokens) for ids in prompts))
         d = await self.deltas(before, batch, (DECODE_H,))
         return DecodeProbe(batch=batch, context=context, tokens=tokens, step_s=d[DECODE_H] / (tokens - 1))
 
@@ -275,7 +282,8 @@ def main(args: argparse.Namespace) -> int:
 
     load_profile(f"{out}#{args.name}")  # the file must load as a profile (vLLM's capacity check included)
     doc = {"profile": str(out), "name": args.name, "engine": info, "params": fit["params"],
-           "fit_error": fit["fit_error"], "held_out_error": fit["held_out_error"], "probes": fit["probes"]}
+           "fit_error": fit["fit_error"], "held_out_error": fit["held_out_error"], "loo_error": fit["loo_error"],
+           "probes": fit["probes"]}
     if args.json:
         print(to_json(doc))
         return 0
@@ -283,7 +291,7 @@ def main(args: argparse.Namespace) -> int:
           f"max_model_len {info['max_model_len']}")
     for k, v in fit["params"].items():
         print(f"  {k:24s} {v:.4g}")
-    for which in ("fit_error", "held_out_error"):
+    for which in ("fit_error", "held_out_error", "loo_error"):
         e = fit[which]
         print(f"  {which.replace('_', ' ')}: " + "; ".join(
             f"{k} mean {v['mean_abs_rel'] * 100:.1f}% max {v['max_abs_rel'] * 100:.1f}% (n={v['n']})"

@@ -43,7 +43,7 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     assert prof.num_gpu_blocks() == info["num_gpu_blocks"] and prof.block_size == info["block_size"]
     for k, v in fit["params"].items():
         assert math.isfinite(v) and v >= 0 and getattr(prof, k) == pytest.approx(v, rel=1e-3, abs=1e-12), k
-    for which in ("fit_error", "held_out_error"):
+    for which in ("fit_error", "held_out_error", "loo_error"):
         for kind in ("prefill", "ttft", "decode_step"):
             assert fit[which][kind]["n"] >= 1 and math.isfinite(fit[which][kind]["mean_abs_rel"]), (which, kind)
     # one fitted shape per (new, context) / (batch, context): the median of its probes on both engines

@@ -27,7 +27,6 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-
 #: generation shapes (see the module docstring); "mixed" is the default
 SHAPES = ("mixed", "ties", "pressure")
 
