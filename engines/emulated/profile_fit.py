@@ -46,6 +46,9 @@ class PrefillProbe:
     prefill_s: float  # engine: scheduled -> first token
     queue_s: float  # engine: arrival at the scheduler -> scheduled (recorded; part of the frontend delay)
     ttft_s: float  # client: request sent -> first streamed token
+    # engine: its API server's arrival -> first token (vLLM's TTFT histogram); ttft_s minus it is the
+    # HTTP path of a client talking to the engine directly (nan in measurements that lack it)
+    engine_ttft_s: float = math.nan
 
     @property
     def frontend_s(self) -> float:
@@ -149,6 +152,11 @@ def split_held_out(items: Sequence[Any], every: int) -> tuple[list[Any], list[An
     return fit, held
 
 
+def _median(vals: Sequence[float]) -> float:
+    known = [v for v in vals if not math.isnan(v)]
+    return float(np.median(known)) if known else math.nan
+
+
 def median_of_repeats(prefill: Sequence[PrefillProbe], decode: Sequence[DecodeProbe]
                       ) -> tuple[list[PrefillProbe], list[DecodeProbe]]:
     """One probe per shape (new, context) / (batch, context, tokens): the median of its repeats (over
@@ -162,8 +170,8 @@ def median_of_repeats(prefill: Sequence[PrefillProbe], decode: Sequence[DecodePr
     pre, dec = [], []
     for key, ps in groups.items():
         if key[0] == 0:
-            pre.append(PrefillProbe(key[1], key[2], *(float(np.median([getattr(p, f) for p in ps]))
-                                                       for f in ("prefill_s", "queue_s", "ttft_s"))))
+            pre.append(PrefillProbe(key[1], key[2], *(_median([getattr(p, f) for p in ps])
+                                                       for f in ("prefill_s", "queue_s", "ttft_s", "engine_ttft_s"))))
         else:
             dec.append(DecodeProbe(key[1], key[2], key[3], float(np.median([d.step_s for d in ps]))))
     return pre, dec
