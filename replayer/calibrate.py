@@ -20,7 +20,8 @@ then fits the profile (:mod:`engines.emulated.profile_fit`) and reports the erro
 from the fit. It also measures the **live path** a gateway deployment adds (``fit.live_path`` in the
 profile): the direct client's HTTP path (client TTFT minus vLLM's own TTFT histogram, which starts
 when the API server receives the request), and what a gpuhit gateway in front adds to TTFT and to
-the whole request (the same probe sizes sent directly and through an in-process gateway, in pairs).
+the whole request (the same probe sizes sent to an engine directly and through an in-process gateway
+in front of it, in pairs).
 ``gpuhit experiment sim-vs-real`` adds the gateway's part to the emulated frontend delay. Several ``--engine`` URLs are measured together (each probe on all of them at once, as
 they run under load) and fitted as one (identical instances).
 """
@@ -264,25 +265,29 @@ async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Se
 
 async def measure_live_path(http: Any, probers: Sequence[Prober], info: dict[str, Any], grid: Sequence[tuple[int, int]],
                             pairs: int, rng: random.Random, timeout: float, say: Any) -> dict[str, Any]:
-    """What a gpuhit gateway in front of the engines adds: ``pairs`` cold prompts of the grid's sizes,
-    each size sent once directly and once through an in-process gateway (round robin), one after the
-    other; medians of the differences (TTFT and end-to-end with :data:`PATH_TOKENS` tokens)."""
+    """What a gpuhit gateway in front of an engine adds: ``pairs`` cold prompts of the grid's sizes,
+    each size sent once directly and once through an in-process gateway in front of that same engine
+    (engines on a shared host differ in speed: a pair across two engines would measure that), one
+    after the other, engines in turn; medians of the differences (TTFT, and end-to-end with
+    :data:`PATH_TOKENS` tokens)."""
     from replayer.live_gateway import live_gateway
 
     sizes = sorted({n for n, c in grid if c == 0})
-    d_ttft, d_e2e = [], []
-    async with live_gateway([p.url for p in probers], "round_robin", info["block_size"]) as (_, gw_url):
-        via = Prober(http, gw_url, info["model"], rng, timeout)
-        await via.complete(via.ids(info["block_size"]), 2)  # warm-up of the gateway's connections
-        for i in range(pairs):
-            new, direct = sizes[i % len(sizes)], probers[i % len(probers)]
-            t_d, _, e_d = await direct.complete(direct.ids(new), PATH_TOKENS)
-            t_g, _, e_g = await via.complete(via.ids(new), PATH_TOKENS)
-            d_ttft.append(t_g - t_d)
-            d_e2e.append(e_g - e_d)
-    out = {"pairs": pairs, "gateway_ttft_s": float(np.median(d_ttft)), "gateway_e2e_s": float(np.median(d_e2e))}
+    d_ttft: list[float] = []
+    d_e2e: list[float] = []
+    for k, direct in enumerate(probers):
+        async with live_gateway([direct.url], "round_robin", info["block_size"]) as (_, gw_url):
+            via = Prober(http, gw_url, info["model"], rng, timeout)
+            await via.complete(via.ids(info["block_size"]), 2)  # warm-up of the gateway's connections
+            for i in range(k, pairs, len(probers)):
+                new = sizes[i % len(sizes)]
+                t_d, _, e_d = await direct.complete(direct.ids(new), PATH_TOKENS)
+                t_g, _, e_g = await via.complete(via.ids(new), PATH_TOKENS)
+                d_ttft.append(t_g - t_d)
+                d_e2e.append(e_g - e_d)
+    out = {"pairs": len(d_ttft), "gateway_ttft_s": float(np.median(d_ttft)), "gateway_e2e_s": float(np.median(d_e2e))}
     say(f"live path: a gateway adds {out['gateway_ttft_s'] * 1e3:.1f} ms to TTFT, {out['gateway_e2e_s'] * 1e3:.1f} ms "
-        f"to a {PATH_TOKENS}-token request (medians of {pairs} pairs)")
+        f"to a {PATH_TOKENS}-token request (medians of {out['pairs']} pairs)")
     return out
 
 
