@@ -211,6 +211,20 @@ def prefill_grid(max_model_len: int, pool_tokens: int, block_size: int, points: 
     return grid
 
 
+def decode_grid(batches: Sequence[int], max_model_len: int, pool_tokens: int, block_size: int,
+                tokens: int) -> list[tuple[int, int]]:
+    """(batch, context) pairs: each batch size at two blocks of context, half the longest the pool holds
+    for that batch, and that longest (capped by max_model_len). A decode step's cost grows with the
+    batch's context, and a fit only measured at short contexts extrapolates it to the long ones that
+    real prompts reach."""
+    out = []
+    for b in batches:
+        top = min(max_model_len - tokens - 8, pool_tokens // b - block_size - tokens)
+        lo = 2 * block_size
+        out += [(b, c) for c in sorted({lo, max(lo, top // 2), max(lo, top)})]
+    return out
+
+
 async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Sequence[int], decode_tokens: int,
                   seed: int, timeout: float, say: Any, path_pairs: int = 0) -> tuple[dict[str, Any], list[PrefillProbe], list[DecodeProbe]]:
     import aiohttp
@@ -228,9 +242,7 @@ async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Se
         info = infos[0]
         pool = (info["num_gpu_blocks"] - 1) * info["block_size"]
         grid = prefill_grid(info["max_model_len"], pool, info["block_size"], points)
-        top_ctx = min(info["max_model_len"] - decode_tokens - 8, pool // max(batches) - info["block_size"] - decode_tokens)
-        contexts = sorted({info["block_size"] * 2, max(info["block_size"] * 2, top_ctx // 2)})
-        dgrid = [(b, c) for b in batches for c in contexts]
+        dgrid = decode_grid(batches, info["max_model_len"], pool, info["block_size"], decode_tokens)
         total = repeats * (len(grid) + len(dgrid))
         done = 0
         probers = [Prober(http, url, info["model"], rng, timeout) for url in urls]
