@@ -35,12 +35,11 @@ import math
 import os
 import pathlib
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuhit.errors import ConfigError
 
-KV_SYNC_TIMEOUT = 60.0
 DEFAULT_MAX_OUTPUT = 16
 
 
@@ -112,32 +111,6 @@ def started_engines(args: argparse.Namespace, sched: str, out: pathlib.Path) -> 
                                                 *s.argv]) for s in ready]
 
 
-@contextlib.asynccontextmanager
-async def live_gateway(urls: Sequence[str], policy: str, block_size: int | None) -> AsyncIterator[tuple[Any, str]]:
-    """An in-process gateway with ``policy`` in front of ``urls`` (engines gpu0, gpu1, ... as in
-    simulation), listening on a free port below 32768, with every engine's KV events replayed."""
-    import asyncio
-
-    from engines.vllm.launch import free_port
-    from gateway.config import EngineEntry, GatewayConfig
-    from gateway.http.app import Gateway
-
-    # Slow engines are waited for, never ejected: a stall of the host (shared cores, memory pressure) is
-    # not the policy's doing, and an ejected engine would change every later routing decision.
-    cfg = GatewayConfig(engines=tuple(EngineEntry(u, f"gpu{i}") for i, u in enumerate(urls)), policy=policy,
-                        block_size=block_size, timeout=600.0, ttfb_timeout=600.0, idle_timeout=600.0,
-                        health_interval=2.0, health_fail_threshold=30, breaker_threshold=1000).validate()
-    gw = Gateway(cfg, None)
-    try:
-        port = await gw.listen("127.0.0.1", free_port())
-        for e in gw.engines:
-            for s in e.subscribers:
-                await asyncio.wait_for(s.synced.wait(), KV_SYNC_TIMEOUT)
-        yield gw, f"http://127.0.0.1:{port}"
-    finally:
-        await gw.shutdown()
-
-
 async def cold_start(http: Any, url: str) -> None:
     """Reset every engine's prefix cache through the gateway, or refuse the run."""
     import asyncio
@@ -162,8 +135,10 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
     import aiohttp
 
     from analysis.summary import summarize
+    from replayer.calibrate import engine_side, scrape_all
     from replayer.driver import count_requests, replay
     from replayer.live import HttpTarget, probe_gateway
+    from replayer.live_gateway import live_gateway
     from replayer.progress import Progress
     from replayer.records import RecordWriter, read_records
     from replayer.synth import TokenSynthesizer
@@ -174,6 +149,7 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         card = await probe_gateway(http, url)
         await cold_start(http, url)
+        before = await scrape_all(http, urls)
         synth = TokenSynthesizer(seed=seed, engine_block_size=gw.block_size)
         target = HttpTarget(url, synth, http, model=card["model"], timeout=600.0, max_model_len=card["max_model_len"])
         bar = Progress(count_requests(trace), label=label, force=spec.get("progress", False))
@@ -191,11 +167,14 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
                                    on_record=on_record)
             finally:
                 bar.close()
+        side = await engine_side(http, urls, before, sum(1 for r in res.records if not r.error))
     s = summarize(read_records(records), None, res.makespan, math.nan)
     # Engines sharing a host with other work run slower than their profile: the host's load says how busy
     # it was (1-minute load average at the start and the end of the run).
+    # The engines' own timings of the same requests: the client's minus the engine's TTFT is the live
+    # path (replayer, gateway, HTTP), which sim-vs-real holds against what its emulated path adds.
     s.update(policy=policy, seed=seed, session_rate=rate, records=str(records), cold_start=True,
-             host_load=[load0, os.getloadavg()[0]])
+             host_load=[load0, os.getloadavg()[0]], engine_side=side)
     return s
 
 

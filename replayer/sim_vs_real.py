@@ -17,7 +17,13 @@ sides) to say which part of the model the gap comes from:
   by a block or more (KV events arriving late, or evictions after the decision);
 * **step time and queueing**: the median sim/real TTFT ratio over requests with the same hit on both
   sides (same work; the residual is prefill step time, frontend/HTTP overhead and queueing);
-* **decode step time**: the median sim/real TPOT ratio.
+* **decode step time**: the median sim/real TPOT ratio;
+* **live path** (runs that read the engines' own histograms back): the client's mean TTFT minus the
+  engines' (vLLM's TTFT starts when its API server receives the request) is what the replayer, the
+  gateway and HTTP add; the emulated path is the profile's measured direct-client path plus, unless
+  ``--no-live-path``, the gateway's addition (``fit.live_path``, measured by ``gpuhit profile fit``),
+  which is added to the emulated frontend delay. Their difference, as a share of the real TTFT, and
+  the engine-side TTFT sim/real (the sim's TTFT less its modeled path) split the TTFT error.
 
 The component furthest from agreement is named as the main one.
 """
@@ -39,6 +45,33 @@ from gpuhit.errors import ConfigError
 METRICS = ("latency_mean", "latency_p50", "latency_p90", "latency_p99", "ttft_p50", "ttft_p90", "tpot_p50",
            "apc_realized")
 RANK_BY = ("latency_mean", "latency_p90", "ttft_p90")
+PATH_KEYS = ("ttft_real_s", "path_real_s", "path_model_s", "engine_ttft_real_s", "engine_ttft_sim_s")
+
+
+def live_path(profile: Any, model_gateway: bool = True) -> tuple[Any, dict[str, float]]:
+    """The profile the sim runs with (its frontend delay plus the gateway's measured addition, when
+    ``model_gateway`` and the fit measured it) and the emulated live path: ``{"direct_s",
+    "gateway_s", "total_s"}`` (nan where the profile's fit did not measure it)."""
+    import dataclasses
+
+    lp = (profile.fit or {}).get("live_path") or {}
+    direct = float(lp.get("direct_path_s", math.nan))
+    gw = float(lp.get("gateway_ttft_s", math.nan)) if model_gateway else 0.0
+    if model_gateway and not math.isnan(gw):
+        profile = dataclasses.replace(profile, frontend_overhead_s=profile.frontend_overhead_s + max(gw, 0.0))
+    return profile, {"direct_s": direct, "gateway_s": gw, "total_s": direct + (0.0 if math.isnan(gw) else max(gw, 0.0))}
+
+
+def path_attribution(real: Any, sim: Any, engine_side: Mapping[str, float] | None, modeled_path: float) -> dict[str, float]:
+    """One run's TTFT split: the real live path (client mean TTFT minus the engines'), the modeled one,
+    and the engine-side TTFT on each side (the sim's is its TTFT less the modeled path)."""
+    if not engine_side or not engine_side.get("n") or math.isnan(modeled_path):
+        return {}
+    r, s = _frame_key(real), _frame_key(sim)
+    ttft_r = float((r["first_token"] - r["arrival"]).mean())
+    ttft_s = float((s["first_token"] - s["arrival"]).mean())
+    return {"ttft_real_s": ttft_r, "path_real_s": ttft_r - float(engine_side["ttft"]), "path_model_s": modeled_path,
+            "engine_ttft_real_s": float(engine_side["ttft"]), "engine_ttft_sim_s": ttft_s - modeled_path}
 
 
 def simulate_run(spec: Mapping[str, Any], engines: Mapping[str, Any], trace: Any, profile: Any, policy: str,
@@ -107,6 +140,8 @@ def explain(apc_diff: float, att: Mapping[str, float]) -> str:
         "step time, frontend/HTTP overhead and queueing (same-hit TTFT)": abs(math.log(att["same_hit_ttft_ratio"]))
         if att.get("same_hit_ttft_ratio", 0) > 0 else math.nan,
         "decode step time (TPOT)": abs(math.log(att["tpot_ratio"])) if att.get("tpot_ratio", 0) > 0 else math.nan,
+        "live path (replayer, gateway, HTTP)": abs(att["path_model_s"] - att["path_real_s"]) / att["ttft_real_s"]
+        if att.get("ttft_real_s", 0) > 0 else math.nan,
     }
     known = {k: v for k, v in parts.items() if not math.isnan(v)}
     if not known:
@@ -115,7 +150,10 @@ def explain(apc_diff: float, att: Mapping[str, float]) -> str:
     return (f"{main} (hit mismatch {att.get('hit_mismatch_share', math.nan) * 100:.0f}% of requests, live gateway's "
             f"hit prediction off by a block or more on {att.get('live_mispredicted_share', math.nan) * 100:.0f}%, APC "
             f"{apc_diff * 100:+.1f} pp; same-hit TTFT sim/real {att.get('same_hit_ttft_ratio', math.nan):.2f}; "
-            f"TPOT sim/real {att.get('tpot_ratio', math.nan):.2f})")
+            f"TPOT sim/real {att.get('tpot_ratio', math.nan):.2f}" + (
+                f"; live path real {att['path_real_s'] * 1e3:.0f} ms / modeled {att['path_model_s'] * 1e3:.0f} ms, "
+                f"engine-side TTFT sim/real {att['engine_ttft_sim_s'] / att['engine_ttft_real_s']:.2f}"
+                if att.get("engine_ttft_real_s", 0) > 0 else "") + ")")
 
 
 def ranking(rows: Mapping[str, Mapping[str, float]], key: str) -> list[str]:
@@ -148,7 +186,9 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
         att: dict[str, float] = {}
         if att_runs and sum(a.get("paired", 0) for a in att_runs):
             att = {k: _mean(att_runs, k)
-                   for k in ("hit_mismatch_share", "live_mispredicted_share", "same_hit_ttft_ratio", "tpot_ratio")}
+                   for k in ("hit_mismatch_share", "live_mispredicted_share", "same_hit_ttft_ratio", "tpot_ratio",
+                             *PATH_KEYS)}
+            att = {k: v for k, v in att.items() if k not in PATH_KEYS or not math.isnan(v)}
             att["paired"] = sum(a.get("paired", 0) for a in att_runs)
         loads = [x for r in lr for x in r.get("host_load", [])]
         per_policy[pol] = {"n_seeds": len(lr), "real": real, "sim": sim, "rel_error": rel, "apc_diff": apc_diff,
@@ -218,6 +258,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--live", required=True, metavar="DIR", help="a `gpuhit experiment ab-live` folder")
     p.add_argument("--profile", required=True, metavar="FILE.json[#NAME]", help="the fitted profile (gpuhit profile fit)")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default DIR/sim-vs-real)")
+    p.add_argument("--no-live-path", action="store_true",
+                   help="do not add the gateway's measured delay (the profile's fit.live_path) to the emulated frontend")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)
@@ -234,16 +276,18 @@ def main(args: argparse.Namespace) -> int:
     if not exp_path.exists():
         raise ConfigError(f"{live} is not a `gpuhit experiment ab-live` folder (no experiment.json)")
     exp = json.loads(exp_path.read_text(encoding="utf-8"))
-    profile = load_profile(args.profile)
+    profile, path = live_path(load_profile(args.profile), not args.no_live_path)
     spec, engines, policies = exp["trace"], exp["engines"], exp["policies"]
     if profile.block_size != int(spec["block_size"]):
         raise ConfigError(f"the profile's block size {profile.block_size} is not the engines' {spec['block_size']}")
     trace = experiment_trace(spec)
     out = pathlib.Path(args.out) if args.out else live / "sim-vs-real"
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"live": str(live), "profile": args.profile, "rates": {}}
+    report: dict[str, Any] = {"live": str(live), "profile": args.profile, "live_path": path, "rates": {}}
     md = [f"# Simulated vs real: {live}", "", (f"profile `{args.profile}`; engines {engines['count']} x "
-          f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}"), ""]
+          f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}; "
+          f"emulated live path {path['total_s'] * 1e3:.1f} ms (direct client {path['direct_s'] * 1e3:.1f} ms + "
+          f"gateway {path['gateway_s'] * 1e3:.1f} ms{', not modeled' if args.no_live_path else ''})"), ""]
     for rate in exp["rates"]:
         folder = live / rate_label(rate)
         if not (folder / "runs").exists():
@@ -258,7 +302,9 @@ def main(args: argparse.Namespace) -> int:
             res = simulate_run(spec, engines, trace, profile, pol, seed, rate)
             sim_runs.append(res.summary())
             real_df, sim_df = read_records(lr["records"]), records_to_frame(res.records)
-            atts.setdefault(pol, []).append(attribution(real_df, sim_df, int(spec["block_size"])))
+            att = attribution(real_df, sim_df, int(spec["block_size"]))
+            att.update(path_attribution(real_df, sim_df, lr.get("engine_side"), path["total_s"]))
+            atts.setdefault(pol, []).append(att)
             for df, side in ((real_df, "real"), (sim_df, "sim")):
                 ok = df[df["error"].astype(str) == ""]
                 cdf.setdefault(pol, {}).setdefault(side, []).extend((ok["finish"] - ok["arrival"]).tolist())

@@ -5,10 +5,13 @@ A step's duration (vLLM v1 runs prefill chunks and decodes in one forward pass):
     step = step_overhead_s                         # launch, sampling, weights read once
          + per_seq_overhead_s * num_seqs
          + sum over prefill chunks (n new tokens after c context tokens):
-               prefill_per_token_s * n + prefill_attn_s * ((c + n)^2 - c^2)
+               prefill_chunk_overhead_s + prefill_per_token_s * n + prefill_attn_s * ((c + n)^2 - c^2)
          + decode_per_ctx_token_s * sum of decoding sequences' contexts   # KV read, memory-bound
 
-so a full prefill of L tokens costs ``a*L + b*L^2`` however it is chunked. Before a request reaches
+so a full prefill of L tokens costs ``a*L + b*L^2`` plus one chunk overhead per chunk. The chunk
+overhead is what a sequence in prefill costs a step beyond a decoding one (its inputs prepared and
+copied, attention metadata for a query longer than one token): small on a GPU, several
+milliseconds on the CPU build, where a one-block prefill takes twice a batch-1 decode step. Before a request reaches
 the scheduler it spends ``frontend_overhead_s + frontend_per_token_s * prompt_len`` in the API
 server (HTTP, input processing); that time is not GPU time. Loads from lower tiers cost
 ``overhead + bytes / bandwidth``. Profiles are data (``profiles.json``), each citing its sources.
@@ -53,6 +56,7 @@ class Profile:
     per_seq_overhead_s: float = 0.0
     prefill_per_token_s: float = 5e-5
     prefill_attn_s: float = 0.0
+    prefill_chunk_overhead_s: float = 0.0
     decode_per_ctx_token_s: float = 0.0
     frontend_overhead_s: float = 0.0
     frontend_per_token_s: float = 0.0
@@ -80,8 +84,9 @@ class Profile:
 
     # ---- costs ---------------------------------------------------------------------------------
     def prefill_cost(self, n: int, context: int) -> float:
-        """GPU time of ``n`` new prompt tokens computed after ``context`` cached/computed ones."""
-        return self.prefill_per_token_s * n + self.prefill_attn_s * (n * (2 * context + n))
+        """GPU time of ``n`` new prompt tokens computed after ``context`` cached/computed ones, in one
+        chunk. (0.0 + x is x exactly: profiles without a chunk overhead time steps as before.)"""
+        return self.prefill_chunk_overhead_s + self.prefill_per_token_s * n + self.prefill_attn_s * (n * (2 * context + n))
 
     def step_time(self, num_seqs: int, prefill_cost: float, decode_ctx_sum: int) -> float:
         """Duration of one step (see module docstring). Keep the expression order fixed: the

@@ -36,16 +36,20 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     prof_path = tmp_path / "fitted.json"
     fit = _json(capsys, ["profile", "fit", *engines, "--out", str(prof_path), "--max-num-batched-tokens", "2048",
                          "--max-num-seqs", "128", "--points", "3", "--repeats", "1", "--batches", "1,2",
-                         "--decode-tokens", "4", "--hold-out-every", "2", "--json"])
+                         "--decode-tokens", "4", "--hold-out-every", "2", "--gateway-pairs", "4", "--json"])
     info = fit["engine"]
     assert (info["block_size"], info["max_model_len"]) == (real_vllm_pair.block_size, real_vllm_pair.max_model_len)
     prof = load_profile(f"{prof_path}#fitted")
     assert prof.num_gpu_blocks() == info["num_gpu_blocks"] and prof.block_size == info["block_size"]
     for k, v in fit["params"].items():
         assert math.isfinite(v) and v >= 0 and getattr(prof, k) == pytest.approx(v, rel=1e-3, abs=1e-12), k
-    for which in ("fit_error", "held_out_error"):
+    for which in ("fit_error", "held_out_error", "loo_error"):
         for kind in ("prefill", "ttft", "decode_step"):
             assert fit[which][kind]["n"] >= 1 and math.isfinite(fit[which][kind]["mean_abs_rel"]), (which, kind)
+    # the live path: a direct client's HTTP path, and a gateway's addition measured in pairs
+    lp = fit["live_path"]
+    assert lp["pairs"] == 4 and all(math.isfinite(lp[k]) for k in ("direct_path_s", "gateway_ttft_s", "gateway_e2e_s"))
+    assert prof.fit["live_path"] == pytest.approx(lp)
     # one fitted shape per (new, context) / (batch, context): the median of its probes on both engines
     assert 0 < sum(fit["probes"].values()) <= len(prof.fit["measurements"]["prefill"]) + len(
         prof.fit["measurements"]["decode"])
@@ -68,6 +72,8 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
         assert r["n_sent"] == r["n_ok"] + r["n_rejected"] + r["n_failed"] == n_requests
         assert sum(v["routed"] for v in r["per_instance"].values()) == r["n_sent"]
         assert set(r["per_instance"]) <= {"gpu0", "gpu1"}
+        # the engines' own timings of the run's requests, read back from their /metrics
+        assert r["engine_side"]["n"] == r["n_ok"] and all(r["engine_side"][k] > 0 for k in ("ttft", "e2e", "prefill"))
     for pol in POLICIES:
         stats = cmp["table"][pol]["latency_mean"]
         assert stats["n"] == SEEDS and math.isfinite(stats["mean"])
@@ -87,6 +93,9 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
         assert set(v["rel_error"]) == set(METRICS) - {"apc_realized"}
         assert set(v["load_real"]) <= {"gpu0", "gpu1"} and sum(v["load_sim"].values()) == pytest.approx(1.0)
         assert 0 <= v["attribution"]["hit_mismatch_share"] <= 1 and v["explained_by"]
+        att = v["attribution"]
+        assert att["path_model_s"] == pytest.approx(svr["live_path"]["total_s"]) and att["engine_ttft_real_s"] > 0
+        assert att["ttft_real_s"] == pytest.approx(att["path_real_s"] + att["engine_ttft_real_s"])
         assert (out / "sim-vs-real" / f"cdf-{label}-{pol}.png").stat().st_size > 0
     for key in RANK_BY:
         r = doc["rankings"][key]

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from engines.emulated.profile import load_profile
 from replayer.records import RequestRecord, records_to_frame
-from replayer.sim_vs_real import METRICS, attribution, compare_rate, kendall
+from replayer.sim_vs_real import METRICS, attribution, compare_rate, kendall, live_path, path_attribution
 
 
 def recs(hits, ttft, tpot, out=5, predicted=None):
@@ -54,3 +55,21 @@ def test_compare_rate_reports_every_field_per_policy():
     assert doc["policies"]["lpwl"]["explained_by"] == ""  # no paired requests given
     for r in doc["rankings"].values():
         assert r["real"] == r["sim"] == ["lpwl", "rr"] and r["kendall_tau"] == pytest.approx(1.0) and r["same_best"]
+
+
+def test_the_live_path_splits_ttft_into_path_and_engine_and_the_gateway_joins_the_frontend():
+    import dataclasses
+
+    prof = dataclasses.replace(load_profile("qwen3-coder-30b-a3b@h20"), frontend_overhead_s=0.01,
+                               fit={"live_path": {"direct_path_s": 0.004, "gateway_ttft_s": 0.006}})
+    with_gw, path = live_path(prof)
+    assert with_gw.frontend_overhead_s == pytest.approx(0.016) and path["total_s"] == pytest.approx(0.010)
+    without, path0 = live_path(prof, model_gateway=False)
+    assert without.frontend_overhead_s == 0.01 and path0 == {"direct_s": 0.004, "gateway_s": 0.0, "total_s": 0.004}
+    assert math.isnan(live_path(load_profile("qwen3-coder-30b-a3b@h20"))[1]["total_s"])  # never measured
+    real = recs([0, 0], [0.2, 0.4], [0.01, 0.01])
+    sim = recs([0, 0], [0.1, 0.3], [0.01, 0.01])
+    a = path_attribution(real, sim, {"n": 2, "ttft": 0.25}, 0.01)
+    assert a["ttft_real_s"] == pytest.approx(0.3) and a["path_real_s"] == pytest.approx(0.05)
+    assert a["engine_ttft_sim_s"] == pytest.approx(0.19) and a["path_model_s"] == 0.01
+    assert path_attribution(real, sim, None, 0.01) == {} and path_attribution(real, sim, {"n": 2, "ttft": 0.2}, math.nan) == {}

@@ -10,6 +10,15 @@ A workload is ``{"name", "config", "requests", "max_steps"}``. ``config``: ``blo
 Streams are sized so the pool fills: prompts share prefixes (so hits and evictions happen),
 many requests arrive within a few steps (so the head of the queue waits for blocks and running
 requests are preempted), prompts exceed the token budget (chunked prefill), some are aborted.
+
+The priority configurations also come in two shapes aimed at what only vLLM's priority scheduler
+does. ``ties``: requests of one step share one ``arrival_time`` and carry ids out of arrival order,
+as requests arriving at one instant of virtual time do, so the waiting heap's last tie-break (the
+request id) and the victim among equal running requests (``max()`` keeps the first of equals in
+``running``) decide. ``pressure``: a pool a few prompts wide, many requests, and priorities that
+improve with arrival (a late request outranks the running ones), prompts of a third of the pool or
+more and a small token budget, so running requests often cannot grow and the lowest-priority
+running one, not the last admitted, is preempted.
 """
 
 from __future__ import annotations
@@ -18,10 +27,17 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+#: generation shapes (see the module docstring); "mixed" is the default
+SHAPES = ("mixed", "ties", "pressure")
 
-def _cfg(block_size: int, budget: int, max_seqs: int, chunked: bool, policy: str, prefix: bool) -> dict[str, Any]:
-    return {"block_size": block_size, "max_num_batched_tokens": budget, "max_num_seqs": max_seqs,
-            "chunked_prefill": chunked, "policy": policy, "prefix_caching": prefix}
+
+def _cfg(block_size: int, budget: int, max_seqs: int, chunked: bool, policy: str, prefix: bool,
+         shape: str = "mixed") -> dict[str, Any]:
+    cfg = {"block_size": block_size, "max_num_batched_tokens": budget, "max_num_seqs": max_seqs,
+           "chunked_prefill": chunked, "policy": policy, "prefix_caching": prefix}
+    if shape != "mixed":
+        cfg["shape"] = shape
+    return cfg
 
 
 #: the checked vLLM configurations (name -> config); num_gpu_blocks is set per stream
@@ -33,6 +49,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bs16-priority": _cfg(16, 96, 5, True, "priority", True),
     "bs128-priority-default": _cfg(128, 8192, 256, True, "priority", True),
     "bs16-noprefix": _cfg(16, 64, 4, True, "fcfs", False),
+    "bs16-priority-ties": _cfg(16, 96, 5, True, "priority", True, "ties"),
+    "bs16-priority-pressure": _cfg(16, 24, 4, True, "priority", True, "pressure"),
 }
 
 
@@ -48,21 +66,27 @@ def generated(config: str, seed: int) -> dict[str, Any]:
     """One random stream for ``config`` (deterministic in ``seed``)."""
     rng = random.Random(f"{config}/{seed}")
     base = CONFIGS[config]
+    shape = base.get("shape", "mixed")
     bs = base["block_size"]
-    num_blocks = rng.randint(8, 24) if bs == 128 else rng.randint(12, 48)
+    if shape == "pressure":
+        num_blocks = rng.randint(10, 20)
+    else:
+        num_blocks = rng.randint(8, 24) if bs == 128 else rng.randint(12, 48)
     usable = num_blocks - 1
     max_len = usable * bs
     if not base["chunked_prefill"]:
         max_len = min(max_len, base["max_num_batched_tokens"])
     # shared documents: prompts start with one of them (a prefix of it), then a private tail
     docs = [[rng.randrange(3, 30000) for _ in range(rng.randint(bs, 4 * bs))] for _ in range(rng.randint(1, 4))]
-    n_req = rng.randint(3, 12)
+    n_req = rng.randint(10, 24) if shape == "pressure" else rng.randint(3, 12)
+    # "ties": ids drawn out of arrival order (the heap's last tie-break must not follow arrival)
+    ids = rng.sample(range(1000), n_req) if shape == "ties" else list(range(n_req))
     reqs = []
     step = 0
     for i in range(n_req):
         step += rng.choice((0, 0, 0, 1, 1, 2, 5))
         out_len = rng.randint(1, 3 * bs if bs == 16 else 40)
-        total_max = rng.randint(2, max_len)
+        total_max = rng.randint(max(2, max_len // 3), max_len) if shape == "pressure" else rng.randint(2, max_len)
         out_len = min(out_len, total_max - 1)
         prompt_len = rng.randint(1, total_max - out_len)
         prompt: list[int] = []
@@ -71,10 +95,16 @@ def generated(config: str, seed: int) -> dict[str, Any]:
             prompt = d[: rng.randint(1, len(d))][:prompt_len]
         prompt += [rng.randrange(3, 30000) for _ in range(prompt_len - len(prompt))]
         r = {
-            "id": f"r{i:03d}", "prompt": prompt, "output": [rng.randrange(3, 30000) for _ in range(out_len)],
+            "id": f"r{ids[i]:03d}", "prompt": prompt, "output": [rng.randrange(3, 30000) for _ in range(out_len)],
             "arrival": step, "arrival_time": step + i * 1e-3, "priority": rng.randint(0, 3),
             "abort": step + rng.randint(0, 30) if rng.random() < 0.12 else None,
         }
+        if shape == "ties":
+            r["arrival_time"] = float(step)
+            r["priority"] = rng.randint(0, 1)
+        elif shape == "pressure":
+            # later arrivals mostly outrank earlier ones: the running set is the low-priority part
+            r["priority"] = max(0, n_req - i + rng.randint(-3, 3)) // 4
         reqs.append(r)
     return {"name": f"{config}/gen{seed}", "config": _config(config, num_blocks), "requests": reqs,
             "max_steps": 20000}

@@ -14,6 +14,7 @@ from engines.emulated.profile_fit import (
     PrefillProbe,
     chunks,
     fit_profile,
+    leave_one_out_error,
     median_of_repeats,
     predict_prefill,
     predict_step,
@@ -22,8 +23,8 @@ from engines.emulated.profile_fit import (
 from gpuhit.errors import ConfigError
 
 TRUE = {"step_overhead_s": 0.004, "per_seq_overhead_s": 0.0008, "prefill_per_token_s": 7e-5,
-        "prefill_attn_s": 2e-8, "decode_per_ctx_token_s": 3e-7, "frontend_overhead_s": 0.003,
-        "frontend_per_token_s": 2e-6}
+        "prefill_attn_s": 2e-8, "decode_per_ctx_token_s": 3e-7, "prefill_chunk_overhead_s": 0.002,
+        "frontend_overhead_s": 0.003, "frontend_per_token_s": 2e-6}
 MAX_BATCHED = 2048
 
 
@@ -51,6 +52,19 @@ def test_fit_recovers_known_costs_and_predicts_held_out_probes():
         for kind in ("prefill", "ttft", "decode_step"):
             assert fit[which][kind]["n"] > 0 and fit[which][kind]["max_abs_rel"] < 1e-3
     assert fit["probes"]["prefill_held_out"] == 3 and fit["probes"]["decode_held_out"] == 2
+    for kind in ("prefill", "ttft", "decode_step"):
+        assert fit["loo_error"][kind]["n"] > 0 and fit["loo_error"][kind]["max_abs_rel"] < 1e-3
+
+
+def test_a_prefill_chunk_costs_more_than_a_decoding_sequence_and_the_smaller_model_misses_it():
+    """Decode probes pin the step overhead, so the fit tells a prefill's own fixed cost from it; the
+    five-term model (no chunk overhead), fitted to the same probes, errs on short prefills."""
+    prefill, decode = synthetic()
+    small = tuple(k for k in PARAMS if k != "prefill_chunk_overhead_s")
+    loo_small = leave_one_out_error(prefill, decode, MAX_BATCHED, small)
+    loo_full = leave_one_out_error(prefill, decode, MAX_BATCHED)
+    assert fit_profile(prefill, decode, max_batched=MAX_BATCHED, params=small)["params"]["prefill_chunk_overhead_s"] == 0
+    assert loo_full["prefill"]["max_abs_rel"] < 1e-3 < loo_small["prefill"]["max_abs_rel"]
 
 
 def test_chunked_prefill_counts_one_step_overhead_per_chunk():

@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-from engines.emulated.vllm_check import run, workload
+from engines.emulated.vllm_check import compare, run, workload
 from replayer.loaders import load_trace
 from replayer.synth import TokenSynthesizer
 
@@ -90,3 +90,31 @@ def test_emulator_matches_vllm_scheduler_step_by_step():
         assert r.streams == (N_GENERATED + 3 if "[loop]" not in name else N_LOOP + 3)
         assert not r.mismatching_streams, f"{name}: {len(r.mismatching_streams)} streams differ\n{r.first_report}"
         assert r.steps > 0
+
+
+# streams per priority configuration for the coverage check below (vLLM side only, run twice)
+N_COVERAGE = 60
+
+
+@pytest.mark.timeout(600)
+def test_priority_streams_exercise_what_only_the_priority_scheduler_does():
+    """The priority configurations would prove little if vLLM scheduled their streams as FCFS does:
+    the same streams re-run through vLLM's scheduler under FCFS must come out different in most
+    of them, and most pressure streams must preempt (where the victim is chosen by priority)."""
+    import copy
+
+    python = run.vllm_python()
+    if python is None:
+        pytest.skip("no vLLM venv (set GPUHIT_VLLM_PYTHON or build .venv-vllm): differential check skipped")
+    for config in (c for c, cfg in workload.CONFIGS.items() if cfg["policy"] == "priority"):
+        prio = list(workload.generated_streams(config, N_COVERAGE))
+        fcfs = copy.deepcopy(prio)
+        for w in fcfs:
+            w["config"]["policy"] = "fcfs"
+        theirs = run.run_vllm(prio + fcfs, python)
+        differ = sum(compare.compare_stream(a, b)[1] is not None
+                     for a, b in zip(theirs[:N_COVERAGE], theirs[N_COVERAGE:]))
+        assert differ >= N_COVERAGE // 2, f"{config}: only {differ}/{N_COVERAGE} streams schedule differently from FCFS"
+        if workload.CONFIGS[config].get("shape") == "pressure":
+            preempting = sum(any(r["preempted"] for r in recs) for recs in theirs[:N_COVERAGE])
+            assert preempting >= N_COVERAGE // 2, f"{config}: only {preempting}/{N_COVERAGE} streams preempt"
