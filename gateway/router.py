@@ -39,10 +39,12 @@ import msgspec
 from engines.base import EngineClient, EngineStats, GenerateResult, max_cached_tokens
 from engines.kv_events import KVEventBatch
 from gateway.bindings import SessionBindings
+from gateway.hold import HoldQueue
 from gateway.kv_index import KVIndex
 from gateway.residency import SessionResidency
 from gateway.ticket import RouteRecord, RouteRequest, RouterStats, Ticket
 from gpuhit.errors import ConfigError, NoInstanceError
+from policies.costmodel import prefill_work_tokens
 from policies.snapshot import (
     ACTIONS,
     FETCH,
@@ -139,10 +141,13 @@ class Router:
         self.now: Callable[[], float] = clock if clock is not None else self._loop_time
         self.bindings = SessionBindings()
         self.stats = RouterStats(decisions_by_instance=[0] * n, errors_by_instance=[0] * n)
+        # Late binding (gateway/hold.py): only for a policy with a hold rule.
+        self.hold = HoldQueue(self.snapshot, policy.hold, self.stats) if getattr(policy, "holds", False) else None
         # Per-instance counters (gateway/share.py may swap in list subclasses that report each change).
         self._in_flight: list[int] = [0] * n
         self._routed: list[int] = [0] * n  # requests sent here so far, as target or as KV source (tie-break)
         self._pending: list[int] = [0] * n
+        self._pending_work: list[int] = [0] * n  # the same prefills' time in token equivalents
         self._decode: list[int] = [0] * n
         self._active_blocks: list[int] = [0] * n
         self._healthy = [True] * n
@@ -261,7 +266,7 @@ class Router:
             g, c = hits[i]
             states.append(InstanceState(i, names[i], roles[i], healthy[i], in_flight[i], pending[i], decode[i],
                                         active[i], st.running, st.waiting, st.kv_usage, st.kv_capacity_blocks, g, c,
-                                        routed[i], resident[i], expected[i]))
+                                        routed[i], resident[i], expected[i], self._pending_work[i]))
         view = RequestView(
             req.request_id,
             req.prompt_len,
@@ -363,20 +368,24 @@ class Router:
                 )
         t.predicted_hit_tokens = min(hit_blocks * bs, cap)
         t._pending = req.prompt_len - t.predicted_hit_tokens
+        t._pending_work = prefill_work_tokens(t._pending, t.predicted_hit_tokens)
         t._blocks = -(-(req.prompt_len + req.max_tokens) // bs)
         self._in_flight[tgt] += 1
         self._routed[tgt] += 1
         self._pending[tgt] += t._pending
+        self._pending_work[tgt] += t._pending_work
         self._active_blocks[tgt] += t._blocks
         if d.action != FORWARD:
             assert src is not None
             t.transfer_id = f"gpuhit-{next(self._xfer)}-{req.request_id}"
             t._prod_pending = req.prompt_len - min(inst[src].gpu_hit_blocks * bs, cap)
+            t._prod_pending_work = prefill_work_tokens(t._prod_pending, req.prompt_len - t._prod_pending)
             t._prod_blocks = -(-(req.prompt_len + 1) // bs)
             t._prod_open = True
             self._in_flight[src] += 1
             self._routed[src] += 1
             self._pending[src] += t._prod_pending
+            self._pending_work[src] += t._prod_pending_work
             self._active_blocks[src] += t._prod_blocks
         # Knowledge updates.
         st = self.stats
@@ -416,9 +425,20 @@ class Router:
             )
         return t
 
+    async def begin_held(self, req: RouteRequest) -> Ticket:
+        """:meth:`begin`, after the hold queue lets ``req`` through (at once without one)."""
+        h = self.hold
+        if h is None:
+            return self.begin(req)
+        await h.admit(req)
+        try:
+            return self.begin(req)
+        finally:
+            h.routed()
+
     async def submit(self, req: RouteRequest) -> RoutedResult:
-        """Route and run ``req`` in-process: begin -> (producer step) -> target -> finish."""
-        t = self.begin(req)
+        """Route and run ``req`` in-process: (hold) -> begin -> (producer step) -> target -> finish."""
+        t = await self.begin_held(req)
         producer: GenerateResult | None = None
         try:
             params = None
