@@ -36,14 +36,15 @@ prefills (``pending_prefill_work``). For each healthy instance ``i``:
     need       = ceil((input + output) / block_size)        its blocks after the turn
     overflow_i = max(0, E_i + need - C_i)                    E_i: expected resident blocks
     lost_i     = min(gpu_hit_blocks_i, overflow_i)
-    cost_i     = Q_i + W_i * (1 + in_flight_i) + block_size * (lost_i + overflow_i)
+    cost_i     = Q_i + W_i * (1 + in_flight_i) + work(block_size * lost_i) + work(block_size * overflow_i)
 
 and routes to ``argmin cost_i`` (ties: :func:`~policies.common.tie_key`). ``Q_i + W_i`` is LPWL
 in time (the request's own time to first token); ``W_i * in_flight_i`` the delay its prefill adds
-to the ``in_flight_i`` requests sharing the instance's steps; the residency charge (in plain tokens:
-a lower bound of the recompute it prices) is
-``lpwl_resident``'s, over ``E_i`` = :attr:`InstanceState.expected_resident_blocks`: in-flight
-sessions in full, idle live ones weighted by the observed share of idle sessions that come back
+to the ``in_flight_i`` requests sharing the instance's steps; the residency charge is
+``lpwl_resident``'s (the lost hit, recomputed at this session's next turn, and the overflow,
+recomputed at the victims'), priced in the same work (each as a prefix recomputed from scratch),
+over ``E_i`` = :attr:`InstanceState.expected_resident_blocks`: in-flight sessions in full, idle
+live ones weighted by the observed share of idle sessions that come back
 (``gateway/residency.py``). Where reuse is high (a warm agentic session: ``new`` a few hundred
 tokens on its holder) the externality is small and the session sticks, as under LPWL; where it is
 low (``new`` ~ the whole prompt everywhere) the rule balances by ``in_flight`` and pending work,
@@ -101,7 +102,7 @@ def auto_cost(snapshot: Snapshot, s: InstanceState) -> tuple[int, int, int, int]
     need = -(-(req.input_tokens + req.output_tokens) // bs)
     overflow = max(0, s.expected_resident_blocks + need - cap)
     lost = min(s.gpu_hit_blocks, overflow)
-    return cost + bs * (lost + overflow), work, overflow, lost
+    return cost + prefill_work_tokens(bs * lost) + prefill_work_tokens(bs * overflow), work, overflow, lost
 
 
 def saturated(snapshot: Snapshot) -> bool:

@@ -67,10 +67,17 @@ def test_residency_is_charged_on_the_expected_working_set_not_every_live_session
              inst(1, capacity_blocks=1000)]
     assert registry.build("lpwl_resident").decide(snap(insts)).target == 1
     assert registry.build("lpwl_auto").decide(snap(insts)).target == 0
-    # 1,000 expected back: overflow 101, hit lost 99 -> 19 + 16 x 200 = 3,219 > 1,751 cold: move
+    # 1,000 expected back: overflow 101, hit lost 99 -> 19 + work(1,584) + work(1,616) = 3,521 > 1,751 cold: move
     insts[0] = inst(0, gpu_hit_blocks=99, capacity_blocks=1000, resident_blocks=1000, expected_resident_blocks=1000)
     d = registry.build("lpwl_auto").decide(snap(insts))
-    assert d.target == 1 and d.scores == ((0, 3219.0), (1, 1751.0))
+    assert d.target == 1 and d.scores == ((0, 3521.0), (1, 1751.0))
+    assert 19 + prefill_work_tokens(1584) + prefill_work_tokens(1616) == 3521
+    # 960 expected back: overflow 61, hit lost 61 -> 19 + 2 x work(976) = 2,083 > 1,751 (in plain
+    # tokens 19 + 16 x 122 = 1,971, also a move); 950: overflow 51 -> 19 + 2 x work(816) = 1,729 < 1,751: stay
+    insts[0] = inst(0, gpu_hit_blocks=99, capacity_blocks=1000, resident_blocks=960, expected_resident_blocks=960)
+    assert registry.build("lpwl_auto").decide(snap(insts)).scores[0] == (0, 19.0 + 2 * prefill_work_tokens(976))
+    insts[0] = inst(0, gpu_hit_blocks=99, capacity_blocks=1000, resident_blocks=950, expected_resident_blocks=950)
+    assert registry.build("lpwl_auto").decide(snap(insts)).target == 0
     # capacity unknown (before the first scrape): no residency charge
     insts = [inst(0, gpu_hit_blocks=99, expected_resident_blocks=5000), inst(1)]
     assert registry.build("lpwl_auto").decide(snap(insts)).target == 0
