@@ -41,7 +41,7 @@ class Routes(Protocol):
     engines: tuple[EngineClient, ...]
     names: tuple[str, ...]
 
-    def begin(self, req: RouteRequest) -> Ticket: ...
+    async def begin_held(self, req: RouteRequest) -> Ticket: ...
 
 
 def accepts_on_progress(engine: EngineClient) -> bool:
@@ -54,9 +54,9 @@ def accepts_on_progress(engine: EngineClient) -> bool:
 
 
 async def run_routed(router: Routes, req: RouteRequest, progress_ok: Sequence[bool]) -> RoutedResult:
-    """Route and run ``req``: begin -> (producer step) -> target -> finish. ``progress_ok[i]``:
+    """Route and run ``req``: (hold) -> begin -> (producer step) -> target -> finish. ``progress_ok[i]``:
     :func:`accepts_on_progress` of engine ``i``."""
-    t = router.begin(req)
+    t = await router.begin_held(req)
     producer: GenerateResult | None = None
     try:
         params = None

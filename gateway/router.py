@@ -38,6 +38,7 @@ import msgspec
 from engines.base import EngineClient, EngineStats, max_cached_tokens
 from engines.kv_events import KVEventBatch
 from gateway.bindings import SessionBindings
+from gateway.hold import HoldQueue
 from gateway.inprocess import RoutedResult, accepts_on_progress, run_routed
 from gateway.instance_health import InstanceHealth
 from gateway.kv_index import KVIndex
@@ -122,10 +123,13 @@ class Router:
         self.now: Callable[[], float] = clock if clock is not None else self._loop_time
         self.bindings = SessionBindings()
         self.stats = RouterStats(decisions_by_instance=[0] * n, errors_by_instance=[0] * n)
+        # Late binding (gateway/hold.py): only for a policy with a hold rule.
+        self.hold = HoldQueue(self.snapshot, policy.hold, self.stats) if getattr(policy, "holds", False) else None
         # Per-instance counters (gateway/share.py may swap in list subclasses that report each change).
         self._in_flight: list[int] = [0] * n
         self._routed: list[int] = [0] * n  # requests sent here so far, as target or as KV source (tie-break)
         self._pending: list[int] = [0] * n
+        self._pending_work: list[int] = [0] * n  # the same prefills' time in token equivalents
         self._decode: list[int] = [0] * n
         self._active_blocks: list[int] = [0] * n
         # Health marks (gateway/instance_health.py); the lists are shared: snapshots read them as they are.
@@ -226,7 +230,7 @@ class Router:
             g, c = hits[i]
             states.append(InstanceState(i, names[i], roles[i], healthy[i], in_flight[i], pending[i], decode[i],
                                         active[i], st.running, st.waiting, st.kv_usage, st.kv_capacity_blocks, g, c,
-                                        routed[i], resident[i], expected[i]))
+                                        routed[i], resident[i], expected[i], self._pending_work[i]))
         view = RequestView(
             req.request_id,
             req.prompt_len,
@@ -366,8 +370,19 @@ class Router:
             )
         return t
 
+    async def begin_held(self, req: RouteRequest) -> Ticket:
+        """:meth:`begin`, after the hold queue lets ``req`` through (at once without one)."""
+        h = self.hold
+        if h is None:
+            return self.begin(req)
+        await h.admit(req)
+        try:
+            return self.begin(req)
+        finally:
+            h.routed()
+
     async def submit(self, req: RouteRequest) -> RoutedResult:
-        """Route and run ``req`` in-process: begin -> (producer step) -> target -> finish
+        """Route and run ``req`` in-process: (hold) -> begin -> (producer step) -> target -> finish
         (:func:`gateway.inprocess.run_routed`)."""
         return await run_routed(self, req, self._progress_ok)
 

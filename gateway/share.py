@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from gateway.dialects.history import ResponseHistory
 
 # The router's per-instance counters that policies rank on (gateway/router.py), in message order.
-COUNTERS = ("_in_flight", "_pending", "_decode", "_active_blocks", "_routed")
-MESSAGE_VERSION = 1
+COUNTERS = ("_in_flight", "_pending", "_pending_work", "_decode", "_active_blocks", "_routed")
+MESSAGE_VERSION = 2
 # A stored response's continuation messages travel with its entry up to this size (JSON bytes);
 # larger ones travel without them (the engine is what a continuation must reach).
 MAX_RESPONSE_BYTES = 64 * 1024

@@ -18,6 +18,7 @@ import msgspec
 from engines.base import GenerateRequest, GenerateResult, max_cached_tokens
 from gateway.residency import SessionResidency
 from gpuhit.errors import ConfigError
+from policies.costmodel import prefill_work_tokens
 from policies.snapshot import FORWARD, Decision
 
 
@@ -75,6 +76,8 @@ class RouterStats:
     errors_by_instance: list[int] = field(default_factory=list)
     predicted_hit_tokens: int = 0
     realized_hit_tokens: int = 0
+    held: int = 0  # requests that waited in the hold queue (gateway/hold.py)
+    held_max: int = 0  # the most that waited there at once
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +96,8 @@ class RouterStats:
             "errors_by_instance": list(self.errors_by_instance),
             "predicted_hit_tokens": self.predicted_hit_tokens,
             "realized_hit_tokens": self.realized_hit_tokens,
+            "held": self.held,
+            "held_max": self.held_max,
         }
 
 
@@ -109,9 +114,11 @@ class Counters(Protocol):
     _in_flight: list[int]
     _routed: list[int]
     _pending: list[int]
+    _pending_work: list[int]
     _decode: list[int]
     _active_blocks: list[int]
     _consecutive_errors: list[int]
+    hold: Any  # gateway.hold.HoldQueue | None: told when a queued prefill ends or a request finishes
 
     def hit_tokens_of(self, i: int, req: RouteRequest) -> int: ...
 
@@ -126,9 +133,11 @@ class Ticket:
         "_done",
         "_first",
         "_pending",
+        "_pending_work",
         "_prod_blocks",
         "_prod_open",
         "_prod_pending",
+        "_prod_pending_work",
         "action",
         "decision",
         "fallback",
@@ -155,8 +164,10 @@ class Ticket:
         self.fallback = False
         self.producer_result: GenerateResult | None = None
         self._pending = 0
+        self._pending_work = 0
         self._blocks = 0
         self._prod_pending = 0
+        self._prod_pending_work = 0
         self._prod_blocks = 0
         self._prod_open = False
         self._first = False
@@ -172,21 +183,25 @@ class Ticket:
         cap = max_cached_tokens(req.prompt_len, block_size)
         self.predicted_hit_tokens = min(hit_blocks * block_size, cap)
         self._pending = req.prompt_len - self.predicted_hit_tokens
+        self._pending_work = prefill_work_tokens(self._pending, self.predicted_hit_tokens)
         self._blocks = -(-(req.prompt_len + req.max_tokens) // block_size)
         r._in_flight[tgt] += 1
         r._routed[tgt] += 1
         r._pending[tgt] += self._pending
+        r._pending_work[tgt] += self._pending_work
         r._active_blocks[tgt] += self._blocks
         if transfer_id is not None:
             src = self.source
             assert src is not None
             self.transfer_id = transfer_id
             self._prod_pending = req.prompt_len - min(source_hit_blocks * block_size, cap)
+            self._prod_pending_work = prefill_work_tokens(self._prod_pending, req.prompt_len - self._prod_pending)
             self._prod_blocks = -(-(req.prompt_len + 1) // block_size)
             self._prod_open = True
             r._in_flight[src] += 1
             r._routed[src] += 1
             r._pending[src] += self._prod_pending
+            r._pending_work[src] += self._prod_pending_work
             r._active_blocks[src] += self._prod_blocks
 
     # -- the KV-moving two-step (MIGRATE / FETCH / PD) ---------------------------------------------
@@ -223,6 +238,7 @@ class Ticket:
         assert src is not None
         r._in_flight[src] -= 1
         r._pending[src] -= self._prod_pending
+        r._pending_work[src] -= self._prod_pending_work
         r._active_blocks[src] -= self._prod_blocks
         self.producer_result = result
         err = error or (result.error if result is not None else "no producer result")
@@ -239,9 +255,12 @@ class Ticket:
         r.stats.fallbacks += 1
         own = r.hit_tokens_of(self.target, self.request)
         new_pending = self.request.prompt_len - own
+        new_work = prefill_work_tokens(new_pending, own)
         if not self._first:
             r._pending[self.target] += new_pending - self._pending
+            r._pending_work[self.target] += new_work - self._pending_work
         self._pending = new_pending
+        self._pending_work = new_work
         r.stats.predicted_hit_tokens += own - self.predicted_hit_tokens
         self.predicted_hit_tokens = own
 
@@ -268,7 +287,10 @@ class Ticket:
         self._first = True
         r = self.router
         r._pending[self.target] -= self._pending
+        r._pending_work[self.target] -= self._pending_work
         r._decode[self.target] += 1
+        if r.hold is not None:
+            r.hold.kick()
 
     def finish(self, result: GenerateResult | None = None, error: str | None = None) -> None:
         """Release the counters; record realized hits, transferred bytes and errors. Idempotent."""
@@ -283,12 +305,15 @@ class Ticket:
             r._decode[t] -= 1
         else:
             r._pending[t] -= self._pending
+            r._pending_work[t] -= self._pending_work
         r._in_flight[t] -= 1
         r._active_blocks[t] -= self._blocks
         if self.request.session_id is not None:
             r.residency.on_finished(self.request.session_id, t, r.now())
         st = r.stats
         st.finished += 1
+        if r.hold is not None:
+            r.hold.kick()
         err = error or (result.error if result is not None else None)
         if err:
             r._note_error(t, err)

@@ -15,20 +15,36 @@ Why ``lpwl_resident`` loses on chat-shaped traffic (seen in the lost-hit and per
   prefill token delays every co-running request by about one prefill-token time. Where prompts are
   mostly new (low reuse), that externality is most of the latency: LMetric's ``P x batch`` ranks
   by it, LPWL ignores it.
+* Counted in tokens, prefill work undercounts long prompts. A prefill of ``n`` new tokens after
+  ``c`` cached ones takes ``a*n + b*((c+n)^2 - c^2)`` (attention over the whole context;
+  :class:`~policies.costmodel.PrefillProfile`): a 50k-token cold prompt ~3.9x what its token count
+  says, a 1k one ~1.06x. On the Mooncake trace (mean input ~12k tokens, a tenth over 32k) the
+  requests in the TTFT tail are those long prompts, and a token-count rule parked them behind
+  other long prompts that looked cheap: at the knee they waited 2.2 s on average before their own
+  prefill against 1.3 s under ``lmetric_plus1`` (queued prefill at placement 14k against 7k
+  tokens), which gave ``lmetric_plus1`` the lower TTFT p90.
 
-``lpwl_auto`` prices both, in prefill tokens, with no parameter. For each healthy instance ``i``:
+``lpwl_auto`` prices all three, in one unit, with no parameter: prefill *work*, the prefill's time
+over ``a`` (:func:`~policies.costmodel.prefill_work_tokens`: tokens, plus the attention term; only
+the ratio ``b / a`` enters, from the *GPU-Hit-First* note's prefill measurements as
+``policies/costmodel.py`` fits them). The gateway sums the same unit over each instance's queued
+prefills (``pending_prefill_work``). For each healthy instance ``i``:
 
     new_i      = input - gpu_hit_i                         this request's prefill there
+    W_i        = work(new_i after hit_i)                    its time there, in token equivalents
+    Q_i        = pending_prefill_work_i                     the prefills queued there, the same unit
     need       = ceil((input + output) / block_size)        its blocks after the turn
     overflow_i = max(0, E_i + need - C_i)                    E_i: expected resident blocks
     lost_i     = min(gpu_hit_blocks_i, overflow_i)
-    cost_i     = pending_i + new_i * (1 + in_flight_i) + block_size * (lost_i + overflow_i)
+    cost_i     = Q_i + W_i * (1 + in_flight_i) + work(block_size * lost_i) + work(block_size * overflow_i)
 
-and routes to ``argmin cost_i`` (ties: :func:`~policies.common.tie_key`). ``pending_i + new_i`` is
-LPWL (the request's own time to first token); ``new_i * in_flight_i`` the delay its prefill adds to
-the ``in_flight_i`` requests sharing the instance's steps; the residency charge is
-``lpwl_resident``'s, over ``E_i`` = :attr:`InstanceState.expected_resident_blocks`: in-flight
-sessions in full, idle live ones weighted by the observed share of idle sessions that come back
+and routes to ``argmin cost_i`` (ties: :func:`~policies.common.tie_key`). ``Q_i + W_i`` is LPWL
+in time (the request's own time to first token); ``W_i * in_flight_i`` the delay its prefill adds
+to the ``in_flight_i`` requests sharing the instance's steps; the residency charge is
+``lpwl_resident``'s (the lost hit, recomputed at this session's next turn, and the overflow,
+recomputed at the victims'), priced in the same work (each as a prefix recomputed from scratch),
+over ``E_i`` = :attr:`InstanceState.expected_resident_blocks`: in-flight sessions in full, idle
+live ones weighted by the observed share of idle sessions that come back
 (``gateway/residency.py``). Where reuse is high (a warm agentic session: ``new`` a few hundred
 tokens on its holder) the externality is small and the session sticks, as under LPWL; where it is
 low (``new`` ~ the whole prompt everywhere) the rule balances by ``in_flight`` and pending work,
@@ -48,6 +64,11 @@ So a request arriving at ``t`` (a first turn's key is ``t`` itself) is overtaken
 that arrived before ``t + service``, never without bound. Before the first observed finish the
 key is the arrival time (FCFS). ``priority: none`` forwards no priority (engines under FCFS);
 ``session_start`` is the uncapped program-level FCFS of ``lpwl_resident_prio``.
+
+Late binding (``hold: saturated``; default ``none``): the gateway holds a request while every
+healthy instance is *saturated*, i.e. has prefill queued or running (``pending_prefill_work > 0``:
+a new prefill there would wait), and routes it by the rule above when one drains
+(``gateway/hold.py``). No threshold: "would wait" is the only line that needs none.
 """
 
 from __future__ import annotations
@@ -57,27 +78,36 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
+from policies.costmodel import prefill_work_tokens
 from policies.registry import register
 from policies.resident import session_priority
 from policies.snapshot import FORWARD, Decision, InstanceState, Snapshot
 
 PRIORITIES = ("aged", "session_start", "none")
 AGING = ("p50", "p90")
+HOLDS = ("none", "saturated")
 
 
 def auto_cost(snapshot: Snapshot, s: InstanceState) -> tuple[int, int, int, int]:
-    """``(cost, new, overflow, lost)`` of placing this request on ``s`` (the module docstring's rule)."""
+    """``(cost, work, overflow, lost)`` of placing this request on ``s`` (the module docstring's
+    rule; ``work`` is ``W_i``)."""
     req = snapshot.request
     bs = req.block_size
     new = new_prefill_tokens(snapshot, s)
-    cost = s.pending_prefill_tokens + new * (1 + s.in_flight)
+    work = prefill_work_tokens(new, req.input_tokens - new)
+    cost = s.pending_prefill_work + work * (1 + s.in_flight)
     cap = s.capacity_blocks
     if cap is None:
-        return cost, new, 0, 0
+        return cost, work, 0, 0
     need = -(-(req.input_tokens + req.output_tokens) // bs)
     overflow = max(0, s.expected_resident_blocks + need - cap)
     lost = min(s.gpu_hit_blocks, overflow)
-    return cost + bs * (lost + overflow), new, overflow, lost
+    return cost + prefill_work_tokens(bs * lost) + prefill_work_tokens(bs * overflow), work, overflow, lost
+
+
+def saturated(snapshot: Snapshot) -> bool:
+    """Every healthy instance has prefill queued or running: a new prefill would wait anywhere."""
+    return all(s.pending_prefill_work > 0 for s in healthy(snapshot))
 
 
 def aged_priority(snapshot: Snapshot, aging: str = "p50") -> int:
@@ -96,7 +126,17 @@ class LPWLAuto:
     type: str = "lpwl_auto"
     priority: str = "aged"
     aging: str = "p50"
+    hold_when: str = "none"
     reads_residency = True  # the router fills the resident blocks and the observed service time
+
+    @property
+    def holds(self) -> bool:
+        """Whether the gateway should keep a hold queue for this policy (gateway/hold.py)."""
+        return self.hold_when != "none"
+
+    def hold(self, snapshot: Snapshot) -> bool:
+        """The hold rule (module docstring): wait while every instance is saturated."""
+        return self.hold_when == "saturated" and saturated(snapshot)
 
     @property
     def scheduling_policy(self) -> str:
@@ -113,16 +153,17 @@ class LPWLAuto:
     def decide(self, snapshot: Snapshot) -> Decision:
         keyed = []
         for s in healthy(snapshot):
-            cost, new, overflow, lost = auto_cost(snapshot, s)
-            keyed.append((cost, tie_key(s), s.index, new, overflow, lost))
-        cost, _, target, new, overflow, lost = min(keyed)
+            cost, work, overflow, lost = auto_cost(snapshot, s)
+            keyed.append((cost, tie_key(s), s.index, work, overflow, lost))
+        cost, _, target, work, overflow, lost = min(keyed)
         inst = snapshot.instances[target]
         room = "capacity unknown: no residency charge" if inst.capacity_blocks is None else (
             f"expected resident {inst.expected_resident_blocks} of {inst.capacity_blocks} blocks: "
             f"overflow {overflow}, hit lost {lost}")
         return Decision(
             FORWARD, target,
-            f"{self.name}: pending {inst.pending_prefill_tokens} + new {new} x (1 + {inst.in_flight} in flight) "
+            f"{self.name}: pending {inst.pending_prefill_tokens} (work {inst.pending_prefill_work}) + new "
+            f"{new_prefill_tokens(snapshot, inst)} (work {work}) x (1 + {inst.in_flight} in flight) "
             f"(hit {inst.gpu_hit_blocks} blocks); {room}; cost {cost} is the least",
             scores=tuple((k[2], float(k[0])) for k in keyed),
             predicted_hit_blocks=inst.gpu_hit_blocks, priority=self._priority(snapshot),
@@ -134,6 +175,7 @@ def _lpwl_auto(name: str, params: Mapping[str, Any]) -> LPWLAuto:
     p = parse_params(
         "lpwl_auto", params,
         {"priority": Param("str", "aged", lambda v: v in PRIORITIES, " | ".join(PRIORITIES)),
-         "aging": Param("str", "p50", lambda v: v in AGING, " | ".join(AGING))},
+         "aging": Param("str", "p50", lambda v: v in AGING, " | ".join(AGING)),
+         "hold": Param("str", "none", lambda v: v in HOLDS, " | ".join(HOLDS))},
     )
-    return LPWLAuto(name=name, **p)
+    return LPWLAuto(name=name, priority=p["priority"], aging=p["aging"], hold_when=p["hold"])

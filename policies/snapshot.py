@@ -49,6 +49,9 @@ class InstanceState(msgspec.Struct, frozen=True, gc=False):
     # The same sessions with each idle one weighted by the observed share of idle sessions that
     # return (the gateway's residency observer); filled with resident_blocks.
     expected_resident_blocks: int = 0
+    # The same requests' prefill time in linear-token equivalents, the attention term included
+    # (:func:`policies.costmodel.prefill_work_tokens` of each one's new and cached tokens).
+    pending_prefill_work: int = 0
 
 
 class RequestView(msgspec.Struct, frozen=True, gc=False):

@@ -101,7 +101,7 @@ class Pipeline:
             hashes = req.block_hashes
             try:
                 rreq = RouteRequest(rid, n, req.max_tokens, hashes, req.prompt_ids, session)
-                ticket = router.begin(rreq) if req.pin is None else \
+                ticket = await router.begin_held(rreq) if req.pin is None else \
                     router.begin_on(rreq, req.pin, "holds the stored response this request continues")
             except ConfigError as exc:  # a request the router cannot take (e.g. inconsistent sizes)
                 return await self.replies.send(down, protocol.bad_request(str(exc)), endpoint)

@@ -8,7 +8,7 @@ from engines.base import GenerateResult
 from engines.fake import FakeEngine
 from gateway.kv_index import PreciseKVIndex
 from gateway.router import Router, RouteRequest
-from gateway.share import ShareLink
+from gateway.share import COUNTERS, MESSAGE_VERSION, ShareLink
 from gpuhit.errors import ConfigError, NotFoundError
 from policies import registry
 
@@ -186,7 +186,7 @@ def test_large_continuations_travel_without_their_messages_and_unknown_engines_s
 
 def test_malformed_response_entries_are_errors():
     (_, hb), (_, lb) = history_pair()
-    base = {"v": 1, "from": "r0", "seq": 1, "own": [[0, 0]] * 5, "bind": []}
+    base = {"v": MESSAGE_VERSION, "from": "r0", "seq": 1, "own": [[0, 0]] * len(COUNTERS), "bind": []}
     with pytest.raises(ConfigError, match="malformed stored-response entry"):
         lb.receive({**base, "resp": [["id", 3, "s", None]]})
     with pytest.raises(ConfigError, match="malformed stored-response entry"):

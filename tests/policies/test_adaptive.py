@@ -1,5 +1,6 @@
-"""lpwl_auto: LPWL plus the delay a prefill adds to the requests beside it, the residency charge over
-the expected working set, and the aged program-level priority (exact choices on tiny snapshots)."""
+"""lpwl_auto: LPWL plus the delay a prefill adds to the requests beside it, both priced in prefill
+work (tokens plus the attention term), the residency charge over the expected working set, and the
+aged program-level priority (exact choices on tiny snapshots)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from gateway.residency import SessionResidency
 from gateway.router import Router, RouteRequest
 from gpuhit.errors import ConfigError
 from policies import registry
+from policies.costmodel import prefill_work_tokens
 from policies.snapshot import InstanceState, RequestView, Snapshot
 
 BS = 16
@@ -26,19 +28,37 @@ def snap(instances, *, input_tokens=1600, output=16, now=100.0, started=None, se
     return Snapshot(now, req, tuple(instances), None, None, started, service, service90)
 
 
+def test_prefill_work_counts_the_attention_term():
+    assert prefill_work_tokens(1600) == 1751  # 1,600 + (b / a) x 1,600^2 = 1,600 + 150.5
+    assert prefill_work_tokens(16, 1584) == 19  # 16 new tokens attending over 1,584 cached ones
+    assert prefill_work_tokens(50_000) == 197_000  # a long cold prompt: ~3.9x its token count
+    assert prefill_work_tokens(0, 5000) == 0
+
+
 def test_a_warm_session_stays_on_its_busy_holder():
-    # holder: 99 of 100 blocks cached (1,584 tokens), 6 in flight: 16 new tokens x 7 = 112 < 1,600 cold
+    # holder: 99 of 100 blocks cached (1,584 tokens), 6 in flight: work 19 x 7 = 133 < 1,751 cold
     insts = [inst(0, in_flight=6, gpu_hit_blocks=99), inst(1)]
     d = registry.build("lpwl_auto").decide(snap(insts))
-    assert d.target == 0 and d.scores == ((0, 112.0), (1, 1600.0))
+    assert d.target == 0 and d.scores == ((0, 133.0), (1, 1751.0))
 
 
 def test_a_cold_prefill_goes_where_it_delays_fewest_requests():
     # 0: nothing queued but 4 requests decoding; 1: 1,000 tokens queued, nothing else
-    insts = [inst(0, in_flight=4, decode_seqs=4), inst(1, pending_prefill_tokens=1000, in_flight=1)]
-    assert registry.build("lpwl").decide(snap(insts)).target == 0  # 1,600 < 2,600 of prefill work
-    d = registry.build("lpwl_auto").decide(snap(insts))  # 1,600 x 5 = 8,000 > 1,000 + 1,600 x 2 = 4,200
-    assert d.target == 1 and d.scores == ((0, 8000.0), (1, 4200.0))
+    insts = [inst(0, in_flight=4, decode_seqs=4),
+             inst(1, pending_prefill_tokens=1000, pending_prefill_work=1059, in_flight=1)]
+    assert registry.build("lpwl").decide(snap(insts)).target == 0  # 1,600 < 2,600 of prefill tokens
+    d = registry.build("lpwl_auto").decide(snap(insts))  # 1,751 x 5 = 8,755 > 1,059 + 1,751 x 2 = 4,561
+    assert d.target == 1 and d.scores == ((0, 8755.0), (1, 4561.0))
+
+
+def test_a_long_prompt_is_not_parked_behind_a_longer_one():
+    # 0: one 50k-token cold prompt queued (50,000 tokens, 197,000 of work), 1 in flight; 1: 4 decoding.
+    # In tokens the queue looks cheap: 50,000 + 20,000 x 2 = 90,000 < 20,000 x 5 = 100,000. In work
+    # it is not: 197,000 + 43,520 x 2 = 284,040 > 43,520 x 5 = 217,600.
+    insts = [inst(0, pending_prefill_tokens=50_000, pending_prefill_work=197_000, in_flight=1),
+             inst(1, in_flight=4, decode_seqs=4)]
+    d = registry.build("lpwl_auto").decide(snap(insts, input_tokens=20_000))
+    assert d.target == 1 and d.scores == ((0, 284_040.0), (1, 217_600.0))
 
 
 def test_residency_is_charged_on_the_expected_working_set_not_every_live_session():
@@ -47,10 +67,17 @@ def test_residency_is_charged_on_the_expected_working_set_not_every_live_session
              inst(1, capacity_blocks=1000)]
     assert registry.build("lpwl_resident").decide(snap(insts)).target == 1
     assert registry.build("lpwl_auto").decide(snap(insts)).target == 0
-    # all 950 expected back: overflow 51, hit lost 51 -> 16 + 16 x 102 = 1,648 > 1,600 cold: move
-    insts[0] = inst(0, gpu_hit_blocks=99, capacity_blocks=1000, resident_blocks=950, expected_resident_blocks=950)
+    # 1,000 expected back: overflow 101, hit lost 99 -> 19 + work(1,584) + work(1,616) = 3,521 > 1,751 cold: move
+    insts[0] = inst(0, gpu_hit_blocks=99, capacity_blocks=1000, resident_blocks=1000, expected_resident_blocks=1000)
     d = registry.build("lpwl_auto").decide(snap(insts))
-    assert d.target == 1 and d.scores == ((0, 1648.0), (1, 1600.0))
+    assert d.target == 1 and d.scores == ((0, 3521.0), (1, 1751.0))
+    assert 19 + prefill_work_tokens(1584) + prefill_work_tokens(1616) == 3521
+    # 960 expected back: overflow 61, hit lost 61 -> 19 + 2 x work(976) = 2,083 > 1,751 (in plain
+    # tokens 19 + 16 x 122 = 1,971, also a move); 950: overflow 51 -> 19 + 2 x work(816) = 1,729 < 1,751: stay
+    insts[0] = inst(0, gpu_hit_blocks=99, capacity_blocks=1000, resident_blocks=960, expected_resident_blocks=960)
+    assert registry.build("lpwl_auto").decide(snap(insts)).scores[0] == (0, 19.0 + 2 * prefill_work_tokens(976))
+    insts[0] = inst(0, gpu_hit_blocks=99, capacity_blocks=1000, resident_blocks=950, expected_resident_blocks=950)
+    assert registry.build("lpwl_auto").decide(snap(insts)).target == 0
     # capacity unknown (before the first scrape): no residency charge
     insts = [inst(0, gpu_hit_blocks=99, expected_resident_blocks=5000), inst(1)]
     assert registry.build("lpwl_auto").decide(snap(insts)).target == 0
@@ -116,3 +143,58 @@ def test_router_fills_the_expected_working_set_and_the_service_time():
     # a went idle after its first turn and no session has returned yet: (0 + 1) / (1 + 1) of its 11 blocks
     assert [x.resident_blocks for x in s.instances] == [11, 0]
     assert [x.expected_resident_blocks for x in s.instances] == [round(5.5), 0]
+
+
+def test_router_counts_queued_prefill_work_until_the_first_token():
+    engines = [FakeEngine(f"e{i}", capacity_blocks=64) for i in range(2)]
+    router = Router(engines, registry.build("lpwl_auto"), index=PreciseKVIndex(2), clock=lambda: 1.0)
+    t1 = router.begin(_req("a0", 10, "a", 1000))  # 168 cold tokens
+    t2 = router.begin(_req("b0", 10, "b", 5000))
+    queued = [(x.pending_prefill_tokens, x.pending_prefill_work) for x in router.snapshot(_req("c0", 1, "c", 9)).instances]
+    assert sorted(queued) == [(168, prefill_work_tokens(168))] * 2
+    t1.first_token()
+    t2.finish(GenerateResult("b0", 168, 4))  # finished without a progress report: released at finish
+    queued = [(x.pending_prefill_tokens, x.pending_prefill_work) for x in router.snapshot(_req("c0", 1, "c", 9)).instances]
+    assert queued == [(0, 0)] * 2
+
+
+def test_hold_rule_waits_only_while_every_healthy_instance_has_prefill_queued():
+    p = registry.build({"type": "lpwl_auto", "params": {"hold": "saturated"}})
+    assert p.holds and not registry.build("lpwl_auto").holds
+    busy = inst(0, pending_prefill_tokens=10, pending_prefill_work=10)
+    assert p.hold(snap([busy, inst(1, pending_prefill_tokens=5, pending_prefill_work=5)]))
+    assert not p.hold(snap([busy, inst(1, in_flight=7, decode_seqs=7)]))  # 1 only decodes: a prefill starts now
+    assert p.hold(snap([busy, inst(1, healthy=False)]))  # an unhealthy instance is no way out
+    assert not registry.build("lpwl_auto").hold(snap([busy, busy]))
+    with pytest.raises(ConfigError, match="hold"):
+        registry.build({"type": "lpwl_auto", "params": {"hold": "always"}})
+
+
+def test_router_holds_while_saturated_and_releases_in_arrival_order():
+    import asyncio
+
+    async def main():
+        engines = [FakeEngine(f"e{i}", capacity_blocks=64) for i in range(2)]
+        router = Router(engines, registry.build({"type": "lpwl_auto", "params": {"hold": "saturated"}}),
+                        index=PreciseKVIndex(2), clock=lambda: 1.0)
+        t0 = await router.begin_held(_req("a0", 10, "a", 1000))
+        t1 = await router.begin_held(_req("b0", 10, "b", 2000))
+        assert {t0.target, t1.target} == {0, 1}  # one prefill queued on each: saturated from here
+        waiting = [asyncio.ensure_future(router.begin_held(_req(f"c{k}", 10, f"c{k}", 3000 + 100 * k)))
+                   for k in range(3)]
+        await asyncio.sleep(0)
+        assert not any(w.done() for w in waiting) and len(router.hold) == 3
+        t1.first_token()  # instance t1.target drains: the oldest held request goes, to it
+        await asyncio.sleep(0)
+        assert [w.done() for w in waiting] == [True, False, False]
+        assert waiting[0].result().target == t1.target and len(router.hold) == 2
+        t0.finish(GenerateResult("a0", 168, 4))  # the other drains too: the next one goes
+        await asyncio.sleep(0)
+        assert [w.done() for w in waiting] == [True, True, False]
+        assert router.stats.held == 3 and router.stats.held_max == 3
+        waiting[2].cancel()  # a waiter that goes away leaves the queue at its turn
+        await asyncio.sleep(0)
+        waiting[0].result().first_token()
+        assert len(router.hold) == 0
+
+    asyncio.run(main())

@@ -62,3 +62,15 @@ def test_aged_priority_overtakes_a_first_turn_only_within_the_observed_service_t
 def test_uncapped_session_priority_overtakes_without_that_bound():
     over = _run("session_start")
     assert any(lag > bound + 1e-3 for lag, bound in over)
+
+
+def test_holding_at_the_gateway_keeps_the_bound():
+    # late binding (gateway/hold.py) releases held requests first come, first served: the bound
+    # above still holds on the same replay, and the hold queue did engage
+    policy = {"name": "p", "type": "lpwl_auto", "params": {"hold": "saturated"}}
+    res = simulate(_trace(), policy, instances=2, arrival="trace", block_size=BLOCK, progress=False,
+                   engine_kwargs={"max_num_seqs": 2, "block_size": BLOCK})
+    assert len([r for r in res.records if r.ok]) == 4 * 25 + 6
+    assert res.router_stats["held"] > 0
+    over = _overtakes(res.records)
+    assert all(lag <= bound + 1e-3 for lag, bound in over), max(over, key=lambda x: x[0] - x[1])
