@@ -28,7 +28,7 @@ from gpuhit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout
 NAME = "gpuhit._speedups"
-SOURCES = (ROOT / "gpuhit" / "_speedups.c", ROOT / "gpuhit" / "_blockset.c")  # the module init in the first
+SOURCES = tuple(ROOT / "gpuhit" / f for f in ("_speedups.c", "_tokenids.c", "_kvbatch.c", "_blockset.c"))  # init: the first
 
 
 def sources_sha256(paths: Sequence[Path] = SOURCES) -> str:

@@ -65,7 +65,7 @@ from engines.emulated.responses import (
     usage,
 )
 from engines.hashing import BlockHasher
-from engines.kv_event_codec import VLLM
+from engines.kv_event_encode import VLLM
 from engines.kv_events import KVEventBatch
 from engines.vllm import protocol
 from engines.vllm.kv_events_publisher import KVEventPublisher
