@@ -125,3 +125,21 @@ def test_a_body_reads_the_same_through_either_stage(c_speedups):
     parser = TokenIdParser(c_speedups)
     assert fast_completion_ids(bad, None, None, parser) is None and fast_completion_ids(bad) is None
     assert parser.fallbacks == 1
+
+
+def test_the_prompt_memo_extends_through_either_stage(c_speedups):
+    """A session's next turn (the previous prompt plus new ids) parses only its new ids, with the C
+    stage as with the reference, to the same ids."""
+    from gateway.http.prompt import PromptMemo
+
+    first = list(range(5_000, 5_000 + FAST_PARSE_MIN_BYTES))
+    second = first + list(range(7, 700))
+    got = {}
+    for name, parser in (("c", TokenIdParser(c_speedups)), ("reference", TokenIdParser())):
+        memo = PromptMemo()
+        for ids in (first, second):
+            raw = orjson.dumps({"model": "m", "prompt": ids})
+            _, parsed = fast_completion_ids(raw, memo, "s", parser)
+            got[name] = np.asarray(parsed).tolist()
+            assert got[name] == ids
+        assert memo.reused == 1 and parser.fallbacks == 0
