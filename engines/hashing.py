@@ -257,7 +257,7 @@ class PromptHashes(Sequence[int]):
                  ints: list[int] | None = None, owner: SessionHashCache | None = None):
         self._hasher = hasher
         # The prompt's ids (uint64), by reference and never modified: a numpy array, or anything
-        # whose slices are (gateway.http.prompt.LazyIds: ids parsed as far as they are hashed).
+        # whose slices are (gateway.http.token_ids.LazyIds: ids parsed as far as they are hashed).
         self.tokens = tokens
         self._n = len(tokens) // hasher.block_size
         self._digests = [] if digests is None else digests

@@ -2,7 +2,8 @@
 records (as vLLM's own are; constructed in C: a frozen dataclass's ``__init__`` cost ~2 us per event).
 
 The emulated engine emits these; the gateway's precise KV index consumes them; the ZMQ codec
-(``engines.kv_event_codec``) turns them into and out of vLLM's msgpack wire format. Hashes are the
+(``engines.kv_event_encode``, ``engines.kv_event_codec``) turns them into and out of vLLM's msgpack
+wire format. Hashes are the
 64-bit ints vLLM publishes by default (see :mod:`engines.hashing`).
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
+
+from gpuhit.errors import EngineError
 
 GPU = "GPU"
 CPU = "CPU"
@@ -52,3 +55,9 @@ class KVEventBatch(msgspec.Struct, frozen=True):
     ts: float
     events: tuple[KVEvent, ...] = ()
     data_parallel_rank: int | None = None
+
+
+class KVEventDecodeError(EngineError):
+    """A KV-event payload that is not a vLLM event batch (corrupt, truncated, unknown event)."""
+
+    code = "kv_event_decode_error"

@@ -100,8 +100,8 @@ class GatewayConfig:
     scrape_interval: float = 0.5
     otel: bool = False
     transport: str = "fast"  # the HTTP implementation of the hot path (gateway.http.fast | aiohttp)
-    # Use the C speedups (gpuhit/speedups.py: block hashing, the KV index's hash sets) when they are
-    # built; False runs the reference implementations (the same answers).
+    # Use the C speedups (gpuhit/speedups.py: token ids, KV events, block hashing, the KV index's hash
+    # sets) when they are built; False runs the reference implementations (the same answers).
     c_speedups: bool = True
     # Access, HTTP limits and timeouts, vocabulary (see README "Gateway")
     metrics_auth: bool = False  # /metrics needs the API key too (/debug/state always does)

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.hashing import BlockHasher, to_event_int
-from engines.kv_event_codec import KVEventDecodeError
-from engines.kv_events import BlockStored, KVEventBatch
+from engines.kv_events import BlockStored, KVEventBatch, KVEventDecodeError
 
 log = logging.getLogger(__name__)
 

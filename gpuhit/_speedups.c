@@ -1,10 +1,12 @@
 /* gpuhit._speedups: the C speedups (optional; `make compile`, gpuhit/speedups.py).
  *
- *   sha256_blocks  vLLM's sha256 block-hash chain over a uint64 buffer of token ids, each block's
- *                  pickle written as the chain reaches it and hashed by OpenSSL (libcrypto's EVP
- *                  API, the library behind hashlib): the chain in Python costs a pickle, a hashlib
- *                  object and a digest per 16-token block, ~6 us, for ~120 bytes of SHA-256 work.
- *   BlockSet       (in _blockset.c) the precise KV index's set of block hashes.
+ *   sha256_blocks     vLLM's sha256 block-hash chain over a uint64 buffer of token ids, each block's
+ *                     pickle written as the chain reaches it and hashed by OpenSSL (libcrypto's EVP
+ *                     API, the library behind hashlib): the chain in Python costs a pickle, a hashlib
+ *                     object and a digest per 16-token block, ~6 us, for ~120 bytes of SHA-256 work.
+ *   parse_uint_array  (in _tokenids.c) a completions body's token-id array, JSON text -> uint64.
+ *   kv_batch          (in _kvbatch.c) a vLLM KV-event batch (msgpack) -> its records.
+ *   BlockSet          (in _blockset.c) the precise KV index's set of block hashes.
  *
  * No hashing is written here: the compression is the library's. sha256_blocks answers None where
  * its pickle layout is not what pickle writes (an id of 2**31 or more, blocks of three tokens or
@@ -123,7 +125,17 @@ done:
     return out;
 }
 
+PyObject *parse_uint_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs); /* _tokenids.c */
+PyObject *kv_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);         /* _kvbatch.c */
+void kv_batch_init(void);                                                              /* _kvbatch.c */
+
 static PyMethodDef methods[] = {
+    {"parse_uint_array", (PyCFunction)(void (*)(void))parse_uint_array, METH_FASTCALL,
+     "parse_uint_array(buf, start, stop) -> bytearray | None: the ids of a JSON array's text as native uint64 "
+     "(None: outside the strict shape the reference then decides)."},
+    {"kv_batch", (PyCFunction)(void (*)(void))kv_batch, METH_FASTCALL,
+     "kv_batch(payload, classes, merge) -> KVEventBatch | None: a vLLM KV-event batch's records "
+     "(None: outside vLLM's current shape; merge: runs of removals as one)."},
     {"sha256_blocks", (PyCFunction)(void (*)(void))sha256_blocks, METH_FASTCALL,
      "sha256_blocks(tokens, block_size, parent) -> list[bytes] | None: vLLM's sha256 block-hash chain "
      "over a uint64 buffer of token ids (None: an id of 2**31 or more, or a block of 3 tokens or fewer)."},
@@ -139,6 +151,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         PyErr_SetString(PyExc_ImportError, "gpuhit._speedups: OpenSSL has no SHA256");
         return NULL;
     }
+    kv_batch_init();
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 || blockset_add_type(m) < 0)) {
         Py_DECREF(m);

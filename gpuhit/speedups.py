@@ -1,11 +1,17 @@
 """The optional C speedups (``gpuhit/_speedups.c`` and ``_blockset.c``, one extension): how they are
 built, loaded, and refused when stale.
 
-What they speed up, each behind a reference implementation in Python that gives the same answers:
-``sha256_blocks``, vLLM's sha256 block-hash chain (:class:`engines.hashing.BlockHasher`; the
-hashing is OpenSSL's), and ``BlockSet``, the precise KV index's set of block hashes
-(:class:`gateway.kv_index.PreciseKVIndex`). Whoever builds a gateway decides once whether to use
-them (:func:`load`) and passes them to the parts that take them; nothing reads them from a global.
+What they speed up, each the one fast path of a stage whose reference gives the same answers:
+``parse_uint_array`` (``_tokenids.c``), a completions body's token-id array parsed straight into
+uint64 (:class:`gateway.http.token_ids.TokenIdParser`; the reference is numpy's); ``kv_batch``
+(``_kvbatch.c``), a vLLM KV-event batch decoded with its token ids skipped
+(:class:`engines.kv_event_codec.BatchDecoder`; the reference is msgspec's); ``sha256_blocks``, vLLM's
+sha256 block-hash chain (:class:`engines.hashing.BlockHasher`; the hashing is OpenSSL's); and
+``BlockSet`` (``_blockset.c``), the precise KV index's set of block hashes
+(:class:`gateway.kv_index.PreciseKVIndex`). The two parsers answer None for anything outside the
+strict shape they read, and the reference then decides (each stage counts these fallbacks).
+Whoever builds a gateway decides once whether to use them (:func:`load`) and passes them to the
+parts that take them; nothing reads them from a global.
 
 ``make compile`` (``python -m gpuhit.speedups build``) builds the extension in place;
 ``make uncompile`` (``python -m gpuhit.speedups clean``) removes it. The extension carries a SHA-256
@@ -28,7 +34,7 @@ from gpuhit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout
 NAME = "gpuhit._speedups"
-SOURCES = (ROOT / "gpuhit" / "_speedups.c", ROOT / "gpuhit" / "_blockset.c")  # the module init in the first
+SOURCES = tuple(ROOT / "gpuhit" / f for f in ("_speedups.c", "_tokenids.c", "_kvbatch.c", "_blockset.c"))  # init: the first
 
 
 def sources_sha256(paths: Sequence[Path] = SOURCES) -> str:

@@ -63,7 +63,7 @@ from engines.emulated.responses import (
 )
 from engines.emulated.token_stream import Progress
 from engines.hashing import BlockHasher
-from engines.kv_event_codec import VLLM
+from engines.kv_event_encode import VLLM
 from engines.kv_events import KVEventBatch
 from engines.vllm import protocol
 from engines.vllm.kv_events_publisher import KVEventPublisher

@@ -18,11 +18,13 @@ import json
 import logging
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import aiohttp
 
 from engines.base import EngineStats, GenerateRequest, GenerateResult
+from engines.kv_event_codec import BatchDecoder
 from engines.kv_events import KVEventBatch
 from engines.vllm import protocol
 from engines.vllm.kv_events_zmq import KVEventSubscriber
@@ -118,6 +120,7 @@ class VLLMEngine:
         request_timeout: float | None = None,
         block_size: int | None = None,
         kv_capacity_blocks: int | None = None,
+        accel: ModuleType | None = None,
     ):
         self.name = name
         self.base_url = base_url.rstrip("/")
@@ -131,6 +134,7 @@ class VLLMEngine:
         )
         self._callbacks: list[Callable[[KVEventBatch], None]] = []
         self.subscribers: list[KVEventSubscriber] = []
+        self.accel = accel  # the C speedups for the KV-event decoder (engines.kv_event_codec.BatchDecoder), or None
         self._started = False
 
     # ---------------------------------------------------------------------------- lifecycle
@@ -164,7 +168,7 @@ class VLLMEngine:
             sub = KVEventSubscriber(
                 src["endpoint"], self._fanout, replay_endpoint=src.get("replay_endpoint"),
                 topic=src.get("topic") or "", name=f"{self.name}/dp{src.get('data_parallel_rank', 0)}",
-                merge_removed=True,
+                merge_removed=True, decoder=BatchDecoder(self.accel),
             )
             sub.start()
             self.subscribers.append(sub)

@@ -12,12 +12,7 @@ import logging
 import zmq
 import zmq.asyncio
 
-from engines.kv_event_codec import (
-    END_SEQ,
-    VLLM,
-    encode_batch,
-    encode_seq,
-)
+from engines.kv_event_encode import END_SEQ, VLLM, encode_batch, encode_seq
 from engines.kv_events import KVEventBatch
 
 log = logging.getLogger(__name__)

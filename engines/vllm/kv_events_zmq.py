@@ -47,13 +47,9 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from engines.kv_event_codec import (
-    END_SEQ,
-    KVEventDecodeError,
-    decode_batch,
-    encode_seq,
-)
-from engines.kv_events import AllBlocksCleared, KVEventBatch
+from engines.kv_event_codec import BatchDecoder
+from engines.kv_event_encode import END_SEQ, encode_seq
+from engines.kv_events import AllBlocksCleared, KVEventBatch, KVEventDecodeError
 from engines.vllm.zmtp import ZmtpSubscriber
 from gpuhit.aio import cancel_and_wait
 
@@ -99,8 +95,11 @@ class KVEventSubscriber:
         retry_delay: float = 0.2,
         watch_reconnects: bool = True,
         merge_removed: bool = False,
+        decoder: BatchDecoder | None = None,
     ):
         self.endpoint = endpoint
+        # The KV-event stage (C with the C speedups, else the reference), and its fallback count.
+        self.decoder = BatchDecoder() if decoder is None else decoder
         self.merge_removed = merge_removed
         self.replay_endpoint = replay_endpoint
         self.topic = topic
@@ -158,7 +157,7 @@ class KVEventSubscriber:
         if self._resync or (self._peer_lost and self.watch_reconnects):
             return  # fenced: the publisher is gone or restarted; the resync replays what is true
         try:
-            batch = decode_batch(payload, self.merge_removed)
+            batch = self.decoder.decode(payload, self.merge_removed)
         except KVEventDecodeError as exc:
             self.stats.decode_errors += 1
             log.warning("KV events from %s: batch %d undecodable (%s); clearing its index", self.name, seq, exc)

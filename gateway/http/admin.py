@@ -117,6 +117,7 @@ class Admin:
                 "kv_subscribers": [
                     {"endpoint": s.endpoint, "synced": s.synced.is_set(), "batches": s.stats.batches,
                      "gaps": s.stats.gaps, "resets": s.stats.resets, "decode_errors": s.stats.decode_errors,
+                     "decode_fallbacks": s.decoder.fallbacks,
                      "replays_ok": s.stats.replays_ok, "replays_failed": s.stats.replays_failed,
                      "restarts": s.stats.restarts, "last_seq": s.stats.last_seq,
                      "connections": s.connections, "protocol_errors": s.protocol_errors}
@@ -133,6 +134,8 @@ class Admin:
             "share": None if self.share is None else self.share.state(),
             "hash_cache_blocks_hashed": cache.blocks_hashed,
             "hash_cache_tokens": cache.tokens, "prompt_memo_bytes": p.memo.bytes,
+            # arrays the C token-id parser handed to the reference (0 without the C speedups)
+            "token_id_fallbacks": p.ids.fallbacks,
             "hash": {"algo": cache.hasher.hash_name, "none_hash_seed": cache.hasher.seed},
             "hash_check": None if self.verifier is None else dict(zip(self.verifier.names, self.verifier.state())),
             "tokenizer": None if p.tokenizer is None else p.tokenizer.source,

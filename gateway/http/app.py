@@ -214,7 +214,7 @@ class Gateway:
                             "topic": e.topic}]
             # block_size=None: the scraper reads it from vllm:cache_config_info.
             self.engines.append(VLLMEngine(e.name, e.url, self.probe_session, model=cfg.model, kv_sources=sources,
-                                           scrape_interval=cfg.scrape_interval))
+                                           scrape_interval=cfg.scrape_interval, accel=self.accel))
         if self.model is None:
             self.model = await self.engines[0].fetch_model()
         model = self.model
@@ -261,7 +261,7 @@ class Gateway:
         prompts = self.prompts = Prompts(
             model, self.hash_cache, self.block_size, tokenizer=self.tokenizer, max_model_len=self.max_model_len,
             max_prompt_tokens=cfg.max_prompt_tokens, vocab_size=self.vocab_size,
-            text_chunk_chars=cfg.text_chunk_chars, memo=self.prompt_memo)
+            text_chunk_chars=cfg.text_chunk_chars, memo=self.prompt_memo, accel=self.accel)
         settle = Settler(metrics, names, self.block_size, loop.time)
         producer = ProducerStep(upstream, session, names, [e.bootstrap for e in cfg.engines], breakers, metrics,
                                 model, limit=cfg.ttfb_timeout + cfg.idle_timeout if cfg.ttfb_timeout else None)

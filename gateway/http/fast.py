@@ -3,26 +3,21 @@ by httptools.
 
 Why: with aiohttp on both sides the gateway spent ~0.6-1.2 CPU-ms per request, most of it in
 aiohttp's request / response objects, multidicts, stream readers and client machinery, not in
-routing. Here each side is one ``asyncio.Protocol`` fed by httptools' C parser (llhttp):
+routing. Here each side is one ``asyncio.Protocol`` fed by httptools' C parser (llhttp).
+:class:`FastServer` / ``_ServerConn``: keep-alive (HTTP/1.1 default, ``Connection: close``
+honoured), pipelined requests answered in order, ``Content-Length`` or chunked request bodies,
+``Expect: 100-continue`` answered (or 413 at once when the announced body is over the limit; other
+expectations get 417), bodies over ``max_body_bytes`` -> 413 and the connection closed, a client's
+FIN taken as its disconnect (no half-closed connections: a client that leaves cancels its request
+at once, which closes the upstream connection: the engine aborts), malformed requests -> 400 and
+closed, unknown paths 404, wrong methods 405. Streams go out chunked (to an HTTP/1.0 client
+unchunked, ended by closing the connection).
 
-* :class:`FastServer` / ``_ServerConn``: keep-alive (HTTP/1.1 default, ``Connection: close``
-  honoured), pipelined requests answered in order, ``Content-Length`` or chunked request bodies,
-  ``Expect: 100-continue`` answered (or 413 at once when the announced body is over the limit;
-  other expectations get 417), bodies over ``max_body_bytes`` -> 413 and the connection closed,
-  a client's FIN is taken as its disconnect (no half-closed connections: that is what lets a
-  client that leaves cancel its request at once),
-  malformed requests -> 400 and closed, unknown paths 404, wrong methods 405. Streams go out
-  chunked (to an HTTP/1.0 client unchunked, ended by closing the connection), what is written of them in one loop iteration in one write (head, chunks and end of a
-  short answer: one syscall); writes wait while the client's socket buffer is full. A client that
-  disconnects cancels its request's task, which closes the upstream connection (the engine aborts).
-  One loop timer per connection watches its current deadline (head, body, keep-alive idle), moved
-  lazily: a request moves the deadline, not the timer.
-* Each request's answer (status line, head, chunked framing), :class:`~gateway.http.fast_response.ServerRequest`,
-  is in :mod:`gateway.http.fast_response`.
-* The engines' side, :class:`~gateway.http.fast_upstream.FastUpstream`, is in
-  :mod:`gateway.http.fast_upstream`.
-
-The request logic is not here: both call :meth:`gateway.http.handler.Handler.handle`.
+The parts: each request's answer and the connection's writes (one per loop iteration, flow
+control), :mod:`gateway.http.fast_response`; the connection's one deadline (head, body, keep-alive
+idle), :mod:`gateway.http.fast_deadline`; the answers to anything but a routed POST,
+:mod:`gateway.http.fast_dispatch`; the engines' side, :mod:`gateway.http.fast_upstream`. The
+request logic is not here: both sides serve :meth:`gateway.http.handler.Handler.handle`.
 """
 
 from __future__ import annotations
@@ -36,15 +31,14 @@ from typing import Any
 import httptools
 
 from gateway.config import HEADER_TIMEOUT, MAX_CONNECTIONS, GatewayConfig
-from gateway.http.fast_response import ServerRequest, status_line
+from gateway.http.fast_deadline import Deadline
+from gateway.http.fast_dispatch import dispatch
+from gateway.http.fast_response import ClientWriter, ServerRequest, status_line
 from gateway.http.handler import Handler
 from gateway.http.parse import PROMPT_PATHS
 from gateway.http.transport import (
-    GET_PATHS,
-    RESET_PREFIX_CACHE,
     ExpectationFailedError,
     HeadersTooLargeError,
-    MethodNotAllowedError,
     OverloadedError,
     RequestTimeoutError,
     UriTooLongError,
@@ -64,8 +58,6 @@ MAX_HEADERS = 100
 # is fed must be bounded before it parses, not only checked after.
 _HEAD_MAX = MAX_LINE + MAX_HEADER_BYTES + 4 * MAX_HEADERS + 4
 _LINGER_S = 2.0  # how long a refused connection's remaining bytes are read and discarded
-_TIMER_SLACK = 1e-3  # a timer this close to its deadline counts as on time (loop timers have ms resolution)
-_OUT_MAX = 1 << 16  # stream bytes held for the end of the loop iteration before they are written at once
 
 
 # ------------------------------------------------------------------------------------ server
@@ -74,21 +66,20 @@ _OUT_MAX = 1 << 16  # stream bytes held for the end of the loop iteration before
 class _ServerConn(asyncio.Protocol):
     """One client connection (see the module docstring).
 
-    Timers (one ``call_later`` handle at a time): a request's head must be complete within
-    ``header_timeout`` of its first byte (of the connection's opening, for the first one), its
-    body within ``body_timeout`` of the head; a keep-alive connection with nothing in flight is
-    closed after ``keepalive_timeout`` idle seconds. A request that runs (routing, the engine's
-    answer) is not timed here: the gateway's upstream timeouts apply to it."""
+    Its one deadline (:class:`~gateway.http.fast_deadline.Deadline`): a request's head must be
+    complete within ``header_timeout`` of its first byte (of the connection's opening, for the
+    first one), its body within ``body_timeout`` of the head; a keep-alive connection with nothing
+    in flight is closed after ``keepalive_timeout`` idle seconds. A request that runs (routing, the
+    engine's answer) is not timed here: the gateway's upstream timeouts apply to it. Its writes go
+    through ``out`` (:class:`~gateway.http.fast_response.ClientWriter`)."""
 
     def __init__(self, server: FastServer):
         self.server = server
         self.gw = server.gw
         self.limit = server.max_body_bytes
         self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.paused = False
-        self._drain: asyncio.Future | None = None
+        self.out = ClientWriter(server.loop)
+        self.deadline = Deadline(server.loop, self._expired)
         self._queue: deque[ServerRequest] = deque()
         # The connection's one task: it answers the queued requests in order, then waits on
         # ``_wake`` for the next (a future per idle spell is cheaper than a task per request).
@@ -109,26 +100,15 @@ class _ServerConn(asyncio.Protocol):
         self._head_room = _HEAD_MAX
         self._partial = False  # a request has begun and is not complete
         self._heads = 0  # request heads parsed on this connection
-        # The connection's one deadline (kind, loop time) and the one loop timer that checks it.
-        # Moving the deadline is two stores; the timer is re-set only when the deadline moves
-        # earlier than it (or when it fires early: then to the deadline), not three times a request.
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
-        self._timer_kind = ""
-        self._deadline: float | None = None
-        # Stream bytes written during this loop iteration, sent in one write at its end.
-        self._out: list[bytes] = []
-        self._out_size = 0
-        self._flush_handle: asyncio.Handle | None = None
 
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
+        self.out.transport = transport
         server = self.server
         if len(server.conns) >= server.max_connections:
             # Over the bound: one short answer, no parsing, no timer.
-            self.closed = True
+            self.out.closed = True
             err = OverloadedError(f"the gateway holds its limit of {server.max_connections} connections")
             status, data = self.gw.error_payload(err, "other")
             transport.write(b"%bcontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"  # type: ignore[attr-defined]
@@ -137,36 +117,29 @@ class _ServerConn(asyncio.Protocol):
             return
         nodelay(transport)
         server.conns.add(self)
-        self._arm("head", server.header_timeout)
+        self.deadline.arm("head", server.header_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.out.lost()
         self.server.conns.discard(self)
-        self._disarm()
-        self._stop_timers()
-        self._out = []
-        d = self._drain
-        if d is not None and not d.done():
-            d.set_exception(ConnectionResetError("the client closed the connection"))
+        self.deadline.disarm()
+        self.deadline.stop()
         if self._task is not None:
             self._task.cancel()  # stops the request: the upstream connection is closed, the engine aborts
 
     def pause_writing(self) -> None:
-        self.paused = True
+        self.out.paused = True
 
     def resume_writing(self) -> None:
-        self.paused = False
-        d = self._drain
-        if d is not None and not d.done():
-            d.set_result(None)
+        self.out.resumed()
 
     def data_received(self, data: bytes) -> None:
-        if self._stop_parsing or self.closed:
+        if self._stop_parsing or self.out.closed:
             return
         try:
             self._feed(data)
         finally:
-            self._sync_timer()  # the parser's callbacks moved the deadline; the timer follows once
+            self.deadline.sync()  # the parser's callbacks moved the deadline; the timer follows once
 
     def _feed(self, data: bytes) -> None:
         try:
@@ -201,50 +174,11 @@ class _ServerConn(asyncio.Protocol):
         return HeadersTooLargeError(f"request head longer than {_HEAD_MAX} bytes (at most {MAX_HEADER_BYTES} bytes "
                                     f"of header fields, {MAX_HEADERS} fields)")
 
-    # -- timers
+    # -- the deadline
 
-    def _arm(self, kind: str, delay: float) -> None:
-        """Set the connection's deadline ``delay`` seconds from now, timer included."""
-        self._timer_kind = kind
-        self._deadline = self.server.loop.time() + delay
-        self._sync_timer()
-
-    def _disarm(self) -> None:
-        """No deadline (the timer, if set, finds none when it fires)."""
-        self._timer_kind = ""
-        self._deadline = None
-
-    def _sync_timer(self) -> None:
-        """Make sure the timer fires by the deadline: set it, or move it earlier; never later."""
-        d = self._deadline
-        if d is None:
+    def _expired(self, kind: str) -> None:
+        if self.out.closed:
             return
-        t = self._timer
-        if t is not None:
-            if self._timer_at <= d:
-                return  # it fires first and re-arms itself for the deadline then
-            t.cancel()
-        self._timer_at = d
-        self._timer = self.server.loop.call_at(d, self._expired)
-
-    def _stop_timers(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
-
-    def _expired(self) -> None:
-        self._timer = None
-        d = self._deadline
-        if self.closed or d is None:
-            return
-        if d - self.server.loop.time() > _TIMER_SLACK:
-            self._sync_timer()  # the deadline moved on since the timer was set: wait for it
-            return
-        kind = self._timer_kind
-        self._disarm()
         if kind == "linger" or (not self._partial and not self._busy):
             self.close()  # idle keep-alive, or a connection that never sent a request: nothing to answer
             return
@@ -263,9 +197,8 @@ class _ServerConn(asyncio.Protocol):
         self._body = []
         self._size = 0
         self._partial = True
-        if self._timer_kind != "head":  # the connection's first request keeps its opening deadline
-            self._timer_kind = "head"
-            self._deadline = self.server.loop.time() + self.server.header_timeout
+        if self.deadline.kind != "head":  # the connection's first request keeps its opening deadline
+            self.deadline.set("head", self.server.header_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
@@ -289,8 +222,7 @@ class _ServerConn(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._heads += 1
-        self._timer_kind = "body"
-        self._deadline = self.server.loop.time() + self.server.body_timeout
+        self.deadline.set("body", self.server.body_timeout)
         url = b"".join(self._url)
         q = url.find(b"?")
         self._path = path = (url if q < 0 else url[:q]).decode("latin-1")
@@ -309,8 +241,8 @@ class _ServerConn(asyncio.Protocol):
             if expect.lower() != "100-continue":
                 self._reject(ExpectationFailedError(f"unsupported Expect: {expect!r} (only 100-continue)"))
                 raise httptools.HttpParserCallbackError("expectation failed")
-            if not self._queue and not self._busy and self.transport is not None:
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if not self._queue and not self._busy and self.out.transport is not None:
+                self.out.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
@@ -323,10 +255,10 @@ class _ServerConn(asyncio.Protocol):
         self._partial = False
         self._in_head = True
         self._head_room = _HEAD_MAX
-        self._disarm()
+        self.deadline.disarm()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         p = self.parser
-        req = ServerRequest(self, p.get_method(), self._path, self._headers, body, p.should_keep_alive(),
+        req = ServerRequest(self.out, p.get_method(), self._path, self._headers, body, p.should_keep_alive(),
                        http10=p.get_http_version() == "1.0")
         if self._query:
             req.query = self._query
@@ -338,9 +270,9 @@ class _ServerConn(asyncio.Protocol):
         """Answer ``err`` after the requests already queued, then close: the rest of this
         connection's bytes cannot be trusted to frame requests."""
         self._stop_parsing = True
-        self._disarm()
+        self.deadline.disarm()
         path = self._path if not self._in_head else b"".join(self._url).split(b"?", 1)[0].decode("latin-1")
-        self._enqueue(ServerRequest(self, b"", path or "-", self._headers, b"", False, reject=err))
+        self._enqueue(ServerRequest(self.out, b"", path or "-", self._headers, b"", False, reject=err))
 
     def _enqueue(self, req: ServerRequest) -> None:
         self._queue.append(req)
@@ -349,29 +281,29 @@ class _ServerConn(asyncio.Protocol):
         elif (wake := self._wake) is not None:
             self._wake = None
             wake.set_result(None)
-        elif len(self._queue) > _PIPELINE_MAX and self.transport is not None and not self._reading_paused:
+        elif len(self._queue) > _PIPELINE_MAX and self.out.transport is not None and not self._reading_paused:
             self._reading_paused = True
-            self.transport.pause_reading()
+            self.out.transport.pause_reading()
 
     async def _run(self) -> None:
         try:
-            while not self.closed:
+            while not self.out.closed:
                 if not self._queue:
                     if not self._partial and not self._stop_parsing:
-                        self._arm("idle", self.server.keepalive_timeout)
+                        self.deadline.arm("idle", self.server.keepalive_timeout)
                     wake = self._wake = self.server.loop.create_future()
                     await wake  # _enqueue's, or cancelled by connection_lost
                     continue
                 req = self._queue.popleft()
-                if self._reading_paused and len(self._queue) <= 1 and self.transport is not None:
+                if self._reading_paused and len(self._queue) <= 1 and self.out.transport is not None:
                     self._reading_paused = False
-                    self.transport.resume_reading()
+                    self.out.transport.resume_reading()
                 self._busy = True
                 try:
                     if req.method == b"POST" and req.path in PROMPT_PATHS and req.reject is None:
                         await self.gw.handle(req.path, req.headers, req.body, req)  # the common case, direct
                     else:
-                        await self._dispatch(req)
+                        await dispatch(self.gw, req)
                 except Exception as exc:  # noqa: BLE001 - a bug must not leave the client waiting forever
                     await self._internal_error(req, exc)
                     return
@@ -395,7 +327,7 @@ class _ServerConn(asyncio.Protocol):
         half-sent answer cannot be completed)."""
         _log.error("unhandled error answering %s %s", req.method.decode(errors="replace"),
                    req.path[:200], exc_info=exc)
-        if not req.started and not self.closed:
+        if not req.started and not self.out.closed:
             status, data = self.gw.error_payload(GpuhitError(f"internal error: {type(exc).__name__}"), "other")
             req.keep_alive = False
             # The socket may be gone too; closing below is all that is left then.
@@ -403,88 +335,21 @@ class _ServerConn(asyncio.Protocol):
                 await req.respond(status, {}, data, "application/json")
         self.close()
 
-    async def _dispatch(self, req: ServerRequest) -> None:
-        """Everything but a routed POST (which :meth:`_run` hands to the gateway directly)."""
-        gw = self.gw
-        method = req.method
-        path = req.path
-        if req.reject is not None:
-            status, data = gw.error_payload(req.reject, path if path in PROMPT_PATHS else "other")
-            return await req.respond(status, {}, data, "application/json")
-        if method == b"POST" and path == RESET_PREFIX_CACHE:
-            status, ctype, data = await gw.reset_prefix_cache()
-            return await req.respond(status, {}, data, ctype)
-        if method in (b"GET", b"HEAD") and (out := gw.get(path)) is not None:
-            status, ctype, data = out
-            await req.respond(status, {}, data, ctype)
-            return
-        if path in PROMPT_PATHS or path in GET_PATHS or path == RESET_PREFIX_CACHE:
-            err: GpuhitError = MethodNotAllowedError(f"method {method.decode('latin-1')} is not allowed on {path}")
-            status, data = gw.error_payload(err, path if path in PROMPT_PATHS else "other")
-            return await req.respond(status, {}, data, "application/json")
-        # Any other route: forwarded to an engine (gateway.http.passthrough).
-        assert gw.passthrough is not None
-        await gw.passthrough.handle(method.decode("latin-1"), path, req.query, req.headers, req.body, req)
-
-    # -- writing
-
-    def write(self, data: bytes) -> None:
-        """Write now (after any stream bytes still held); ``ConnectionResetError`` once the client is gone."""
-        if self.closed or self.transport is None or self.transport.is_closing():
-            raise ConnectionResetError("the client closed the connection")
-        if self._out:
-            self._out.append(data)
-            data = b"".join(self._out)
-            self._out = []
-            self._out_size = 0
-        self.transport.write(data)
-
-    def write_soon(self, data: bytes) -> None:
-        """Write at the end of this loop iteration, with whatever else is written until then (at once
-        past ``_OUT_MAX`` bytes, so the transport's flow control still applies)."""
-        if self.closed or self.transport is None or self.transport.is_closing():
-            raise ConnectionResetError("the client closed the connection")
-        self._out.append(data)
-        self._out_size += len(data)
-        if self._out_size > _OUT_MAX:
-            self._flush()
-        elif self._flush_handle is None:
-            self._flush_handle = self.server.loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
-        out = self._out
-        if not out:
-            return
-        self._out = []
-        self._out_size = 0
-        t = self.transport
-        if not self.closed and t is not None and not t.is_closing():
-            t.write(out[0] if len(out) == 1 else b"".join(out))
-
-    async def drain(self) -> None:
-        if self.closed:
-            raise ConnectionResetError("the client closed the connection")
-        if self._drain is None or self._drain.done():
-            self._drain = self.server.loop.create_future()
-        await self._drain
-
     def close(self) -> None:
-        self._flush()
-        self._disarm()
-        self._stop_timers()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        self.out.flush()
+        self.deadline.disarm()
+        self.deadline.stop()
+        t = self.out.transport
+        if t is not None and not t.is_closing():
+            t.close()
 
     def _linger_close(self) -> None:
         """Close after a refusal without losing the answer: closing a socket with unread client
         bytes (the rest of a refused head or body) sends an RST that can destroy the answer in
         flight. So: FIN our side, discard what still arrives, close at the client's FIN or after
         ``_LINGER_S``."""
-        self._flush()
-        t = self.transport
+        self.out.flush()
+        t = self.out.transport
         if t is None or t.is_closing():
             return
         if not t.can_write_eof():
@@ -493,7 +358,7 @@ class _ServerConn(asyncio.Protocol):
         if self._reading_paused:
             self._reading_paused = False
             t.resume_reading()
-        self._arm("linger", _LINGER_S)
+        self.deadline.arm("linger", _LINGER_S)
 
 
 class FastServer:

@@ -1,13 +1,15 @@
 """The ``fast`` transport's answers: one request's :class:`~gateway.http.transport.Downstream`
 (:class:`ServerRequest`), which turns a full response or an SSE stream into HTTP/1.1 bytes (status
-line, head, chunked framing) and hands them to its connection. The connection, which parses requests
-and owns the socket, is :mod:`gateway.http.fast`; this module sees it only as a :class:`Connection`.
+line, head, chunked framing), and the connection's writing side (:class:`ClientWriter`: the
+socket's transport, its flow control, the bytes held for one write per loop iteration). The
+connection, which parses requests, is :mod:`gateway.http.fast`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any
 
 from gateway.http.transport import HeaderLines, header_block
 from gpuhit.errors import GpuhitError
@@ -26,17 +28,90 @@ def status_line(status: int) -> bytes:
 STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in REASONS.items()}
 
 
-class Connection(Protocol):
-    """What an answer needs of its connection: a write now, a write at the end of the loop
-    iteration (batched), and the flow control of a client whose socket buffer is full."""
+_OUT_MAX = 1 << 16  # stream bytes held for the end of the loop iteration before they are written at once
 
-    paused: bool
 
-    def write(self, data: bytes) -> None: ...
+class ClientWriter:
+    """A client connection's writing side: a write now, a write at the end of the loop iteration
+    (a stream's head, chunks and end relayed from one upstream read leave in one syscall instead
+    of three), and the flow control of a client whose socket buffer is full. ``transport`` is set
+    when the connection is made; ``closed`` once it is lost or refused."""
 
-    def write_soon(self, data: bytes) -> None: ...
+    __slots__ = ("_drain", "_flush_handle", "_loop", "_out", "_out_size", "closed", "paused", "transport")
 
-    async def drain(self) -> None: ...
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self.transport: Any = None  # asyncio's or uvloop's (no asyncio.Transport subclass)
+        self.closed = False
+        self.paused = False
+        self._drain: asyncio.Future | None = None
+        self._out: list[bytes] = []
+        self._out_size = 0
+        self._flush_handle: asyncio.Handle | None = None
+
+    def _gone(self) -> bool:
+        return self.closed or self.transport is None or self.transport.is_closing()
+
+    def write(self, data: bytes) -> None:
+        """Write now (after any stream bytes still held); ``ConnectionResetError`` once the client is gone."""
+        if self._gone():
+            raise ConnectionResetError("the client closed the connection")
+        if self._out:
+            self._out.append(data)
+            data = b"".join(self._out)
+            self._out = []
+            self._out_size = 0
+        self.transport.write(data)
+
+    def write_soon(self, data: bytes) -> None:
+        """Write at the end of this loop iteration, with whatever else is written until then (at once
+        past ``_OUT_MAX`` bytes, so the transport's flow control still applies)."""
+        if self._gone():
+            raise ConnectionResetError("the client closed the connection")
+        self._out.append(data)
+        self._out_size += len(data)
+        if self._out_size > _OUT_MAX:
+            self.flush()
+        elif self._flush_handle is None:
+            self._flush_handle = self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write what is held now."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        out = self._out
+        if not out:
+            return
+        self._out = []
+        self._out_size = 0
+        if not self._gone():
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    async def drain(self) -> None:
+        """Wait until the client's socket buffer has room again (:meth:`resumed`)."""
+        if self.closed:
+            raise ConnectionResetError("the client closed the connection")
+        if self._drain is None or self._drain.done():
+            self._drain = self._loop.create_future()
+        await self._drain
+
+    def resumed(self) -> None:
+        self.paused = False
+        d = self._drain
+        if d is not None and not d.done():
+            d.set_result(None)
+
+    def lost(self) -> None:
+        """The connection is gone: nothing held is written, a waiting :meth:`drain` raises."""
+        self.closed = True
+        self._out = []
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        d = self._drain
+        if d is not None and not d.done():
+            d.set_exception(ConnectionResetError("the client closed the connection"))
 
 
 class ServerRequest:
@@ -47,7 +122,7 @@ class ServerRequest:
     __slots__ = ("body", "chunked", "conn", "head_only", "headers", "keep_alive", "method", "path", "query", "reject",
                  "started")
 
-    def __init__(self, conn: Connection, method: bytes, path: str, headers: dict[str, str], body: bytes,
+    def __init__(self, conn: ClientWriter, method: bytes, path: str, headers: dict[str, str], body: bytes,
                  keep_alive: bool, reject: GpuhitError | None = None, http10: bool = False):
         self.conn = conn
         self.method = method
@@ -75,7 +150,7 @@ class ServerRequest:
         self.conn.write(head if self.head_only else head + body)
 
     # A stream's head, chunks and end are handed to the connection as they come and leave in one
-    # write per loop iteration (:meth:`Connection.write_soon`): a short answer relayed from one
+    # write per loop iteration (:meth:`ClientWriter.write_soon`): a short answer relayed from one
     # upstream read goes out in one syscall instead of three.
 
     async def start_stream(self, headers: Mapping[str, str]) -> None:

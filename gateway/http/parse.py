@@ -16,9 +16,10 @@ parsing never awaits (a parse is CPU work between two reads of the socket).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 
 from engines.hashing import SessionHashCache
@@ -26,14 +27,12 @@ from engines.vllm import protocol
 from gateway.http.prompt import (
     CHARS_PER_TOKEN,
     FAST_PARSE_MIN_BYTES,
-    LazyIds,
     PromptMemo,
-    TokenIds,
     chat_text,
     fast_completion_ids,
-    pack_token_ids,
     text_chunk_hashes,
 )
+from gateway.http.token_ids import LazyIds, TokenIdParser, TokenIds, pack_token_ids
 from gateway.http.transport import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from gateway.http.usage import Usage, openai_usage, usage_from_tail, usage_of_json
 from gateway.tokenizer import NotExact, PromptTokenizer
@@ -42,14 +41,13 @@ from gpuhit.errors import CapacityError, GpuhitError
 _bad = protocol.bad_request
 
 
-@dataclass(slots=True)
-class ParsedRequest:
+class ParsedRequest(msgspec.Struct):
     """A valid request, as routing and forwarding read it. ``body``: the parsed JSON object (a
     token-id prompt parsed apart may be missing from it: forwarding sends ``raw``, never ``body``);
     ``prompt_tokens``: its length in tokens (estimated for text routed approximately);
     ``max_tokens``: what the engine will run (clamped to the context left); ``block_hashes``: the
     prompt's full blocks' hashes; ``prompt_ids``: its token ids when known (None for text routed
-    approximately)."""
+    approximately). A msgspec Struct: built in C, one per request."""
 
     dialect: Dialect
     body: Mapping[str, Any]
@@ -104,13 +102,14 @@ class Dialect(Protocol):
 class Prompts:
     """What every dialect's parse shares: the served model and its limits, exact block hashes of
     token ids (memoized per session, :class:`engines.hashing.SessionHashCache`), the engines'
-    tokenizer when there is one, and the approximate hash of text. ``not_exact`` counts the
-    requests routed by an approximate hash, by reason (``/debug/state``)."""
+    tokenizer when there is one, the token-id stage (:class:`~gateway.http.token_ids.TokenIdParser`:
+    C with ``accel``, the C speedups, else numpy), and the approximate hash of text. ``not_exact``
+    counts the requests routed by an approximate hash, by reason (``/debug/state``)."""
 
     def __init__(self, model: str, hash_cache: SessionHashCache, block_size: int, *,
                  tokenizer: PromptTokenizer | None = None, max_model_len: int | None = None,
                  max_prompt_tokens: int = 0, vocab_size: int = 0, text_chunk_chars: int = 64,
-                 memo: PromptMemo | None = None):
+                 memo: PromptMemo | None = None, accel: ModuleType | None = None):
         self.model = model
         self.hash_cache = hash_cache
         self.block_size = block_size
@@ -120,6 +119,7 @@ class Prompts:
         self.vocab_size = vocab_size
         self.text_chunk_chars = text_chunk_chars
         self.memo = PromptMemo() if memo is None else memo
+        self.ids = TokenIdParser(accel)
         self.not_exact: dict[str, int] = {}
         self._served = f" Served: `{model}`."
 
@@ -220,11 +220,10 @@ class OpenAIDialect:
 
 class Completions(OpenAIDialect):
     """``POST /v1/completions``: a token-id prompt (routed exactly), or text (exactly with a
-    tokenizer, else approximately). Token ids have one reference parse (orjson, the whole body) and
-    one fast path (``fast_ids``, for bodies of :data:`~gateway.http.prompt.FAST_PARSE_MIN_BYTES` and
-    more: :func:`gateway.http.prompt.fast_completion_ids`), which reads a flat id array without
-    building the ids as Python ints: from the prompt memo when the prompt repeats or extends one it
-    holds, else checked with numpy and parsed only as far as hashing reads."""
+    tokenizer, else approximately). A body of :data:`~gateway.http.prompt.FAST_PARSE_MIN_BYTES` and
+    more (with ``fast_ids``) has its flat id array read without building the ids as Python ints
+    (:func:`gateway.http.prompt.fast_completion_ids`): from the prompt memo when the prompt repeats
+    or extends one it holds, else by the token-id stage; any other body is parsed whole by orjson."""
 
     path = COMPLETIONS
 
@@ -235,7 +234,7 @@ class Completions(OpenAIDialect):
     def parse(self, raw: bytes, session: str | None) -> ParsedRequest:
         p = self.prompts
         if self.fast_ids and len(raw) >= FAST_PARSE_MIN_BYTES and (
-                fast := fast_completion_ids(raw, p.memo, session)) is not None:
+                fast := fast_completion_ids(raw, p.memo, session, p.ids)) is not None:
             body, arr = fast
             p.check_model(body)
             max_tokens, stream = p.options(body)

@@ -2,15 +2,15 @@
 
 * **Token-id prompts** (the replayer, any client sending ids): exact vLLM block hashes through
   :class:`engines.hashing.BlockHasher`, memoized per session. A large completions body's id array is
-  parsed straight into a numpy buffer (:func:`fast_completion_ids`); a prompt that repeats or extends
-  the previous one of its session (without a session: the last one whose text starts alike) parses
-  only its new ids (:class:`PromptMemo`); the blocks' pickles are laid out with numpy
-  (:meth:`engines.hashing.BlockHasher.hash_array`); the client's bytes are forwarded unchanged.
-  Agentic turn k+1 extends turn k, so
-  :class:`engines.hashing.SessionHashCache` keeps each session's last prompt and digests and hashes only the new
-  blocks (a 100k-token prompt is never re-hashed). The session key is the ``x-session-id`` header
-  when sent, else the first block's tokens (so two sessions with a shared system prompt share an
-  entry; the longest-common-prefix check keeps that correct, just less effective).
+  read straight into a uint64 buffer (:func:`fast_completion_ids`, through the token-id stage of
+  :mod:`gateway.http.token_ids`); a prompt that repeats or extends the previous one of its session
+  (without a session: the last one whose text starts alike) parses only its new ids
+  (:class:`PromptMemo`); the client's bytes are forwarded unchanged. Agentic turn k+1 extends turn
+  k, so :class:`engines.hashing.SessionHashCache` keeps each session's last prompt and digests and
+  hashes only the new blocks (a 100k-token prompt is never re-hashed). The session key is the
+  ``x-session-id`` header when sent, else the first block's tokens (so two sessions with a shared
+  system prompt share an entry; the longest-common-prefix check keeps that correct, just less
+  effective).
 * **Text and chat prompts** with a tokenizer (``--tokenizer``, or the engines' model directory):
   tokenized exactly as vLLM does (:mod:`gateway.tokenizer`), then as above.
 * **Text and chat prompts** without one (or what the tokenizer cannot reproduce exactly): an
@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import orjson
 
+from gateway.http.token_ids import REFERENCE, LazyIds, TokenIdParser
 from gpuhit.errors import BadRequestError, ConfigError
 
 CHARS_PER_TOKEN = 4
@@ -85,36 +85,25 @@ def vocab_size_of(path: str) -> int:
     return size
 
 
-def pack_token_ids(prompt: list[Any]) -> array | None:
-    """``array('Q', prompt)`` if every element is a non-negative 64-bit int, else None: validation
-    in one C conversion (negative -> OverflowError, non-int -> TypeError), reused for hashing."""
-    try:
-        return array("Q", prompt)
-    except (TypeError, OverflowError):
-        return None
-
-
 def header_value(s: str) -> str:
     """``s`` made safe for an HTTP header value: ASCII, one line, at most 200 characters."""
     return s.encode("ascii", "replace").decode()[:200].replace("\r", " ").replace("\n", " ")
 
 
-# --------------------------------------------------------------------------- fast token-id parse
+# ------------------------------------------------------------------------------ the prompt array
 #
-# A 100k-token prompt is ~600 KB of JSON; orjson turns it into 100k Python ints (4-7 ms) that
-# routing then packs again. For the common shape, a flat array of plain non-negative integers under
-# the top-level "prompt" key, the array is parsed straight into a numpy buffer and only the rest of
-# the body goes through orjson (with a random sentinel in the array's place). Anything else (no
-# such key, whitespace oddities outside JSON's, signs, floats, nested arrays, leading zeros, ids of
-# 19+ digits, a "prompt" key that turns out nested or overridden) returns None and the caller parses
-# the whole body as before: the fast path never decides an error, so errors stay exactly the same.
+# For a completions body whose top-level "prompt" is a flat array of plain non-negative integers,
+# the array goes through the token-id stage (gateway/http/token_ids.py) and only the rest of the
+# body through orjson (with a random sentinel in the array's place). Anything else (no such key,
+# an array outside the stage's language, a "prompt" key that turns out nested or overridden)
+# returns None and the caller parses the whole body: this path never decides an error, so errors
+# stay exactly those of the whole-body parse.
 _SENTINEL = "\x00gpuhit-ids-" + secrets.token_hex(8)  # unguessable: only our substitution produces it
 _SENTINEL_JSON = orjson.dumps(_SENTINEL)
 _WS = b" \t\n\r"
-# Bodies below this are parsed whole by orjson (the reference): as fast as the fast path for their
-# few hundred ids (both ~13 us at 500 ids; at 2,000 ids orjson takes ~44 us, the fast path ~19 us).
+# Bodies below this are parsed whole by orjson: as fast as the stage for their few hundred ids
+# (both ~13 us at 500 ids with numpy; at 2,000 ids orjson takes ~44 us, numpy ~19 us, C ~6 us).
 FAST_PARSE_MIN_BYTES = 4096
-_DIGIT_MAX = 18  # digits of the largest id parsed here (< 2**63; longer ones go the orjson way)
 
 
 def _skip_ws(raw: bytes, i: int) -> int:
@@ -122,136 +111,6 @@ def _skip_ws(raw: bytes, i: int) -> int:
     while i < n and raw[i] in _WS:
         i += 1
     return i
-
-
-def _validated(raw: bytes, start: int, stop: int) -> tuple[bytes, np.ndarray] | None:
-    """``(digits-and-commas text, comma positions)`` of the JSON array body ``raw[start:stop]``
-    (the bytes between ``[`` and ``]``) when it is exactly ``int (, int)*`` with JSON whitespace,
-    each a non-negative JSON integer (no sign, no leading zero) of at most 18 digits; else None."""
-    seg = np.frombuffer(raw, dtype=np.uint8, count=stop - start, offset=start)
-    n = len(seg)
-    if n == 0:
-        return None
-    comma = seg == 44
-    ends = np.flatnonzero(comma)  # each number ends just before its comma
-    digit = (seg - 48) < 10  # uint8 arithmetic wraps: True exactly for b"0".."9"
-    if int(np.count_nonzero(digit)) + len(ends) != n:
-        # whitespace (or anything else): keep only JSON whitespace, then recheck
-        ws = (seg == 32) | (seg == 9) | (seg == 10) | (seg == 13)
-        if np.count_nonzero(~(digit | comma | ws)):
-            return None
-        # whitespace may not split a number: digit runs of the original = numbers (commas + 1)
-        runs = int(np.count_nonzero(digit[1:] & ~digit[:-1])) + bool(digit[0])
-        if runs != len(ends) + 1:
-            return None
-        seg = seg[~ws]
-        n = len(seg)
-        ends = np.flatnonzero(seg == 44)
-    if len(ends):
-        first, last = int(ends[0]), n - 1 - int(ends[-1])
-        inner = np.diff(ends)  # an interior number's length + 1
-        shortest = min(first, last, int(inner.min()) - 1 if len(inner) else n)
-        widest = max(first, last, int(inner.max()) - 1 if len(inner) else 0)
-    else:
-        shortest = widest = n
-    if shortest < 1 or widest > _DIGIT_MAX:  # an empty element (",," or an edge comma), or too long
-        return None
-    # a leading zero: a number that starts with "0" and goes on (its next byte is no comma)
-    if seg[0] == 48 and n > 1 and seg[1] != 44:
-        return None
-    if widest > 1 and len(ends):
-        zero = np.flatnonzero(seg[ends + 1] == 48)  # numbers after a comma that start with "0"
-        if len(zero):
-            after = ends[zero] + 2
-            after = after[after < n]
-            if np.count_nonzero(seg[after] != 44):
-                return None
-    return seg.tobytes(), ends
-
-
-def _parse_text(text: bytes) -> np.ndarray:
-    """The ids of validated ``digits (, digits)*`` text: numpy's C text reader (about 3x faster than
-    assembling the values digit position by digit position)."""
-    return np.fromstring(text, dtype=np.int64, sep=",").view(np.uint64)  # text mode: not deprecated
-
-
-def parse_ids(raw: bytes, start: int, stop: int) -> np.ndarray | None:
-    """The integers of the JSON array body ``raw[start:stop]`` when :func:`_validated` accepts it;
-    else None."""
-    v = _validated(raw, start, stop)
-    return None if v is None else _parse_text(v[0])
-
-
-class LazyIds:
-    """Validated token ids of a JSON array, parsed only as far as they are read.
-
-    A prompt routed on a lazily hashed chain (:class:`engines.hashing.PromptHashes`) needs the ids
-    of the blocks it hashes, which for a prompt no instance holds is one block: the 100k ids of
-    a fresh 100k-token prompt are counted and checked (:func:`_validated`), not parsed. Reads
-    parse the prefix they reach (at least doubling what is parsed, so reading on costs linear
-    time overall). Offers what routing reads of a uint64 array: ``len``, indexing and slicing
-    (numpy results), ``max``, ``tolist`` and ``np.asarray``.
-    """
-
-    __slots__ = ("_commas", "_n", "_parsed", "_text")
-
-    def __init__(self, text: bytes, commas: np.ndarray):
-        self._text = text
-        self._commas = commas
-        self._n = len(commas) + 1
-        self._parsed = _NO_IDS
-
-    def __len__(self) -> int:
-        return self._n
-
-    @property
-    def nbytes(self) -> int:
-        """What it holds once parsed: its text, the comma positions and the ids (a memo's account)."""
-        return len(self._text) + self._commas.nbytes + 8 * self._n
-
-    @property
-    def parsed(self) -> int:
-        """How many leading ids have been parsed."""
-        return len(self._parsed)
-
-    def _upto(self, k: int) -> np.ndarray:
-        done = self._parsed
-        p = len(done)
-        if k <= p:
-            return done
-        n = self._n
-        k = min(n, max(k, 2 * p, 64))
-        start = 0 if p == 0 else int(self._commas[p - 1]) + 1
-        stop = int(self._commas[k - 1]) if k < n else len(self._text)
-        more = _parse_text(self._text[start:stop])
-        self._parsed = more if p == 0 else np.concatenate((done, more))
-        return self._parsed
-
-    def __getitem__(self, i):  # type: ignore[no-untyped-def]
-        if isinstance(i, slice):
-            _, stop, step = i.indices(self._n)
-            return self._upto(stop if step > 0 else self._n)[i]
-        j = i + self._n if i < 0 else i
-        if not 0 <= j < self._n:
-            raise IndexError("token index out of range")
-        return self._upto(j + 1)[j]
-
-    def array(self) -> np.ndarray:
-        """Every id, parsed."""
-        return self._upto(self._n)
-
-    def max(self) -> np.uint64:
-        return self.array().max()
-
-    def tolist(self) -> list[int]:
-        return self.array().tolist()
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:  # type: ignore[no-untyped-def]
-        a = self.array()
-        return a if dtype is None else a.astype(dtype)
-
-
-_NO_IDS = np.zeros(0, dtype=np.uint64)
 
 
 def _prompt_span(raw: bytes) -> tuple[int, int] | None:
@@ -280,14 +139,15 @@ def memo_key(session: str | None, raw: bytes, start: int, stop: int) -> str | by
     return session if session is not None else raw[start : min(stop, start + _KEY_BYTES)]
 
 
-def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str | None = None
-                        ) -> tuple[dict[str, Any], np.ndarray | LazyIds] | None:
+def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str | None = None,
+                        ids_parser: TokenIdParser = REFERENCE) -> tuple[dict[str, Any], np.ndarray | LazyIds] | None:
     """(body without its ``prompt`` key, token ids) of a completions body whose top-level ``prompt`` is a
     flat array of plain non-negative integers; None for any other body (parse it whole). With a
     ``memo``, a prompt that repeats or extends the previous one of its key (:func:`memo_key`) parses
     only its new ids (see :class:`PromptMemo`); otherwise a named session's ids are parsed now (the
-    memo keeps them for the next turn, whose hashes reach through all of them) and any other's come
-    as :class:`LazyIds`."""
+    memo keeps them for the next turn, whose hashes reach through all of them) and any other's as
+    far as they are read (:meth:`~gateway.http.token_ids.TokenIdParser.lazy`). ``ids_parser``: the
+    gateway's token-id stage (numpy, or C with ``make compile``)."""
     span = _prompt_span(raw)
     if span is None:
         return None
@@ -296,10 +156,12 @@ def fast_completion_ids(raw: bytes, memo: PromptMemo | None = None, session: str
     ids = None
     if memo is not None:
         key = memo_key(session, raw, lb + 1, rb)
-        ids = memo.extend(key, raw, lb + 1, rb)
+        ids = memo.extend(key, raw, lb + 1, rb, ids_parser)
     if ids is None:
-        v = _validated(raw, lb + 1, rb)
-        ids = None if v is None else _parse_text(v[0]) if memo is not None and session is not None else LazyIds(*v)
+        if memo is not None and session is not None:
+            ids = ids_parser.parse(raw, lb + 1, rb)
+        else:
+            ids = ids_parser.lazy(raw, lb + 1, rb)
         if ids is None:
             return None
     try:
@@ -324,7 +186,7 @@ class PromptMemo:
 
     An agentic turn resends the previous prompt plus new tokens, and a retry or a repeated
     evaluation prompt resends it unchanged. When the new array text starts with the remembered one
-    followed by JSON whitespace and a comma, only the text after it is parsed (:func:`parse_ids`)
+    followed by JSON whitespace and a comma, only the text after it is parsed (the token-id stage)
     and appended to the remembered ids; when it is the same text, the ids are reused as they are:
     one ``memcmp`` over the old text instead of parsing it again. The body is still validated
     whole (the caller parses the rest of it and checks the prompt's place) so the answer is exactly
@@ -341,7 +203,8 @@ class PromptMemo:
         self._last: OrderedDict[str | bytes, tuple[bytes | memoryview, np.ndarray | LazyIds, bool]] = OrderedDict()
         self.reused = 0  # prompts that parsed only their new ids, or none (tests, /debug/state)
 
-    def extend(self, key: str | bytes, raw: bytes, start: int, stop: int) -> np.ndarray | LazyIds | None:
+    def extend(self, key: str | bytes, raw: bytes, start: int, stop: int,
+               ids_parser: TokenIdParser = REFERENCE) -> np.ndarray | LazyIds | None:
         """The ids of ``raw[start:stop]`` (an array's text without its brackets) if it repeats or
         extends the previous prompt of ``key``, else None."""
         last = self._last.get(key)
@@ -362,7 +225,7 @@ class PromptMemo:
         i = _skip_ws(raw, cut)
         if i >= stop or raw[i] != 44:  # a comma must join the two parts (`text` ends in a digit or space)
             return None
-        more = parse_ids(raw, i + 1, stop)
+        more = ids_parser.parse(raw, i + 1, stop)
         if more is None:
             return None
         self.reused += 1
@@ -404,22 +267,3 @@ def _text_of(raw: bytes, start: int, stop: int) -> bytes | memoryview:
 def _held(text: bytes | memoryview) -> int:
     """The bytes a memo entry's text keeps alive: a view holds its whole body."""
     return len(text.obj) if isinstance(text, memoryview) else len(text)  # type: ignore[arg-type]
-
-
-class TokenIds(Sequence[int]):
-    """Token ids parsed into a uint64 array (:func:`fast_completion_ids`), read as a sequence of
-    Python ints where a list is expected (a KV-moving producer request re-serializes them)."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-
-    def __len__(self) -> int:
-        return len(self.array)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        return self.array[i].tolist()
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.array.tolist())

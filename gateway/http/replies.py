@@ -70,13 +70,9 @@ class Access:
 
     def __init__(self, api_key: str | None, metrics_auth: bool, max_body_bytes: int):
         self._key = None if api_key is None else f"Bearer {api_key}".encode("latin-1", "replace")
+        self.open = api_key is None  # no API key is configured: every request is let in (read per request)
         self.metrics_auth = metrics_auth
         self.max_body_bytes = max_body_bytes
-
-    @property
-    def open(self) -> bool:
-        """No API key is configured: every request is let in."""
-        return self._key is None
 
     def denied(self, headers: Mapping[str, str], path: str) -> UnauthorizedError | None:
         """The 401 for a request to ``path`` that needs the API key and lacks it, else None."""

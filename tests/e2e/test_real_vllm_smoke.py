@@ -40,14 +40,16 @@ def test_kv_event_sources_shape(real_vllm_pair):
     assert sources["0"]["replay_endpoint"] == f"tcp://*:{srv.kv_events_port + 1}"
 
 
-def test_real_vllm_event_batches_take_the_typed_decoder(real_vllm_pair, monkeypatch):
-    """vLLM's own payloads (read back through its replay socket) decode on the msgspec fast path,
-    token ids left raw, and equal what the general decoder makes of them."""
+def test_real_vllm_event_batches_take_the_typed_and_the_c_decoder(real_vllm_pair, monkeypatch, c_speedups):
+    """vLLM's own payloads (read back through its replay socket) decode on msgspec's typed decoder,
+    token ids left raw, and equal what the untyped reference makes of them; the C decoder takes
+    every one of them (no fallback) and gives the same batches, merged or not."""
     import msgpack
     import zmq
 
     from engines import kv_event_codec as codec
     from engines.kv_events import BlockStored
+    from engines.kv_raw_token_ids import RawTokenIds
 
     srv = real_vllm_pair.servers[0]
     prompt = list(range(3000, 3000 + 32 * 5 + 7))
@@ -75,7 +77,10 @@ def test_real_vllm_event_batches_take_the_typed_decoder(real_vllm_pair, monkeypa
         with monkeypatch.context() as m:
             m.setattr(codec, "_decode_current", lambda _p: None)
             assert fast == codec.decode_batch(p)  # the general decoder: the same records
+        for merge in (False, True):
+            decoder = codec.BatchDecoder(c_speedups)
+            assert decoder.decode(p, merge) == codec.decode_batch(p, merge) and decoder.fallbacks == 0
         stored += [e for e in fast.events if type(e) is BlockStored]
     ours = [e for e in stored if tuple(e.token_ids[:32]) == tuple(prompt[:32])]
-    assert ours and all(type(e.token_ids) is codec.RawTokenIds for e in stored)
+    assert ours and all(type(e.token_ids) is RawTokenIds for e in stored)
     assert sum(len(e.block_hashes) for e in ours) >= 5

@@ -12,7 +12,8 @@ import numpy as np
 import orjson
 
 from engines.hashing import BlockHasher
-from engines.kv_event_codec import VLLM, decode_batch, encode_batch
+from engines.kv_event_codec import decode_batch
+from engines.kv_event_encode import VLLM, encode_batch
 from engines.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from tests.perf import mock_engine
 from tests.perf.mock_engine import BLOCK_SIZE, _Store, msgpack_uints

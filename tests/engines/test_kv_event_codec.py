@@ -7,17 +7,10 @@ import hashlib
 import msgpack
 import pytest
 
-from engines.kv_event_codec import (
-    CURRENT,
-    END_SEQ,
-    SHAPES,
-    KVEventDecodeError,
-    decode_batch,
-    decode_seq,
-    encode_batch,
-    encode_seq,
-)
-from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from engines.kv_event_codec import decode_batch, decode_seq
+from engines.kv_event_encode import CURRENT, END_SEQ, SHAPES, encode_batch, encode_seq
+from engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventDecodeError
+from engines.kv_raw_token_ids import RawTokenIds
 from gpuhit.errors import EngineError
 
 BATCH = KVEventBatch(
@@ -150,7 +143,7 @@ def test_the_typed_fast_path_decodes_as_the_general_one_and_leaves_token_ids_raw
         batch = KVEventBatch(float(trial), tuple(events), rng.choice([None, 0, 3]))
         payload = encode_batch(batch)
         fast = decode_batch(payload)
-        assert fast.events and all(type(e.token_ids) is codec.RawTokenIds for e in fast.events if type(e) is BlockStored)
+        assert fast.events and all(type(e.token_ids) is RawTokenIds for e in fast.events if type(e) is BlockStored)
         with monkeypatch.context() as m:
             m.setattr(codec, "_decode_current", lambda p: None)  # the general decoder alone
             general = decode_batch(payload)
@@ -185,6 +178,6 @@ def test_runs_of_one_block_removals_merge_into_one_event():
             stored, BlockRemoved((8,), "GPU", 0), AllBlocksCleared(), BlockRemoved((), "GPU", 0))
     batch = KVEventBatch(2.5, events, 0)
     assert codec.merge_removed(batch) == KVEventBatch(2.5, want, 0)
-    payload = codec.encode_batch(batch, codec.VLLM)
+    payload = encode_batch(batch, "vllm")
     assert codec.decode_batch(payload) == batch  # unmerged unless asked
     assert codec.decode_batch(payload, merge=True) == KVEventBatch(2.5, want, 0)

@@ -188,8 +188,8 @@ def test_a_streamed_answer_leaves_in_one_write_per_loop_iteration():
         server = FastServer(None, GatewayConfig())  # type: ignore[arg-type]  # no request reaches gw
         server.loop = asyncio.get_running_loop()
         conn = _ServerConn(server)
-        t = conn.transport = _RecordingTransport()
-        down = ServerRequest(conn, b"POST", "/v1/completions", {}, b"", keep_alive=True)
+        t = conn.out.transport = _RecordingTransport()
+        down = ServerRequest(conn.out, b"POST", "/v1/completions", {}, b"", keep_alive=True)
         await down.start_stream({"x-gpuhit-instance": "e0"})
         await down.write(b"data: 1\n\n")
         await down.write(b"data: [DONE]\n\n")
@@ -202,7 +202,7 @@ def test_a_streamed_answer_leaves_in_one_write_per_loop_iteration():
         assert data.endswith(b"\r\n9\r\ndata: 1\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
         # A whole answer after a stream's held end (pipelining): the end first, one write.
         await down.end()
-        await ServerRequest(conn, b"POST", "/v1/completions", {}, b"", keep_alive=True).respond(200, {}, b"{}", "application/json")
+        await ServerRequest(conn.out, b"POST", "/v1/completions", {}, b"", keep_alive=True).respond(200, {}, b"{}", "application/json")
         assert t.writes[1] == b"0\r\n\r\nHTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
         await asyncio.sleep(0)
         assert len(t.writes) == 2  # nothing left held
@@ -230,10 +230,11 @@ def test_a_keep_alive_connection_outlives_its_first_head_deadline():
             writer.write(request(completion([1] * 20)))
             assert (await read_response(reader))[0] == 200
             (conn,) = gw._server.conns
-            opening = conn._timer_at
-            assert conn._timer_kind == "idle" and conn._deadline > opening + 30
+            opening = conn.deadline._timer_at
+            assert conn.deadline.kind == "idle" and conn.deadline.at > opening + 30
             # The opening deadline's timer fires (0.2 s) and re-arms for the idle deadline.
-            await wait_until(lambda: conn._timer_at > opening + 30, what="the timer re-armed for the idle deadline")
+            await wait_until(lambda: conn.deadline._timer_at > opening + 30,
+                             what="the timer re-armed for the idle deadline")
             writer.write(request(completion([2] * 20)))
             assert (await read_response(reader))[0] == 200
             writer.close()

@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from engines.hashing import HASH_FUNCTIONS, BlockHasher, SessionHashCache, event_ints_of, to_event_int
-from gateway.http.prompt import PromptMemo, chat_text, fast_completion_ids, parse_ids, text_chunk_hashes
+from gateway.http.prompt import PromptMemo, chat_text, fast_completion_ids, text_chunk_hashes
+from gateway.http.token_ids import parse_ids
 from gpuhit.errors import GpuhitError
 
 
@@ -160,7 +161,7 @@ def _completions(fast_ids: bool, **kw):
 
 
 def _outcome(dialect, raw):
-    from gateway.http.prompt import TokenIds
+    from gateway.http.token_ids import TokenIds
 
     try:
         r = dialect.parse(raw, "s")
@@ -254,7 +255,7 @@ def test_the_index_search_over_lazy_hashes_answers_as_over_the_list_and_hashes_a
 
 
 def test_ids_without_a_session_are_checked_whole_but_parsed_only_as_far_as_they_are_read():
-    from gateway.http.prompt import LazyIds
+    from gateway.http.token_ids import LazyIds
 
     rng = random.Random(4)
     ids = [rng.randrange(0, 200_000) for _ in range(30_000)]

@@ -7,7 +7,7 @@ streamed as SSE chunks or whole, and serves what both routers read at start-up: 
 ``/v1/models``, ``/metrics`` (``vllm:cache_config_info`` with the block size) and
 ``/kv_event_sources``.
 
-It does publish KV events as vLLM 0.32 does (its wire shape, :data:`engines.kv_event_codec.VLLM`), so a KV-aware router's precise index holds what the
+It does publish KV events as vLLM 0.32 does (its wire shape, :data:`engines.kv_event_encode.VLLM`), so a KV-aware router's precise index holds what the
 engines hold and its lookups, lazy hashing included, do the work they do in production: every
 token-id prompt's full blocks (vLLM's sha256 block hashes, :mod:`engines.hashing`) not stored yet
 are announced in one ``BlockStored`` event, with a ``BlockRemoved`` for the least recently used
@@ -39,7 +39,7 @@ import numpy as np
 import orjson
 
 from engines.hashing import BlockHasher, SessionHashCache
-from engines.kv_event_codec import VLLM, encode_batch, encode_seq
+from engines.kv_event_encode import VLLM, encode_batch, encode_seq
 from engines.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from gateway.http.prompt import FAST_PARSE_MIN_BYTES, fast_completion_ids
 from gpuhit import speedups

@@ -204,7 +204,7 @@ def test_replay_accepts_the_older_three_frame_reply():
     import zmq
     import zmq.asyncio
 
-    from engines.kv_event_codec import END_SEQ, encode_batch, encode_seq
+    from engines.kv_event_encode import END_SEQ, encode_batch, encode_seq
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
