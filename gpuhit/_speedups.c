@@ -7,6 +7,7 @@
  *   parse_uint_array  (in _tokenids.c) a completions body's token-id array, JSON text -> uint64.
  *   kv_batch          (in _kvbatch.c) a vLLM KV-event batch (msgpack) -> its records.
  *   BlockSet          (in _blockset.c) the precise KV index's set of block hashes.
+ *   usage_object      (in _usage.c) the usage object of a non-streamed JSON answer, from its tail.
  *
  * No hashing is written here: the compression is the library's. sha256_blocks answers None where
  * its pickle layout is not what pickle writes (an id of 2**31 or more, blocks of three tokens or
@@ -128,6 +129,7 @@ done:
 PyObject *parse_uint_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs); /* _tokenids.c */
 PyObject *kv_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);         /* _kvbatch.c */
 void kv_batch_init(void);                                                              /* _kvbatch.c */
+PyObject *usage_object(PyObject *self, PyObject *arg);                                 /* _usage.c */
 
 static PyMethodDef methods[] = {
     {"parse_uint_array", (PyCFunction)(void (*)(void))parse_uint_array, METH_FASTCALL,
@@ -139,6 +141,9 @@ static PyMethodDef methods[] = {
     {"sha256_blocks", (PyCFunction)(void (*)(void))sha256_blocks, METH_FASTCALL,
      "sha256_blocks(tokens, block_size, parent) -> list[bytes] | None: vLLM's sha256 block-hash chain "
      "over a uint64 buffer of token ids (None: an id of 2**31 or more, or a block of 3 tokens or fewer)."},
+    {"usage_object", usage_object, METH_O,
+     "usage_object(tail) -> dict | None: the usage object of a JSON answer's tail, in its common compact shape "
+     "(None: anything else, which the reference then decides)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,7 +8,9 @@ uint64 (:class:`gateway.http.token_ids.TokenIdParser`; the reference is numpy's)
 (:class:`engines.kv_event_codec.BatchDecoder`; the reference is msgspec's); ``sha256_blocks``, vLLM's
 sha256 block-hash chain (:class:`engines.hashing.BlockHasher`; the hashing is OpenSSL's); and
 ``BlockSet`` (``_blockset.c``), the precise KV index's set of block hashes
-(:class:`gateway.kv_index.PreciseKVIndex`). The two parsers answer None for anything outside the
+(:class:`gateway.kv_index.PreciseKVIndex`); and ``usage_object`` (``_usage.c``), the usage object
+of a non-streamed answer (:class:`gateway.http.usage.UsageReader`; the reference is
+``usage_from_tail`` with orjson). The three parsers answer None for anything outside the
 strict shape they read, and the reference then decides (each stage counts these fallbacks).
 Whoever builds a gateway decides once whether to use them (:func:`load`) and passes them to the
 parts that take them; nothing reads them from a global.
@@ -34,7 +36,7 @@ from gpuhit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout
 NAME = "gpuhit._speedups"
-SOURCES = tuple(ROOT / "gpuhit" / f for f in ("_speedups.c", "_tokenids.c", "_kvbatch.c", "_blockset.c"))  # init: the first
+SOURCES = tuple(ROOT / "gpuhit" / f for f in ("_speedups.c", "_tokenids.c", "_kvbatch.c", "_blockset.c", "_usage.c"))  # init: the first
 
 
 def sources_sha256(paths: Sequence[Path] = SOURCES) -> str:

@@ -136,6 +136,8 @@ class Admin:
             "hash_cache_tokens": cache.tokens, "prompt_memo_bytes": p.memo.bytes,
             # arrays the C token-id parser handed to the reference (0 without the C speedups)
             "token_id_fallbacks": p.ids.fallbacks,
+            # non-streamed answers whose usage the C reader handed to the reference (likewise)
+            "usage_fallbacks": p.usage.fallbacks,
             "hash": {"algo": cache.hasher.hash_name, "none_hash_seed": cache.hasher.seed},
             "hash_check": None if self.verifier is None else dict(zip(self.verifier.names, self.verifier.state())),
             "tokenizer": None if p.tokenizer is None else p.tokenizer.source,

@@ -36,7 +36,7 @@ from gateway.http.forward import forwarded_body
 from gateway.http.parse import ErrorBody, ParsedRequest, Prompts
 from gateway.http.prompt import chat_text
 from gateway.http.transport import MESSAGES, RESPONSES
-from gateway.http.usage import Usage, usage_from_tail, usage_of_json
+from gateway.http.usage import Usage, usage_from_tail
 from gpuhit.errors import BadRequestError
 
 _bad = protocol.bad_request
@@ -96,7 +96,7 @@ class Messages(_Agentic):
         return Usage(int(u.get("cache_read_input_tokens") or 0), int(u.get("output_tokens") or 0))
 
     def usage_of_answer(self, data: bytes) -> Usage | None:
-        return self._usage(usage_of_json(data))
+        return self._usage(self.prompts.usage.of_json(data))
 
     def usage_of_stream(self, tail: bytes) -> Usage | None:
         return self._usage(usage_from_tail(tail))  # message_delta: the last event with a usage
@@ -150,7 +150,7 @@ class Responses(_Agentic):
         return req
 
     def usage_of_answer(self, data: bytes) -> Usage | None:
-        return self._usage(usage_of_json(data))
+        return self._usage(self.prompts.usage.of_json(data))
 
     def usage_of_stream(self, tail: bytes) -> Usage | None:
         # response.completed carries the whole response: its "usage" object sits near its end,

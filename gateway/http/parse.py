@@ -34,7 +34,7 @@ from gateway.http.prompt import (
 )
 from gateway.http.token_ids import LazyIds, TokenIdParser, TokenIds, pack_token_ids
 from gateway.http.transport import CHAT, COMPLETIONS, MESSAGES, RESPONSES
-from gateway.http.usage import Usage, openai_usage, usage_from_tail, usage_of_json
+from gateway.http.usage import Usage, UsageReader, openai_usage, usage_from_tail
 from gateway.tokenizer import NotExact, PromptTokenizer
 from gpuhit.errors import CapacityError, GpuhitError
 
@@ -103,7 +103,8 @@ class Prompts:
     """What every dialect's parse shares: the served model and its limits, exact block hashes of
     token ids (memoized per session, :class:`engines.hashing.SessionHashCache`), the engines'
     tokenizer when there is one, the token-id stage (:class:`~gateway.http.token_ids.TokenIdParser`:
-    C with ``accel``, the C speedups, else numpy), and the approximate hash of text. ``not_exact``
+    C with ``accel``, the C speedups, else numpy), the usage stage of a whole answer
+(:class:`~gateway.http.usage.UsageReader`, likewise), and the approximate hash of text. ``not_exact``
     counts the requests routed by an approximate hash, by reason (``/debug/state``)."""
 
     def __init__(self, model: str, hash_cache: SessionHashCache, block_size: int, *,
@@ -120,6 +121,7 @@ class Prompts:
         self.text_chunk_chars = text_chunk_chars
         self.memo = PromptMemo() if memo is None else memo
         self.ids = TokenIdParser(accel)
+        self.usage = UsageReader(accel)
         self.not_exact: dict[str, int] = {}
         self._served = f" Served: `{model}`."
 
@@ -205,7 +207,7 @@ class OpenAIDialect:
         self.prompts = prompts
 
     def usage_of_answer(self, data: bytes) -> Usage | None:
-        return openai_usage(usage_of_json(data))
+        return openai_usage(self.prompts.usage.of_json(data))
 
     def usage_of_stream(self, tail: bytes) -> Usage | None:
         return openai_usage(usage_from_tail(tail))

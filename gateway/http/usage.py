@@ -5,6 +5,7 @@ read into a :class:`Usage`, the shape the gateway's bookkeeping takes from every
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import orjson
@@ -35,6 +36,29 @@ def usage_of_json(data: bytes) -> dict[str, Any] | None:
     """The ``usage`` object of a whole (non-streamed) JSON answer: the last ``"usage": {...}`` in
     its last :data:`TAIL_MAX` bytes (:func:`usage_from_tail`), whatever the answer's size."""
     return usage_from_tail(data[-TAIL_MAX:], sse=False)
+
+
+class UsageReader:
+    """The usage stage of a non-streamed answer as one gateway runs it: the C reader when ``accel``
+    (the C speedups, :func:`gpuhit.speedups.load`) is given, else :func:`usage_of_json`, the
+    reference. The C reader takes only the common compact shape and answers None for anything else
+    (no usage, whitespace, floats, a cut-off body), which the reference then decides: the objects
+    are the same either way (``tests/gateway/test_usage_c.py``). ``fallbacks`` counts those."""
+
+    __slots__ = ("_c", "fallbacks")
+
+    def __init__(self, accel: ModuleType | None = None):
+        self._c = None if accel is None else accel.usage_object
+        self.fallbacks = 0
+
+    def of_json(self, data: bytes) -> dict[str, Any] | None:
+        """The ``usage`` object of a whole JSON answer (None: it has none)."""
+        if self._c is not None:
+            u = self._c(data[-TAIL_MAX:])
+            if u is not None:
+                return u  # type: ignore[no-any-return]
+            self.fallbacks += 1
+        return usage_of_json(data)
 
 
 def usage_from_tail(tail: bytes, sse: bool = True) -> dict[str, Any] | None:
