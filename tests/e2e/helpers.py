@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -129,3 +130,13 @@ async def emulated(names: Sequence[str], num_gpu_blocks: int = 512, **kw: Any) -
     finally:
         for e in engines:
             await e.close()
+
+
+def sse_events(text: str) -> list[tuple[str, dict]]:
+    """A named-event SSE stream (Anthropic Messages, OpenAI Responses) as (event, data) pairs."""
+    out = []
+    for chunk in text.split("\n\n"):
+        if chunk.strip():
+            ev, data = chunk.split("\n", 1)
+            out.append((ev.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out

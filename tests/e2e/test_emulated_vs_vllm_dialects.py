@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from engines.vllm.venv import TINY_MODEL_DIR
-from tests.e2e.helpers import spawn_emulator
+from tests.e2e.helpers import spawn_emulator, sse_events
 from tests.e2e.test_emulated_vs_vllm import _defaults_filled, shape
 
 SYSTEM = "You are the gpuhit test agent: route every query to the engine holding its prefix. " * 3
@@ -43,12 +43,7 @@ def _json(base, method, path, body=None):
 def _events(base, path, body) -> list[tuple[str, dict]]:
     status, text = _call(base, "POST", path, body)
     assert status == 200, text
-    out = []
-    for chunk in text.split("\n\n"):
-        if chunk.strip():
-            ev, data = chunk.split("\n", 1)
-            out.append((ev.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
+    return sse_events(text)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ route forwarded, errors in each API's own shape."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest
@@ -14,19 +13,10 @@ import pytest
 from engines.emulated.engine import EmulatedEngine
 from engines.emulated.hf_tokenizer import HFTokenizer
 from engines.vllm.venv import TINY_MODEL_DIR
-from tests.e2e.helpers import gateway, servers, wait_until
+from tests.e2e.helpers import gateway, servers, sse_events, wait_until
 from tests.e2e.test_live_replay import fast_profile
 
 SYSTEM = "You are the gpuhit test agent. Route every query to the engine holding its prefix. " * 6
-
-
-def _events(text: str) -> list[tuple[str, dict]]:
-    out = []
-    for chunk in text.split("\n\n"):
-        if chunk.strip():
-            ev, data = chunk.split("\n", 1)
-            out.append((ev.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
 
 
 @pytest.mark.parametrize("transport", ["fast", "aiohttp"])
@@ -56,7 +46,7 @@ def test_agentic_dialects_through_the_gateway(transport):
                         assert r.status == 200, await r.text()
                         predicted = int(r.headers["x-gpuhit-predicted-hit"])
                         if body["stream"]:
-                            ev = _events(await r.text())
+                            ev = sse_events(await r.text())
                             usage = next(d for k, d in ev if k == "message_delta")["usage"]
                         else:
                             usage = (await r.json())["usage"]
@@ -79,7 +69,7 @@ def test_agentic_dialects_through_the_gateway(transport):
                         assert r.status == 200, await r.text()
                         predicted = int(r.headers["x-gpuhit-predicted-hit"])
                         where.add(r.headers["x-gpuhit-instance"])
-                        doc = next(d for k, d in _events(await r.text()) if k == "response.completed")["response"] \
+                        doc = next(d for k, d in sse_events(await r.text()) if k == "response.completed")["response"] \
                             if body["stream"] else await r.json()
                     assert doc["usage"]["input_tokens_details"]["cached_tokens"] == predicted
                     if turn:

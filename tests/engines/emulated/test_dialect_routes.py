@@ -5,23 +5,14 @@ vLLM's 404 for an unknown id. (Compared with real vLLM in tests/e2e/test_emulate
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 
 from engines.emulated.server import EmulatedServer
 from engines.fake import FakeEngine
+from tests.e2e.helpers import sse_events
 
 SYSTEM = "route the query to the engine holding its prefix " * 8  # several blocks of 16
-
-
-def _events(text: str) -> list[tuple[str, dict]]:
-    out = []
-    for chunk in text.split("\n\n"):
-        if chunk.strip():
-            ev, data = chunk.split("\n", 1)
-            out.append((ev.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
 
 
 def test_messages_and_responses_routes():
@@ -37,7 +28,7 @@ def test_messages_and_responses_routes():
             assert first["type"] == "message" and first["content"] == [{"type": "text", "text": " x x x"}]
             assert first["usage"]["cache_read_input_tokens"] == 0 and first["stop_reason"] == "max_tokens"
             async with http.post(url + "/v1/messages", json={**msg, "stream": True}) as r:
-                events = _events(await r.text())
+                events = sse_events(await r.text())
             kinds = [e for e, _ in events]
             assert kinds == ["message_start", "content_block_start", *["content_block_delta"] * 3,
                              "content_block_stop", "message_delta", "message_stop"]
@@ -58,7 +49,7 @@ def test_messages_and_responses_routes():
             nxt = {"model": "m", "max_output_tokens": 2, "instructions": "other " + SYSTEM, "input": "second",
                    "previous_response_id": one["id"], "stream": True}
             async with http.post(url + "/v1/responses", json=nxt) as r:
-                events = _events(await r.text())
+                events = sse_events(await r.text())
             assert events[0][0] == "response.created" and events[-1][0] == "response.completed"
             assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
             done = events[-1][1]["response"]
