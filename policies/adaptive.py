@@ -78,14 +78,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
-from policies.costmodel import prefill_work_tokens
+from policies.costmodel import PrefillProfile, prefill_work_tokens
+from policies.migration import holder, migrate_work
 from policies.registry import register
 from policies.resident import session_priority
-from policies.snapshot import FORWARD, Decision, InstanceState, Snapshot
+from policies.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
 
-PRIORITIES = ("aged", "session_start", "none")
+PRIORITIES = ("aged", "saved", "session_start", "none")
 AGING = ("p50", "p90")
 HOLDS = ("none", "saturated")
+MIGRATES = ("none", "priced")
+PROFILE = PrefillProfile()  # the cost model's prefill profile, seconds (policies/costmodel.py)
 
 
 def auto_cost(snapshot: Snapshot, s: InstanceState) -> tuple[int, int, int, int]:
@@ -120,6 +123,16 @@ def aged_priority(snapshot: Snapshot, aging: str = "p50") -> int:
     return round(1000.0 * key)
 
 
+def saved_priority(snapshot: Snapshot, hit_tokens: int, aging: str = "p50") -> int:
+    """:func:`aged_priority` whose credit is also capped by the recompute time of the request's
+    predicted prefix hit on its target (``hit_tokens``): ``max(session_start, now - service,
+    now - prefill_s(hit))`` in integer milliseconds (module docstring)."""
+    now = snapshot.now
+    key = aged_priority(snapshot, aging) / 1000.0
+    saved = PROFILE.time(hit_tokens) if hit_tokens > 0 else 0.0
+    return round(1000.0 * max(key, now - saved))
+
+
 @dataclass(frozen=True, slots=True)
 class LPWLAuto:
     name: str = "lpwl_auto"
@@ -127,6 +140,7 @@ class LPWLAuto:
     priority: str = "aged"
     aging: str = "p50"
     hold_when: str = "none"
+    migrate: str = "none"
     reads_residency = True  # the router fills the resident blocks and the observed service time
 
     @property
@@ -143,11 +157,39 @@ class LPWLAuto:
         """The vLLM ``--scheduling-policy`` the engines need for this policy's decisions."""
         return "fcfs" if self.priority == "none" else "priority"
 
-    def _priority(self, snapshot: Snapshot) -> int | None:
+    def _migration(self, snapshot: Snapshot, keyed: list, best: int) -> Decision | None:
+        """The cheapest move of the prefix holder's KV (``policies/migration.py``), when it beats
+        ``best``, the cheapest forward; the move's target pays the same residency charge as a
+        forward there, the whole moved context counting as the hit it may lose."""
+        src = holder(snapshot)
+        if src is None:
+            return None
+        bs = snapshot.request.block_size
+        moves = []
+        for _, tie, i, _, overflow, _ in keyed:
+            m = migrate_work(snapshot, src, snapshot.instances[i])
+            if m is not None:
+                charge = prefill_work_tokens(bs * min(src.gpu_hit_blocks, overflow)) + prefill_work_tokens(bs * overflow)
+                moves.append((m + charge, tie, i))
+        if not moves or min(moves)[0] >= best:
+            return None
+        cost, _, target = min(moves)
+        prio = self._priority(snapshot, target)
+        return Decision(
+            MIGRATE, target,
+            f"{self.name}: move {src.gpu_hit_blocks} blocks from instance {src.index} (pending "
+            f"{src.pending_prefill_tokens}, work {src.pending_prefill_work}): cost {cost} < {best} recomputing",
+            source=src.index, scores=tuple((k[2], float(k[0])) for k in keyed),
+            predicted_hit_blocks=src.gpu_hit_blocks, priority=prio, producer_priority=prio,
+        )
+
+    def _priority(self, snapshot: Snapshot, target: int) -> int | None:
         if self.priority == "none":
             return None
         if self.priority == "session_start":
             return session_priority(snapshot)
+        if self.priority == "saved":
+            return saved_priority(snapshot, snapshot.hit_tokens(target), self.aging)
         return aged_priority(snapshot, self.aging)
 
     def decide(self, snapshot: Snapshot) -> Decision:
@@ -156,6 +198,10 @@ class LPWLAuto:
             cost, work, overflow, lost = auto_cost(snapshot, s)
             keyed.append((cost, tie_key(s), s.index, work, overflow, lost))
         cost, _, target, work, overflow, lost = min(keyed)
+        if self.migrate == "priced":
+            moved = self._migration(snapshot, keyed, cost)
+            if moved is not None:
+                return moved
         inst = snapshot.instances[target]
         room = "capacity unknown: no residency charge" if inst.capacity_blocks is None else (
             f"expected resident {inst.expected_resident_blocks} of {inst.capacity_blocks} blocks: "
@@ -166,7 +212,7 @@ class LPWLAuto:
             f"{new_prefill_tokens(snapshot, inst)} (work {work}) x (1 + {inst.in_flight} in flight) "
             f"(hit {inst.gpu_hit_blocks} blocks); {room}; cost {cost} is the least",
             scores=tuple((k[2], float(k[0])) for k in keyed),
-            predicted_hit_blocks=inst.gpu_hit_blocks, priority=self._priority(snapshot),
+            predicted_hit_blocks=inst.gpu_hit_blocks, priority=self._priority(snapshot, target),
         )
 
 
@@ -176,6 +222,7 @@ def _lpwl_auto(name: str, params: Mapping[str, Any]) -> LPWLAuto:
         "lpwl_auto", params,
         {"priority": Param("str", "aged", lambda v: v in PRIORITIES, " | ".join(PRIORITIES)),
          "aging": Param("str", "p50", lambda v: v in AGING, " | ".join(AGING)),
-         "hold": Param("str", "none", lambda v: v in HOLDS, " | ".join(HOLDS))},
+         "hold": Param("str", "none", lambda v: v in HOLDS, " | ".join(HOLDS)),
+         "migrate": Param("str", "none", lambda v: v in MIGRATES, " | ".join(MIGRATES))},
     )
-    return LPWLAuto(name=name, priority=p["priority"], aging=p["aging"], hold_when=p["hold"])
+    return LPWLAuto(name=name, priority=p["priority"], aging=p["aging"], hold_when=p["hold"], migrate=p["migrate"])
