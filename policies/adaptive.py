@@ -65,6 +65,25 @@ that arrived before ``t + service``, never without bound. Before the first obser
 key is the arrival time (FCFS). ``priority: none`` forwards no priority (engines under FCFS);
 ``session_start`` is the uncapped program-level FCFS of ``lpwl_resident_prio``.
 
+``priority: saved`` prices the credit with the cost model: a turn may overtake newer work by at
+most the time it saves by running before its prefix is lost, the recompute time of its predicted
+hit on its target (:class:`~policies.costmodel.PrefillProfile`, ``T(hit)`` seconds):
+
+    max(session_start, now - observed_service_s, now - T(hit))
+
+Under ``aged`` every continuation of a session older than one service time gets the full credit,
+so where the service time is long (overload: minutes) a first turn, which holds no prefix anywhere,
+waits behind every continuation that arrives within that window on its instance, however little
+each of them has cached. Under ``saved`` the turns that overtake are the ones whose cache is worth
+it (a 100k-token context: ~34 s of recompute; a 2k one: 0.1 s), and the bound tightens to the
+recompute time of the longest context the engine accepts.
+
+Migration (``migrate: priced``; default ``none``): when the holder of the request's longest GPU
+prefix is not the cheapest target, the policy also prices moving that KV to each other instance
+(the two-step ``MIGRATE``: a producer step on the holder at the turn's own priority, the transfer,
+then the turn on the target; ``policies/migration.py``) and moves it where that beats the cheapest
+recompute.
+
 Late binding (``hold: saturated``; default ``none``): the gateway holds a request while every
 healthy instance is *saturated*, i.e. has prefill queued or running (``pending_prefill_work > 0``:
 a new prefill there would wait), and routes it by the rule above when one drains
