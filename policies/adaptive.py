@@ -50,33 +50,30 @@ tokens on its holder) the externality is small and the session sticks, as under 
 low (``new`` ~ the whole prompt everywhere) the rule balances by ``in_flight`` and pending work,
 as load balancers do; the observed return rate decides how much of the idle working set to keep.
 
-Priority (default ``aged``): vLLM's per-request ``priority`` (lower runs first under
+Priority (default ``saved``): vLLM's per-request ``priority`` (lower runs first under
 ``--scheduling-policy priority``) is the integer milliseconds of
-
-    max(session_start, now - observed_service_s)
-
-Program-level FCFS (Continuum, arXiv 2511.02230; the session's start) keeps an older session's
-continuation turn ahead of newer work, so it runs before its prefix is evicted from the queue; the
-cap at ``now - service`` bounds it, as Autellix (arXiv 2502.13965) promotes a program whose wait
-grows large against its service time: a continuation turn gains at most one observed median
-service time (gateway-measured, queueing included) over a request arriving at the same moment.
-So a request arriving at ``t`` (a first turn's key is ``t`` itself) is overtaken only by requests
-that arrived before ``t + service``, never without bound. Before the first observed finish the
-key is the arrival time (FCFS). ``priority: none`` forwards no priority (engines under FCFS);
-``session_start`` is the uncapped program-level FCFS of ``lpwl_resident_prio``.
-
-``priority: saved`` prices the credit with the cost model: a turn may overtake newer work by at
-most the time it saves by running before its prefix is lost, the recompute time of its predicted
-hit on its target (:class:`~policies.costmodel.PrefillProfile`, ``T(hit)`` seconds):
 
     max(session_start, now - observed_service_s, now - T(hit))
 
-Under ``aged`` every continuation of a session older than one service time gets the full credit,
-so where the service time is long (overload: minutes) a first turn, which holds no prefix anywhere,
-waits behind every continuation that arrives within that window on its instance, however little
-each of them has cached. Under ``saved`` the turns that overtake are the ones whose cache is worth
-it (a 100k-token context: ~34 s of recompute; a 2k one: 0.1 s), and the bound tightens to the
-recompute time of the longest context the engine accepts.
+with ``T(hit)`` the cost model's time to recompute the request's predicted GPU prefix hit on its
+target (:class:`~policies.costmodel.PrefillProfile`: ~34 s for a 100k-token context, 0.1 s for 2k).
+Program-level FCFS (Continuum, arXiv 2511.02230; the session's start) keeps an older session's
+continuation turn ahead of newer work, so it runs before its prefix is evicted while it waits. The
+credit it gets over a request arriving at the same moment is capped twice. By one observed median
+service time (gateway-measured, queueing included), as Autellix (arXiv 2502.13965) promotes a
+program whose wait grows large against its service time. And by what running early can save: the
+prefix it would recompute if it were evicted, so a turn overtakes newer work by no longer than the
+recompute it avoids. A request arriving at ``t`` (a first turn's key is ``t`` itself: it holds no
+prefix) is overtaken only by requests that arrived before ``t + min(service, T(longest context the
+engine accepts))``, never without bound. Before the first observed finish the key is the arrival
+time (FCFS).
+
+Why the second cap: with the first alone (``priority: aged``), every continuation of a session older
+than one service time gets the full credit, so where the service time is long (overload: minutes)
+a first turn waits behind every continuation arriving within that window on its instance, however
+little each has cached; new sessions then carry the tail. ``priority: none`` forwards no priority
+(engines under FCFS); ``session_start`` is the uncapped program-level FCFS of
+``lpwl_resident_prio``.
 
 Migration (``migrate: priced``; default ``none``): when the holder of the request's longest GPU
 prefix is not the cheapest target, the policy also prices moving that KV to each other instance
@@ -156,7 +153,7 @@ def saved_priority(snapshot: Snapshot, hit_tokens: int, aging: str = "p50") -> i
 class LPWLAuto:
     name: str = "lpwl_auto"
     type: str = "lpwl_auto"
-    priority: str = "aged"
+    priority: str = "saved"
     aging: str = "p50"
     hold_when: str = "none"
     migrate: str = "none"
@@ -193,7 +190,7 @@ class LPWLAuto:
         if not moves or min(moves)[0] >= best:
             return None
         cost, _, target = min(moves)
-        prio = self._priority(snapshot, target)
+        prio = self._priority(snapshot, snapshot.hit_tokens(src.index))
         return Decision(
             MIGRATE, target,
             f"{self.name}: move {src.gpu_hit_blocks} blocks from instance {src.index} (pending "
@@ -202,13 +199,15 @@ class LPWLAuto:
             predicted_hit_blocks=src.gpu_hit_blocks, priority=prio, producer_priority=prio,
         )
 
-    def _priority(self, snapshot: Snapshot, target: int) -> int | None:
+    def _priority(self, snapshot: Snapshot, hit_tokens: int) -> int | None:
+        """The request's vLLM priority (module docstring); ``hit_tokens``: its predicted prefix hit
+        where it will run (for a move, the prefix the target imports)."""
         if self.priority == "none":
             return None
         if self.priority == "session_start":
             return session_priority(snapshot)
         if self.priority == "saved":
-            return saved_priority(snapshot, snapshot.hit_tokens(target), self.aging)
+            return saved_priority(snapshot, hit_tokens, self.aging)
         return aged_priority(snapshot, self.aging)
 
     def decide(self, snapshot: Snapshot) -> Decision:
@@ -231,7 +230,7 @@ class LPWLAuto:
             f"{new_prefill_tokens(snapshot, inst)} (work {work}) x (1 + {inst.in_flight} in flight) "
             f"(hit {inst.gpu_hit_blocks} blocks); {room}; cost {cost} is the least",
             scores=tuple((k[2], float(k[0])) for k in keyed),
-            predicted_hit_blocks=inst.gpu_hit_blocks, priority=self._priority(snapshot, target),
+            predicted_hit_blocks=inst.gpu_hit_blocks, priority=self._priority(snapshot, snapshot.hit_tokens(target)),
         )
 
 
@@ -239,7 +238,7 @@ class LPWLAuto:
 def _lpwl_auto(name: str, params: Mapping[str, Any]) -> LPWLAuto:
     p = parse_params(
         "lpwl_auto", params,
-        {"priority": Param("str", "aged", lambda v: v in PRIORITIES, " | ".join(PRIORITIES)),
+        {"priority": Param("str", "saved", lambda v: v in PRIORITIES, " | ".join(PRIORITIES)),
          "aging": Param("str", "p50", lambda v: v in AGING, " | ".join(AGING)),
          "hold": Param("str", "none", lambda v: v in HOLDS, " | ".join(HOLDS)),
          "migrate": Param("str", "none", lambda v: v in MIGRATES, " | ".join(MIGRATES))},

@@ -85,13 +85,13 @@ def test_residency_is_charged_on_the_expected_working_set_not_every_live_session
 
 def test_aged_priority_caps_the_session_start_one_service_time_back():
     insts = [inst(0), inst(1)]
-    p = registry.build("lpwl_auto")
+    p = registry.build({"type": "lpwl_auto", "params": {"priority": "aged"}})
     assert p.scheduling_policy == "priority"
     assert p.decide(snap(insts, started=10.0, service=30.0)).priority == 70_000  # old session: now - 30 s
     assert p.decide(snap(insts, started=80.0, service=30.0)).priority == 80_000  # younger: its start
     assert p.decide(snap(insts, started=None, service=30.0)).priority == 100_000  # first turn: now
     assert p.decide(snap(insts, started=10.0, service=None)).priority == 100_000  # nothing observed: FCFS
-    a90 = registry.build({"type": "lpwl_auto", "params": {"aging": "p90"}})
+    a90 = registry.build({"type": "lpwl_auto", "params": {"priority": "aged", "aging": "p90"}})
     assert a90.decide(snap(insts, started=10.0, service=30.0, service90=60.0)).priority == 40_000
     ss = registry.build({"type": "lpwl_auto", "params": {"priority": "session_start"}})
     assert ss.decide(snap(insts, started=10.0, service=30.0)).priority == 10_000
@@ -201,7 +201,8 @@ def test_router_holds_while_saturated_and_releases_in_arrival_order():
 
 
 def test_saved_priority_caps_the_credit_at_the_recompute_time_of_the_predicted_hit():
-    p = registry.build({"type": "lpwl_auto", "params": {"priority": "saved"}})
+    p = registry.build("lpwl_auto")  # the default
+    assert p.priority == "saved"
     assert p.scheduling_policy == "priority"
     # old session (started 10 s, service 30 s) with 99 blocks (1,584 tokens) cached on its holder:
     # recompute 1,584 tokens = 50 us x 1,584 + 2.94e-9 x 1,584^2 = 0.0866 s -> key now - 0.087 s
