@@ -14,8 +14,9 @@ the target imports it and decodes; ``gateway/ticket.py``) replaces that recomput
 * the transfer of the prompt's KV over the link (:func:`policies.costmodel.kv_transfer_s`, the
   NIC the *GPU-Hit-First* note measured, 9.7 GB/s, 96 KiB per token): ~1 s per 100k tokens.
 
-The target's own queue drains meanwhile, so the turn is ready at ``max(holder chain, target queue)``.
-All in prefill-work tokens (time over the profile's ``a``), the unit ``lpwl_auto`` prices everything
+The target sees the turn only once the KV has arrived (the router runs the producer step, then
+sends the turn to the target), so the turn then waits in the target's queue as well: the chain and
+the target's queued prefill add up. All in prefill-work tokens (time over the profile's ``a``), the unit ``lpwl_auto`` prices everything
 in (``policies/adaptive.py``). Pure: a function of the snapshot, nothing else.
 """
 
@@ -61,4 +62,4 @@ def migrate_work(snapshot: Snapshot, src: InstanceState, dst: InstanceState) -> 
     n = snapshot.request.input_tokens
     tail = prefill_work_tokens(n - hit_s, hit_s)
     chain = src.pending_prefill_work + tail + transfer_work_tokens(n)
-    return max(chain, dst.pending_prefill_work) + tail * src.in_flight
+    return chain + dst.pending_prefill_work + tail * src.in_flight
