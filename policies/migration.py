@@ -16,7 +16,12 @@ the target imports it and decodes; ``gateway/ticket.py``) replaces that recomput
 
 The target sees the turn only once the KV has arrived (the router runs the producer step, then
 sends the turn to the target), so the turn then waits in the target's queue as well: the chain and
-the target's queued prefill add up. All in prefill-work tokens (time over the profile's ``a``), the unit ``lpwl_auto`` prices everything
+the target's queued prefill add up. And the holder's copy stays pinned (vLLM's
+``delay_free_blocks``) until the target admits the turn and pulls it, so a move to a target with a
+queue ties up HBM on both instances for that queue's length, evicting other sessions' prefixes on
+the holder, which nothing in the snapshot prices. A move is therefore priced only to a target with
+no prefill queued (it admits the turn at its next step); elsewhere :func:`migrate_work` says None.
+All in prefill-work tokens (time over the profile's ``a``), the unit ``lpwl_auto`` prices everything
 in (``policies/adaptive.py``). Pure: a function of the snapshot, nothing else.
 """
 
@@ -53,8 +58,9 @@ def holder(snapshot: Snapshot) -> InstanceState | None:
 def migrate_work(snapshot: Snapshot, src: InstanceState, dst: InstanceState) -> int | None:
     """Time to first token on ``dst`` (work tokens, the module docstring's chain) when ``src``'s
     prefix KV is moved there, plus the delay its tail prefill adds to ``src``'s in-flight requests;
-    None when ``src`` holds no more of the prompt than ``dst`` (nothing to move)."""
-    if src.index == dst.index:
+    None when ``src`` holds no more of the prompt than ``dst`` (nothing to move) or ``dst`` has
+    prefill queued (the module docstring)."""
+    if src.index == dst.index or dst.pending_prefill_work > 0:
         return None
     hit_s, hit_d = snapshot.hit_tokens(src.index), snapshot.hit_tokens(dst.index)
     if hit_s <= hit_d:

@@ -241,3 +241,8 @@ def test_priced_migration_moves_the_kv_when_the_transfer_beats_the_recompute():
                     pending_prefill_work=700_000)
     d = p.decide(snap(insts, input_tokens=100_000, started=10.0, service=30.0))
     assert (d.action, d.target) == ("forward", 1)
+    # a target with prefill queued would keep the holder's copy pinned through its queue: no move there
+    insts = [inst(0, gpu_hit_blocks=6240, capacity_blocks=6300, expected_resident_blocks=6300),
+             inst(1, capacity_blocks=6300, pending_prefill_tokens=100, pending_prefill_work=100)]
+    d = p.decide(snap(insts, input_tokens=100_000, started=10.0, service=30.0))
+    assert (d.action, d.target) == ("forward", 1)
