@@ -50,20 +50,36 @@ tokens on its holder) the externality is small and the session sticks, as under 
 low (``new`` ~ the whole prompt everywhere) the rule balances by ``in_flight`` and pending work,
 as load balancers do; the observed return rate decides how much of the idle working set to keep.
 
-Priority (default ``aged``): vLLM's per-request ``priority`` (lower runs first under
+Priority (default ``saved``): vLLM's per-request ``priority`` (lower runs first under
 ``--scheduling-policy priority``) is the integer milliseconds of
 
-    max(session_start, now - observed_service_s)
+    max(session_start, now - observed_service_s, now - T(hit))
 
+with ``T(hit)`` the cost model's time to recompute the request's predicted GPU prefix hit on its
+target (:class:`~policies.costmodel.PrefillProfile`: ~34 s for a 100k-token context, 0.1 s for 2k).
 Program-level FCFS (Continuum, arXiv 2511.02230; the session's start) keeps an older session's
-continuation turn ahead of newer work, so it runs before its prefix is evicted from the queue; the
-cap at ``now - service`` bounds it, as Autellix (arXiv 2502.13965) promotes a program whose wait
-grows large against its service time: a continuation turn gains at most one observed median
-service time (gateway-measured, queueing included) over a request arriving at the same moment.
-So a request arriving at ``t`` (a first turn's key is ``t`` itself) is overtaken only by requests
-that arrived before ``t + service``, never without bound. Before the first observed finish the
-key is the arrival time (FCFS). ``priority: none`` forwards no priority (engines under FCFS);
-``session_start`` is the uncapped program-level FCFS of ``lpwl_resident_prio``.
+continuation turn ahead of newer work, so it runs before its prefix is evicted while it waits. The
+credit it gets over a request arriving at the same moment is capped twice. By one observed median
+service time (gateway-measured, queueing included), as Autellix (arXiv 2502.13965) promotes a
+program whose wait grows large against its service time. And by what running early can save: the
+prefix it would recompute if it were evicted, so a turn overtakes newer work by no longer than the
+recompute it avoids. A request arriving at ``t`` (a first turn's key is ``t`` itself: it holds no
+prefix) is overtaken only by requests that arrived before ``t + min(service, T(longest context the
+engine accepts))``, never without bound. Before the first observed finish the key is the arrival
+time (FCFS).
+
+Why the second cap: with the first alone (``priority: aged``), every continuation of a session older
+than one service time gets the full credit, so where the service time is long (overload: minutes)
+a first turn waits behind every continuation arriving within that window on its instance, however
+little each has cached; new sessions then carry the tail. ``priority: none`` forwards no priority
+(engines under FCFS); ``session_start`` is the uncapped program-level FCFS of
+``lpwl_resident_prio``.
+
+Migration (``migrate: priced``; default ``none``): when the holder of the request's longest GPU
+prefix is not the cheapest target, the policy also prices moving that KV to each other instance
+(the two-step ``MIGRATE``: a producer step on the holder at the turn's own priority, the transfer,
+then the turn on the target; ``policies/migration.py``) and moves it where that beats the cheapest
+recompute.
 
 Late binding (``hold: saturated``; default ``none``): the gateway holds a request while every
 healthy instance is *saturated*, i.e. has prefill queued or running (``pending_prefill_work > 0``:
@@ -78,14 +94,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
-from policies.costmodel import prefill_work_tokens
+from policies.costmodel import PrefillProfile, prefill_work_tokens
+from policies.migration import holder, migrate_work
 from policies.registry import register
 from policies.resident import session_priority
-from policies.snapshot import FORWARD, Decision, InstanceState, Snapshot
+from policies.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
 
-PRIORITIES = ("aged", "session_start", "none")
+PRIORITIES = ("aged", "saved", "session_start", "none")
 AGING = ("p50", "p90")
 HOLDS = ("none", "saturated")
+MIGRATES = ("none", "priced")
+PROFILE = PrefillProfile()  # the cost model's prefill profile, seconds (policies/costmodel.py)
 
 
 def auto_cost(snapshot: Snapshot, s: InstanceState) -> tuple[int, int, int, int]:
@@ -120,13 +139,24 @@ def aged_priority(snapshot: Snapshot, aging: str = "p50") -> int:
     return round(1000.0 * key)
 
 
+def saved_priority(snapshot: Snapshot, hit_tokens: int, aging: str = "p50") -> int:
+    """:func:`aged_priority` whose credit is also capped by the recompute time of the request's
+    predicted prefix hit on its target (``hit_tokens``): ``max(session_start, now - service,
+    now - prefill_s(hit))`` in integer milliseconds (module docstring)."""
+    now = snapshot.now
+    key = aged_priority(snapshot, aging) / 1000.0
+    saved = PROFILE.time(hit_tokens) if hit_tokens > 0 else 0.0
+    return round(1000.0 * max(key, now - saved))
+
+
 @dataclass(frozen=True, slots=True)
 class LPWLAuto:
     name: str = "lpwl_auto"
     type: str = "lpwl_auto"
-    priority: str = "aged"
+    priority: str = "saved"
     aging: str = "p50"
     hold_when: str = "none"
+    migrate: str = "none"
     reads_residency = True  # the router fills the resident blocks and the observed service time
 
     @property
@@ -143,11 +173,41 @@ class LPWLAuto:
         """The vLLM ``--scheduling-policy`` the engines need for this policy's decisions."""
         return "fcfs" if self.priority == "none" else "priority"
 
-    def _priority(self, snapshot: Snapshot) -> int | None:
+    def _migration(self, snapshot: Snapshot, keyed: list, best: int) -> Decision | None:
+        """The cheapest move of the prefix holder's KV (``policies/migration.py``), when it beats
+        ``best``, the cheapest forward; the move's target pays the same residency charge as a
+        forward there, the whole moved context counting as the hit it may lose."""
+        src = holder(snapshot)
+        if src is None:
+            return None
+        bs = snapshot.request.block_size
+        moves = []
+        for _, tie, i, _, overflow, _ in keyed:
+            m = migrate_work(snapshot, src, snapshot.instances[i])
+            if m is not None:
+                charge = prefill_work_tokens(bs * min(src.gpu_hit_blocks, overflow)) + prefill_work_tokens(bs * overflow)
+                moves.append((m + charge, tie, i))
+        if not moves or min(moves)[0] >= best:
+            return None
+        cost, _, target = min(moves)
+        prio = self._priority(snapshot, snapshot.hit_tokens(src.index))
+        return Decision(
+            MIGRATE, target,
+            f"{self.name}: move {src.gpu_hit_blocks} blocks from instance {src.index} (pending "
+            f"{src.pending_prefill_tokens}, work {src.pending_prefill_work}): cost {cost} < {best} recomputing",
+            source=src.index, scores=tuple((k[2], float(k[0])) for k in keyed),
+            predicted_hit_blocks=src.gpu_hit_blocks, priority=prio, producer_priority=prio,
+        )
+
+    def _priority(self, snapshot: Snapshot, hit_tokens: int) -> int | None:
+        """The request's vLLM priority (module docstring); ``hit_tokens``: its predicted prefix hit
+        where it will run (for a move, the prefix the target imports)."""
         if self.priority == "none":
             return None
         if self.priority == "session_start":
             return session_priority(snapshot)
+        if self.priority == "saved":
+            return saved_priority(snapshot, hit_tokens, self.aging)
         return aged_priority(snapshot, self.aging)
 
     def decide(self, snapshot: Snapshot) -> Decision:
@@ -156,6 +216,10 @@ class LPWLAuto:
             cost, work, overflow, lost = auto_cost(snapshot, s)
             keyed.append((cost, tie_key(s), s.index, work, overflow, lost))
         cost, _, target, work, overflow, lost = min(keyed)
+        if self.migrate == "priced":
+            moved = self._migration(snapshot, keyed, cost)
+            if moved is not None:
+                return moved
         inst = snapshot.instances[target]
         room = "capacity unknown: no residency charge" if inst.capacity_blocks is None else (
             f"expected resident {inst.expected_resident_blocks} of {inst.capacity_blocks} blocks: "
@@ -166,7 +230,7 @@ class LPWLAuto:
             f"{new_prefill_tokens(snapshot, inst)} (work {work}) x (1 + {inst.in_flight} in flight) "
             f"(hit {inst.gpu_hit_blocks} blocks); {room}; cost {cost} is the least",
             scores=tuple((k[2], float(k[0])) for k in keyed),
-            predicted_hit_blocks=inst.gpu_hit_blocks, priority=self._priority(snapshot),
+            predicted_hit_blocks=inst.gpu_hit_blocks, priority=self._priority(snapshot, snapshot.hit_tokens(target)),
         )
 
 
@@ -174,8 +238,9 @@ class LPWLAuto:
 def _lpwl_auto(name: str, params: Mapping[str, Any]) -> LPWLAuto:
     p = parse_params(
         "lpwl_auto", params,
-        {"priority": Param("str", "aged", lambda v: v in PRIORITIES, " | ".join(PRIORITIES)),
+        {"priority": Param("str", "saved", lambda v: v in PRIORITIES, " | ".join(PRIORITIES)),
          "aging": Param("str", "p50", lambda v: v in AGING, " | ".join(AGING)),
-         "hold": Param("str", "none", lambda v: v in HOLDS, " | ".join(HOLDS))},
+         "hold": Param("str", "none", lambda v: v in HOLDS, " | ".join(HOLDS)),
+         "migrate": Param("str", "none", lambda v: v in MIGRATES, " | ".join(MIGRATES))},
     )
-    return LPWLAuto(name=name, priority=p["priority"], aging=p["aging"], hold_when=p["hold"])
+    return LPWLAuto(name=name, priority=p["priority"], aging=p["aging"], hold_when=p["hold"], migrate=p["migrate"])

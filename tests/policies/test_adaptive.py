@@ -85,13 +85,13 @@ def test_residency_is_charged_on_the_expected_working_set_not_every_live_session
 
 def test_aged_priority_caps_the_session_start_one_service_time_back():
     insts = [inst(0), inst(1)]
-    p = registry.build("lpwl_auto")
+    p = registry.build({"type": "lpwl_auto", "params": {"priority": "aged"}})
     assert p.scheduling_policy == "priority"
     assert p.decide(snap(insts, started=10.0, service=30.0)).priority == 70_000  # old session: now - 30 s
     assert p.decide(snap(insts, started=80.0, service=30.0)).priority == 80_000  # younger: its start
     assert p.decide(snap(insts, started=None, service=30.0)).priority == 100_000  # first turn: now
     assert p.decide(snap(insts, started=10.0, service=None)).priority == 100_000  # nothing observed: FCFS
-    a90 = registry.build({"type": "lpwl_auto", "params": {"aging": "p90"}})
+    a90 = registry.build({"type": "lpwl_auto", "params": {"priority": "aged", "aging": "p90"}})
     assert a90.decide(snap(insts, started=10.0, service=30.0, service90=60.0)).priority == 40_000
     ss = registry.build({"type": "lpwl_auto", "params": {"priority": "session_start"}})
     assert ss.decide(snap(insts, started=10.0, service=30.0)).priority == 10_000
@@ -198,3 +198,51 @@ def test_router_holds_while_saturated_and_releases_in_arrival_order():
         assert len(router.hold) == 0
 
     asyncio.run(main())
+
+
+def test_saved_priority_caps_the_credit_at_the_recompute_time_of_the_predicted_hit():
+    p = registry.build("lpwl_auto")  # the default
+    assert p.priority == "saved"
+    assert p.scheduling_policy == "priority"
+    # old session (started 10 s, service 30 s) with 99 blocks (1,584 tokens) cached on its holder:
+    # recompute 1,584 tokens = 50 us x 1,584 + 2.94e-9 x 1,584^2 = 0.0866 s -> key now - 0.087 s
+    insts = [inst(0, gpu_hit_blocks=99), inst(1)]
+    d = p.decide(snap(insts, started=10.0, service=30.0))
+    assert d.target == 0 and d.priority == 99_913
+    # the same session sent cold (nothing cached anywhere): no credit, as a first turn
+    assert p.decide(snap([inst(0), inst(1)], started=10.0, service=30.0)).priority == 100_000
+    # a long cached context (100,000 tokens: 34.4 s to recompute) is capped by the service time
+    big = [inst(0, gpu_hit_blocks=6250), inst(1)]
+    assert p.decide(snap(big, input_tokens=100_016, started=10.0, service=30.0)).priority == 70_000
+    # and by the session's start
+    assert p.decide(snap(big, input_tokens=100_016, started=95.0, service=30.0)).priority == 95_000
+
+
+def test_priced_migration_moves_the_kv_when_the_transfer_beats_the_recompute():
+    from policies.migration import transfer_work_tokens
+    from policies.snapshot import MIGRATE
+
+    # 100,000-token prompt; instance 0 holds 99,840 of it but keeping the session there overflows its
+    # HBM; instance 1 is empty. Recomputing on 1 costs work(100,000) = 688,000; moving the KV costs
+    # the holder's tail (160 tokens over 99,840: 2,040) + the transfer (1.01 s at 9.7 GB/s: 20,269).
+    assert prefill_work_tokens(100_000) == 688_000 and transfer_work_tokens(100_000) == 20_269
+    assert prefill_work_tokens(160, 99_840) == 2_040
+    insts = [inst(0, gpu_hit_blocks=6240, capacity_blocks=6300, expected_resident_blocks=6300),
+             inst(1, capacity_blocks=6300)]
+    p = registry.build({"type": "lpwl_auto", "params": {"migrate": "priced"}})
+    d = p.decide(snap(insts, input_tokens=100_000, started=10.0, service=30.0))
+    assert (d.action, d.source, d.target) == (MIGRATE, 0, 1)
+    assert d.priority == d.producer_priority == 70_000  # the export waits as the turn would
+    assert "cost 22309 < 688000" in d.reason
+    # off by default: the same snapshot recomputes on 1
+    assert registry.build("lpwl_auto").decide(snap(insts, input_tokens=100_000)).action == "forward"
+    # the holder's queue (the producer step waits in it) makes the move dearer than recomputing
+    insts[0] = inst(0, gpu_hit_blocks=6240, capacity_blocks=6300, expected_resident_blocks=6300,
+                    pending_prefill_work=700_000)
+    d = p.decide(snap(insts, input_tokens=100_000, started=10.0, service=30.0))
+    assert (d.action, d.target) == ("forward", 1)
+    # a target with prefill queued would keep the holder's copy pinned through its queue: no move there
+    insts = [inst(0, gpu_hit_blocks=6240, capacity_blocks=6300, expected_resident_blocks=6300),
+             inst(1, capacity_blocks=6300, pending_prefill_tokens=100, pending_prefill_work=100)]
+    d = p.decide(snap(insts, input_tokens=100_000, started=10.0, service=30.0))
+    assert (d.action, d.target) == ("forward", 1)

@@ -13,6 +13,7 @@ keep overtaking the first turns until those sessions end.
 
 from __future__ import annotations
 
+from policies.adaptive import PROFILE
 from replayer.simulate import simulate
 from replayer.trace import Session, Trace, Turn
 
@@ -31,8 +32,9 @@ def _trace() -> Trace:
     return Trace("starvation", "native", tuple(sessions))
 
 
-def _overtakes(records):
-    """(lag, service bound) of every later arrival scheduled before an earlier first turn."""
+def _overtakes(records, with_hit=False):
+    """(lag, service bound) of every later arrival scheduled before an earlier first turn (and the
+    overtaker's predicted hit tokens, ``with_hit``)."""
     ok = sorted((r for r in records if r.ok), key=lambda r: r.arrival)
     out = []
     for r in ok:
@@ -41,22 +43,32 @@ def _overtakes(records):
         for q in ok:
             if q.arrival > r.arrival and q.first_token < r.first_token:
                 bound = max((x.finish - x.arrival for x in ok if x.finish <= q.arrival), default=0.0)
-                out.append((q.arrival - r.arrival, bound))
+                out.append((q.arrival - r.arrival, bound, q.predicted_hit_tokens) if with_hit
+                           else (q.arrival - r.arrival, bound))
     return out
 
 
-def _run(priority: str):
+def _run(priority: str, with_hit=False):
     policy = {"name": "p", "type": "lpwl_auto", "params": {"priority": priority}}
     res = simulate(_trace(), policy, instances=1, arrival="trace", block_size=BLOCK, progress=False,
                    engine_kwargs={"max_num_seqs": 2, "block_size": BLOCK})
     assert len([r for r in res.records if r.ok]) == 4 * 25 + 6
-    return _overtakes(res.records)
+    return _overtakes(res.records, with_hit)
 
 
 def test_aged_priority_overtakes_a_first_turn_only_within_the_observed_service_time():
     over = _run("aged")
     assert over  # the scenario does queue: continuation turns do pass first turns
     assert all(lag <= bound + 1e-3 for lag, bound in over), max(over, key=lambda x: x[0] - x[1])
+
+
+def test_saved_priority_overtakes_a_first_turn_only_within_the_recompute_time_of_the_overtakers_hit():
+    # the credit is also capped by the cost model's time to recompute the overtaker's predicted hit
+    # (policies/adaptive.py): a tighter bound than the service time alone. Here the contexts are
+    # short (~0.1 s to recompute), so far fewer requests overtake a first turn than under "aged"
+    over = _run("saved", with_hit=True)
+    assert all(lag <= min(bound, PROFILE.time(hit)) + 1e-3 for lag, bound, hit in over), over
+    assert len(over) < len(_run("aged"))
 
 
 def test_uncapped_session_priority_overtakes_without_that_bound():
