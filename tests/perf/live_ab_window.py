@@ -20,13 +20,16 @@ and samples every ``--sample-every`` seconds the scheduler's run-queue delay of 
         --not-before 09:30 --stop-at 10:03   # UTC times of today
 
 Run again with the same ``--out`` to resume: a finished fit is kept, ``ab-live`` skips finished runs.
-Needs root (negative nice) and the vLLM venv (``GPUHIT_VLLM_PYTHON``).
+Needs root (negative nice) and the vLLM venv (``GPUHIT_VLLM_PYTHON``). ``--report`` prints, from a
+finished folder, each step's CPU and run-queue delay (ours and the rest of the host's CPU) and the
+repeated seed's spread, as markdown.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import pathlib
@@ -85,9 +88,10 @@ def session_of(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[3])  # fields after comm: state ppid pgrp session
 
 
-def schedstat(sids: dict[str, int]) -> dict[str, list[float]]:
-    """Per named session: [cpu s, run-queue delay s, tasks] summed over its live threads."""
-    out = {k: [0.0, 0.0, 0] for k in sids}
+def schedstat(sids: dict[str, int]) -> dict[str, dict[str, list[float]]]:
+    """Per named session, per live process: [cpu s, run-queue delay s] summed over its threads (per
+    process, so that a process that exits between two samples can be left out of that interval)."""
+    out: dict[str, dict[str, list[float]]] = {k: {} for k in sids}
     by_sid = {v: k for k, v in sids.items()}
     for d in pathlib.Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -95,15 +99,21 @@ def schedstat(sids: dict[str, int]) -> dict[str, list[float]]:
         name = by_sid.get(session_of(int(d.name)) or -1)
         if name is None:
             continue
+        tot = [0.0, 0.0]
         try:
             for t in (d / "task").iterdir():
                 cpu, delay, _ = (int(x) for x in (t / "schedstat").read_text().split())
-                out[name][0] += cpu / 1e9
-                out[name][1] += delay / 1e9
-                out[name][2] += 1
+                tot[0] += cpu / 1e9
+                tot[1] += delay / 1e9
         except OSError:
             continue
+        out[name][d.name] = tot
     return out
+
+
+def _delta(a: dict[str, dict[str, list[float]]], b: dict[str, dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Per session: [cpu s, delay s] between two samples, over the processes alive at both."""
+    return {k: [sum(b[k][p][i] - a.get(k, {}).get(p, b[k][p])[i] for p in b[k]) for i in (0, 1)] for k in b}
 
 
 def cpu_totals() -> list[int]:
@@ -155,17 +165,95 @@ def run_step(log: Log, name: str, argv: list[str], out: pathlib.Path, deadline: 
     return rc
 
 
+def steps_of(log_path: pathlib.Path) -> list[tuple[str, dt.datetime, dt.datetime]]:
+    """(step, start, end) from the window log ("HH:MM:SS load a b c NAME start: ..." / "NAME exit RC")."""
+    day = utc().date()
+    open_: dict[str, dt.datetime] = {}
+    out = []
+    for line in log_path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) < 7 or ":" not in parts[0]:
+            continue
+        t = dt.datetime.combine(day, dt.time.fromisoformat(parts[0]), dt.UTC)
+        name, what = parts[5], parts[6].rstrip(":")
+        if what == "start":
+            open_[name] = t
+        elif what == "exit" and name in open_:
+            out.append((name, open_.pop(name), t))
+    return out
+
+
+def sched_report(out: pathlib.Path) -> str:
+    """Per step: wall time, our sessions' CPU and run-queue delay, the host's CPU busy and others' part."""
+    samples = [json.loads(x) for x in (out / "sched.jsonl").read_text().splitlines() if x.strip()]
+    for s in samples:
+        s["t"] = dt.datetime.fromisoformat(s["utc"])
+    rows = [("| step | UTC | wall s | load 1-min | our CPU s (driver / vllm0 / vllm1) | our run-queue delay s | "
+             "delay per our CPU s | host CPU busy % of 2 cores | others' CPU s |"), "|" + "---|" * 9]
+    for name, t0, t1 in steps_of(out / "window.log"):
+        win = [s for s in samples if t0 - dt.timedelta(seconds=5) <= s["t"] <= t1 + dt.timedelta(seconds=5)]
+        if len(win) < 2:
+            continue
+        a, b = win[0], win[-1]
+        wall = (b["t"] - a["t"]).total_seconds()
+        cpu: dict[str, float] = {}
+        delay = 0.0
+        for x, y in itertools.pairwise(win):
+            for k, (c, dl) in _delta(x["ours"], y["ours"]).items():
+                cpu[k] = cpu.get(k, 0.0) + c
+                delay += dl
+        ticks = [y - x for x, y in zip(a["cpu"], b["cpu"])]
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / hz
+        loads = [s["load"][0] for s in win]
+        ours = sum(cpu.values())
+        rows.append(f"| {name} | {t0:%H:%M:%S}-{t1:%H:%M:%S} | {wall:.0f} | {min(loads):.1f}-{max(loads):.1f} | "
+                    f"{ours:.0f} ({' / '.join(f'{cpu.get(k, 0):.0f}' for k in ('driver', 'vllm0', 'vllm1'))}) | "
+                    f"{delay:.1f} | {delay / ours if ours else float('nan'):.3f} | "
+                    f"{busy / (2 * wall) * 100:.0f} | {busy - ours:.0f} |")
+    return "\n".join(rows)
+
+
+def repeat_report(out: pathlib.Path) -> str:
+    """The repeated seed against its first run, per policy."""
+    keys = ("latency_mean", "latency_p90", "ttft_p90", "tpot_p50", "apc_realized")
+    rows = ["| policy | seed | UTC run / repeat | " + " | ".join(f"{k} run / repeat (diff)" for k in keys) + " |",
+            "|" + "---|" * (3 + len(keys))]
+    for rep in sorted((out / "repeat" / "rate-3" / "runs").glob("*.json")):
+        first = out / "ab" / "rate-3" / "runs" / rep.name
+        if not first.exists():
+            continue
+        r0, r1 = (json.loads(p.read_text()) for p in (first, rep))
+        cells = []
+        for k in keys:
+            if k == "apc_realized":
+                cells.append(f"{r0[k] * 100:.1f} / {r1[k] * 100:.1f} ({(r1[k] - r0[k]) * 100:+.1f} pp)")
+            else:
+                sc = 1000.0 if k == "tpot_p50" else 1.0
+                cells.append(f"{r0[k] * sc:.3f} / {r1[k] * sc:.3f} ({(r1[k] / r0[k] - 1) * 100:+.0f}%)")
+        when = f"{r0.get('utc', ['?'])[0][11:19]} / {r1.get('utc', ['?'])[0][11:19]}"
+        rows.append(f"| {r0['policy']} | {r0['seed']} | {when} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--report", action="store_true", help="print the step and repeat tables of a finished --out")
     ap.add_argument("--not-before", default=None, metavar="HH:MM", help="UTC time to wait for")
-    ap.add_argument("--stop-at", required=True, metavar="HH:MM[:SS]", help="UTC time the engines are stopped by")
+    ap.add_argument("--stop-at", default=None, metavar="HH:MM[:SS]", help="UTC time the engines are stopped by")
     ap.add_argument("--nice", type=int, default=-15, help="autogroup nice of our sessions (default -15)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--fit-after-reserve", type=float, default=150.0,
                     help="seconds kept for the second fit before --stop-at (default 150)")
-    ap.add_argument("--sample-every", type=float, default=10.0)
+    ap.add_argument("--sample-every", type=float, default=5.0)
     args = ap.parse_args()
+    if args.report:
+        out = pathlib.Path(args.out)
+        print(sched_report(out) + "\n\n" + repeat_report(out))
+        return 0
+    if not args.stop_at:
+        ap.error("--stop-at is required to run the window")
 
     from engines.vllm.launch import make_server
     from engines.vllm.venv import TINY_MODEL_DIR
