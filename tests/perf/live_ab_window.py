@@ -243,7 +243,11 @@ def main() -> int:
     ap.add_argument("--not-before", default=None, metavar="HH:MM", help="UTC time to wait for")
     ap.add_argument("--stop-at", default=None, metavar="HH:MM[:SS]", help="UTC time the engines are stopped by")
     ap.add_argument("--nice", type=int, default=-15, help="autogroup nice of our sessions (default -15)")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=int, default=3, help="paired seeds at the load where queues form (default 3)")
+    ap.add_argument("--rate", default="3", help="the load where queues form, sessions/s (default 3)")
+    ap.add_argument("--light-rate", default="0.6", help="the light load, sessions/s (default 0.6; 0 skips it)")
+    ap.add_argument("--repeat-seeds", type=int, default=1, help="seeds repeated at --rate (default 1; 0 skips)")
+    ap.add_argument("--light-seeds", type=int, default=None, help="paired seeds at the light load (default --seeds)")
     ap.add_argument("--fit-after-reserve", type=float, default=150.0,
                     help="seconds kept for the second fit before --stop-at (default 150)")
     ap.add_argument("--sample-every", type=float, default=5.0)
@@ -307,14 +311,18 @@ def main() -> int:
         else:
             log("fit: profile.json exists (an earlier start of this window), kept")
         ab = [*GPUHIT, "experiment", "ab-live", *eng, *TRACE, "--policies", POLICIES, "--reference", REFERENCE]
-        run_step(log, "ab", [*ab, "--session-rate", "3", "--seeds", str(args.seeds), "--out", str(out / "ab")], out, stop_at)
-        run_step(log, "repeat", [*ab, "--session-rate", "3", "--seeds", "1", "--out", str(out / "repeat")], out, stop_at)
+        run_step(log, "ab", [*ab, "--session-rate", args.rate, "--seeds", str(args.seeds), "--out", str(out / "ab")],
+                 out, stop_at)
+        if args.repeat_seeds:
+            run_step(log, "repeat", [*ab, "--session-rate", args.rate, "--seeds", str(args.repeat_seeds), "--out",
+                                     str(out / "repeat")], out, stop_at)
         # the second fit probes each shape once and half the gateway pairs: ~0.6 of the first's time
         reserve = args.fit_after_reserve if fit_s is None else min(max(0.6 * fit_s + 20, 60.0), 240.0)
         light_deadline = stop_at - dt.timedelta(seconds=reserve)
         log(f"light load until {light_deadline:%H:%M:%S} (second fit reserve {reserve:.0f} s)")
-        run_step(log, "ab-light", [*ab, "--session-rate", "0.6", "--seeds", str(args.seeds), "--out",
-                                   str(out / "ab-light")], out, light_deadline)
+        if float(args.light_rate):
+            run_step(log, "ab-light", [*ab, "--session-rate", args.light_rate, "--seeds", str(args.light_seeds or args.seeds),
+                                       "--out", str(out / "ab-light")], out, light_deadline)
         if not (out / "profile-after.json").exists():
             run_step(log, "fit-after", [*GPUHIT, "profile", "fit", *eng, "--out", str(out / "profile-after.json"), *FIT,
                                         "--repeats", "1", "--gateway-pairs", "8"], out, stop_at)
