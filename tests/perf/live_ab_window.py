@@ -112,8 +112,9 @@ def schedstat(sids: dict[str, int]) -> dict[str, dict[str, list[float]]]:
 
 
 def _delta(a: dict[str, dict[str, list[float]]], b: dict[str, dict[str, list[float]]]) -> dict[str, list[float]]:
-    """Per session: [cpu s, delay s] between two samples, over the processes alive at both."""
-    return {k: [sum(b[k][p][i] - a.get(k, {}).get(p, b[k][p])[i] for p in b[k]) for i in (0, 1)] for k in b}
+    """Per session: [cpu s, delay s] between two samples, over the processes alive at both (a process
+    whose threads exited in between loses their counters: its interval counts 0, not a negative)."""
+    return {k: [sum(max(0.0, b[k][p][i] - a.get(k, {}).get(p, b[k][p])[i]) for p in b[k]) for i in (0, 1)] for k in b}
 
 
 def cpu_totals() -> list[int]:
