@@ -145,6 +145,7 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
 
     loop = asyncio.get_running_loop()
     load0 = os.getloadavg()[0]
+    start = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     async with live_gateway(urls, policy, spec.get("block_size")) as (gw, url), \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         card = await probe_gateway(http, url)
@@ -170,11 +171,13 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
         side = await engine_side(http, urls, before, sum(1 for r in res.records if not r.error))
     s = summarize(read_records(records), None, res.makespan, math.nan)
     # Engines sharing a host with other work run slower than their profile: the host's load says how busy
-    # it was (1-minute load average at the start and the end of the run).
+    # it was (1-minute load average at the start and the end of the run), and when (UTC start and end) lines
+    # the run up with the host's other records.
     # The engines' own timings of the same requests: the client's minus the engine's TTFT is the live
     # path (replayer, gateway, HTTP), which sim-vs-real holds against what its emulated path adds.
     s.update(policy=policy, seed=seed, session_rate=rate, records=str(records), cold_start=True,
-             host_load=[load0, os.getloadavg()[0]], engine_side=side)
+             host_load=[load0, os.getloadavg()[0]], engine_side=side,
+             utc=[start, _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")])
     return s
 
 

@@ -18,6 +18,10 @@ sides) to say which part of the model the gap comes from:
 * **step time and queueing**: the median sim/real TTFT ratio over requests with the same hit on both
   sides (same work; the residual is prefill step time, frontend/HTTP overhead and queueing);
 * **decode step time**: the median sim/real TPOT ratio;
+* **typical request or tail**: the median of the paired latency gaps (real - sim) against their mean,
+  and the share of the summed absolute gap that the 10% of requests furthest apart carry (a model
+  right for the typical request and blind to rare stalls has a median gap near 0 and most of the
+  gap in that 10%);
 * **live path** (runs that read the engines' own histograms back): the client's mean TTFT minus the
   engines' (vLLM's TTFT starts when its API server receives the request) is what the replayer, the
   gateway and HTTP add; the emulated path is the profile's measured direct-client path plus, unless
@@ -44,8 +48,11 @@ from gpuhit.errors import ConfigError
 
 METRICS = ("latency_mean", "latency_p50", "latency_p90", "latency_p99", "ttft_p50", "ttft_p90", "tpot_p50",
            "apc_realized")
-RANK_BY = ("latency_mean", "latency_p90", "ttft_p90")
+# the medians too: where policies differ by less than the run-to-run spread of a tail metric, the
+# typical request's ranking is the one the two sides can agree on
+RANK_BY = ("latency_mean", "latency_p50", "latency_p90", "ttft_p50", "ttft_p90")
 PATH_KEYS = ("ttft_real_s", "path_real_s", "path_model_s", "engine_ttft_real_s", "engine_ttft_sim_s")
+GAP_KEYS = ("median_gap_s", "mean_gap_s", "tail_gap_share")
 
 
 def live_path(profile: Any, model_gateway: bool = True) -> tuple[Any, dict[str, float]]:
@@ -127,8 +134,12 @@ def attribution(real: Any, sim: Any, block_size: int) -> dict[str, float]:
     okd = (tpot_r > 0) & (tpot_s > 0)
     # The live gateway's own prediction against what the engine served: event lag and index error.
     mispredicted = (r["predicted_hit_tokens"] - r["realized_hit_tokens"]).abs() >= block_size
+    gap = ((both["finish_r"] - both["arrival_r"]) - (both["finish_s"] - both["arrival_s"])).to_numpy()
+    far = np.sort(np.abs(gap))[::-1]
     return {"paired": len(both), "hit_mismatch_share": float(hit_diff.mean()),
             "live_mispredicted_share": float(mispredicted.mean()),
+            "median_gap_s": float(np.median(gap)), "mean_gap_s": float(gap.mean()),
+            "tail_gap_share": float(far[: max(1, len(far) // 10)].sum() / far.sum()) if far.sum() > 0 else math.nan,
             "same_hit_ttft_ratio": float(np.median(ttft_s[ok] / ttft_r[ok])) if ok.any() else math.nan,
             "tpot_ratio": float(np.median(tpot_s[okd] / tpot_r[okd])) if okd.any() else math.nan}
 
@@ -153,7 +164,10 @@ def explain(apc_diff: float, att: Mapping[str, float]) -> str:
             f"TPOT sim/real {att.get('tpot_ratio', math.nan):.2f}" + (
                 f"; live path real {att['path_real_s'] * 1e3:.0f} ms / modeled {att['path_model_s'] * 1e3:.0f} ms, "
                 f"engine-side TTFT sim/real {att['engine_ttft_sim_s'] / att['engine_ttft_real_s']:.2f}"
-                if att.get("engine_ttft_real_s", 0) > 0 else "") + ")")
+                if att.get("engine_ttft_real_s", 0) > 0 else "") + (
+                f"; paired latency gap real - sim median {att['median_gap_s'] * 1e3:+.0f} ms, mean "
+                f"{att['mean_gap_s'] * 1e3:+.0f} ms, {att['tail_gap_share'] * 100:.0f}% of the absolute gap in the 10% "
+                "of requests furthest apart" if "median_gap_s" in att else "") + ")")
 
 
 def ranking(rows: Mapping[str, Mapping[str, float]], key: str) -> list[str]:
@@ -187,8 +201,8 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
         if att_runs and sum(a.get("paired", 0) for a in att_runs):
             att = {k: _mean(att_runs, k)
                    for k in ("hit_mismatch_share", "live_mispredicted_share", "same_hit_ttft_ratio", "tpot_ratio",
-                             *PATH_KEYS)}
-            att = {k: v for k, v in att.items() if k not in PATH_KEYS or not math.isnan(v)}
+                             "median_gap_s", "mean_gap_s", "tail_gap_share", *PATH_KEYS)}
+            att = {k: v for k, v in att.items() if k not in (*PATH_KEYS, *GAP_KEYS) or not math.isnan(v)}
             att["paired"] = sum(a.get("paired", 0) for a in att_runs)
         loads = [x for r in lr for x in r.get("host_load", [])]
         per_policy[pol] = {"n_seeds": len(lr), "real": real, "sim": sim, "rel_error": rel, "apc_diff": apc_diff,

@@ -69,6 +69,8 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     assert sorted((r["policy"], r["seed"]) for r in runs) == sorted((p, s) for p in POLICIES for s in range(SEEDS))
     for r in runs:
         assert r["cold_start"] is True
+        # when it ran (ISO UTC, after the experiment's start) and the host's load average at its ends
+        assert exp["utc"] <= r["utc"][0] <= r["utc"][1] and len(r["host_load"]) == 2
         assert r["n_sent"] == r["n_ok"] + r["n_rejected"] + r["n_failed"] == n_requests
         assert sum(v["routed"] for v in r["per_instance"].values()) == r["n_sent"]
         assert set(r["per_instance"]) <= {"gpu0", "gpu1"}

@@ -28,6 +28,9 @@ def test_attribution_pairs_requests_and_separates_hits_from_time():
     assert a["same_hit_ttft_ratio"] == pytest.approx(0.5)  # the two same-hit requests, both halved
     assert a["tpot_ratio"] == pytest.approx(2.0)
     assert a["live_mispredicted_share"] == pytest.approx(1 / 3)  # the gateway expected 96, vLLM served 64
+    # latency real - sim per request: +0.06, +0.01, -0.24 s; the furthest 10% (one request) carries 0.24 of 0.31
+    assert a["median_gap_s"] == pytest.approx(0.01) and a["mean_gap_s"] == pytest.approx(-0.17 / 3)
+    assert a["tail_gap_share"] == pytest.approx(0.24 / 0.31)
 
 
 def test_kendall_tau_of_rankings():
