@@ -27,7 +27,10 @@ Events: vLLM queues one ``BlockRemoved`` per evicted block. Here the evictions o
 (consecutive in the event stream anyway) share one ``BlockRemoved`` listing their hashes in
 eviction order: the same information in vLLM's format (``block_hashes`` is a list), and the same
 index state for any consumer, but one event object instead of thousands. Building those per-block
-event objects was a fifth of a saturated simulation's time.
+event objects was a fifth of a saturated simulation's time. With chain ids (virtual time) the
+events' ``block_hashes`` are the pool's int64 arrays, not tuples, and a batch of evictions is one
+``BlockRemoved`` even where vLLM would publish one per allocation: the simulator's index takes
+them as arrays (:mod:`gateway.kv_index_chain`), with no Python int per block.
 
 Watch (speed, no behaviour): the KV manager may *watch* one set of cached blocks (a waiting
 request's prefix hit that could not be allocated, which vLLM looks up again every step). The pool
@@ -44,6 +47,7 @@ import numpy as np
 
 from engines.emulated.block_ids import BLOCK_ID, NO_BLOCKS, FreeBlockQueue, as_block_ids, distinct
 from engines.emulated.hash_map import ChainIdMap, HashMap
+from engines.keyed_hashes import keys_of
 from engines.kv_events import GPU, BlockRemoved, BlockStored, KVEvent
 
 
@@ -196,6 +200,9 @@ class BlockPool:
             self.block_hash[evicted] = self._no_key  # parent_hash is left stale: read only while cached
             self.has_hash[evicted] = False
         if self.enable_events:
+            if self._objects_apart:  # chain ids: the int64 array itself (see "Events" above)
+                self.events.append(BlockRemoved(keys, GPU))
+                return ids
             hs = tuple(keys.tolist())
             if event_per_block:
                 self.events.extend([BlockRemoved((h,), GPU) for h in hs])
@@ -300,7 +307,8 @@ class BlockPool:
         parent = hashes[start - 1] if start > 0 else None
         seg = as_block_ids(blocks)[start:end]
         hs = tuple(hashes[start:end])
-        keys = self._cached.keys(hs)
+        arr = keys_of(hashes) if self._objects_apart else None
+        keys = arr[start:end] if arr is not None else self._cached.keys(hs)
         # One batch maps each new hash to its block; a hash already cached keeps its block, and the
         # map hands that back, so a duplicate (a recomputed last block, a hash twice in the run)
         # shows up as a mismatch with ``seg``.
@@ -320,7 +328,7 @@ class BlockPool:
         if self.enable_events:
             self.events.append(
                 BlockStored(
-                    block_hashes=hs,
+                    block_hashes=keys if self._objects_apart else hs,
                     parent_block_hash=parent,
                     token_ids=token_ids,
                     block_size=self.block_size,

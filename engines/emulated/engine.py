@@ -23,6 +23,7 @@ from engines.emulated.block_pool import BlockPool
 from engines.emulated.decode_jump import DecodeJumpMixin
 from engines.emulated.external_kv import ExternalKV
 from engines.emulated.hash_map import ChainIdMap, HashMap
+from engines.keyed_hashes import KeyedHashes
 from engines.emulated.kv_manager import KVCacheManager, cdiv
 from engines.emulated.kv_transfer import RemotePuller, TransferRegistry
 from engines.emulated.metrics import EngineMetrics
@@ -176,7 +177,10 @@ class EmulatedEngine(StepLoopMixin, DecodeJumpMixin):
             self.metrics.request_errors += 1
             return result
         if request.block_hashes is not None:
-            hashes: Any = request.block_hashes[: request.prompt_len // self.block_size]
+            hashes: Any = request.block_hashes
+            if type(hashes) is not KeyedHashes or len(hashes) > request.prompt_len // self.block_size:
+                # a copy (the request may grow its own), and a KeyedHashes kept whole: its array goes with it
+                hashes = hashes[: request.prompt_len // self.block_size]
         elif request.prompt_token_ids is not None:
             hashes = self.hasher.event_ints(request.prompt_token_ids[: request.prompt_len])
         else:
