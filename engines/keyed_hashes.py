@@ -11,6 +11,7 @@ Everything else sees a plain tuple (slicing one gives plain tuples).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Self
 
 import numpy as np
 
@@ -20,7 +21,7 @@ class KeyedHashes(tuple):
 
     array: np.ndarray
 
-    def __new__(cls, hashes: Iterable[int], array: np.ndarray | None = None) -> KeyedHashes:
+    def __new__(cls, hashes: Iterable[int], array: np.ndarray | None = None) -> Self:
         self = super().__new__(cls, hashes)
         if array is None:
             array = np.fromiter(self, np.int64, len(self))

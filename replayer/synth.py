@@ -52,14 +52,14 @@ engines' and the index's hash tables cheaper to probe than with scattered 64-bit
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 from itertools import chain as iter_chain
+from typing import Any
 
 import numpy as np
 
 from engines.hashing import BlockHasher, common_prefix_len
-from gpuhit.errors import ConfigError
 from engines.keyed_hashes import KeyedHashes
+from gpuhit.errors import ConfigError
 from replayer.chain_ids import ChainIds, IdArray
 from replayer.trace import Session
 

@@ -23,7 +23,6 @@ from engines.emulated.block_pool import BlockPool
 from engines.emulated.decode_jump import DecodeJumpMixin
 from engines.emulated.external_kv import ExternalKV
 from engines.emulated.hash_map import ChainIdMap, HashMap
-from engines.keyed_hashes import KeyedHashes
 from engines.emulated.kv_manager import KVCacheManager, cdiv
 from engines.emulated.kv_transfer import RemotePuller, TransferRegistry
 from engines.emulated.metrics import EngineMetrics
@@ -33,6 +32,7 @@ from engines.emulated.scheduler import Scheduler
 from engines.emulated.step_loop import StepLoopMixin
 from engines.emulated.tiers import CPUTier, RemoteStore
 from engines.hashing import BlockHasher
+from engines.keyed_hashes import KeyedHashes
 from engines.kv_events import CPU, GPU, STORAGE, AllBlocksCleared, KVEventBatch
 from gpuhit.errors import BadRequestError, CapacityError, ConfigError
 
