@@ -237,7 +237,7 @@ def simulate(
     (None or one replica: the single router).
     """
     from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
-    from gateway.kv_index_chain import MAX_INSTANCES, ChainIdKVIndex
+    from gateway.kv_index_chain import ChainIdKVIndex
     from gateway.router import Router
     from policies.registry import build
     from replayer.synth import TokenSynthesizer
@@ -288,7 +288,7 @@ def simulate(
         def make_index(engs: Sequence[Any]) -> Any:
             if index != "precise":
                 return ApproximateKVIndex.from_engines(engs)
-            if getattr(synth, "identity", None) == "chain" and instances <= MAX_INSTANCES:
+            if getattr(synth, "identity", None) == "chain":
                 return ChainIdKVIndex(instances)  # the same answers, as arrays (gateway/kv_index_chain.py)
             return PreciseKVIndex(instances)
 

@@ -35,7 +35,7 @@ def _event(rng: random.Random, ids: int):
     return AllBlocksCleared(rng.choice([None, GPU, CPU]))
 
 
-@pytest.mark.parametrize("instances", [1, 3, 8, 9, 33])
+@pytest.mark.parametrize("instances", [1, 3, 8, 9, 33, 64, 65, 130])
 def test_same_answers_as_the_precise_index(instances):
     rng = random.Random(instances)
     ids = 300
@@ -58,7 +58,7 @@ def test_same_answers_as_the_precise_index(instances):
 
 def test_refuses_what_it_cannot_hold():
     with pytest.raises(ConfigError):
-        ChainIdKVIndex(65)
+        ChainIdKVIndex(0)
     idx = ChainIdKVIndex(2)
     idx.on_kv_event(0, KVEventBatch(ts=0.0, events=(BlockRemoved((1,)), BlockStored((1, 2), None, (), 16))))
     with pytest.raises(ConfigError):
