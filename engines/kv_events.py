@@ -21,6 +21,7 @@ STORAGE = "STORAGE"
 
 
 class BlockStored(msgspec.Struct, frozen=True):
+    # a tuple; an engine with chain ids (virtual time) publishes its int64 array (block_pool.py)
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
     # A tuple, or the decoder's RawTokenIds (decoded on first use): a Sequence either way. (These
@@ -37,7 +38,7 @@ class BlockStored(msgspec.Struct, frozen=True):
 
 
 class BlockRemoved(msgspec.Struct, frozen=True):
-    block_hashes: tuple[int, ...]
+    block_hashes: tuple[int, ...]  # as in BlockStored
     medium: str | None = GPU
     group_idx: int | None = None
 

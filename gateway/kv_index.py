@@ -207,8 +207,9 @@ class _ChainSet(_Tier):
         return False
 
     def add_chain(self, hashes: Sequence[int], parent: int | None) -> None:
-        """Store every hash of one ``BlockStored`` (its ``parent`` is implied by the chain)."""
-        self.blocks.update(hashes)
+        """Store every hash of one ``BlockStored`` (its ``parent`` is implied by the chain; an int64
+        array from a chain-id engine is taken as its ints)."""
+        self.blocks.update(hashes if type(hashes) is tuple else _ints(hashes))
 
     def remove_many(self, hashes: Iterable[int]) -> None:
         """:meth:`remove` each hash (absent ones ignored), in C."""
@@ -230,6 +231,12 @@ class _ChainSet(_Tier):
                 return list(map(blocks.__contains__, inner)).index(False) + 1
         return lo - start
 
+
+
+def _ints(hashes: Any) -> Any:
+    """Python ints for a set of them: an int64 array's ``tolist``, any other sequence as it is."""
+    tolist = getattr(hashes, "tolist", None)
+    return tolist() if tolist is not None else hashes
 
 
 def _hit(g_set: _Tier, c_set: _Tier, hashes: Sequence[int]) -> tuple[int, int]:
@@ -319,7 +326,8 @@ class PreciseKVIndex(_BaseIndex):
                         run_target.remove_many(run)
                         run.clear()
                     run_target = target
-                extend(ev.block_hashes)
+                hs = ev.block_hashes
+                extend(hs if type(hs) is tuple else _ints(hs))
                 continue
             if run and run_target is not None:
                 run_target.remove_many(run)

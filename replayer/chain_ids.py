@@ -9,6 +9,8 @@ conversation of that model), and one set per turn for blocks that reach into the
 
 from __future__ import annotations
 
+import numpy as np
+
 from gpuhit.errors import ConfigError
 
 
@@ -70,4 +72,30 @@ class ChainIds:
         self._block_size_of.clear()
 
 
-__all__ = ["ChainIds"]
+class IdArray:
+    """A growable int64 array of the ids in a synthesizer's store, in store order (the ids at a
+    position never change, so views handed out stay right after the array grows)."""
+
+    __slots__ = ("_a", "n")
+
+    def __init__(self) -> None:
+        self._a = np.empty(1 << 16, np.int64)
+        self.n = 0
+
+    def extend(self, ids: list[int]) -> None:
+        n, m = self.n, len(ids)
+        if n + m > len(self._a):
+            a = np.empty(max(2 * len(self._a), n + m), np.int64)
+            a[:n] = self._a[:n]
+            self._a = a
+        self._a[n : n + m] = ids
+        self.n = n + m
+
+    def view(self, lo: int, hi: int) -> np.ndarray:
+        return self._a[lo:hi]
+
+    def clear(self) -> None:
+        self.n = 0
+
+
+__all__ = ["ChainIds", "IdArray"]

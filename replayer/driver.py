@@ -37,6 +37,7 @@ from itertools import islice
 from operator import indexOf
 from typing import Protocol
 
+from engines.hashing import common_prefix_len
 from gpuhit.errors import ConfigError, GpuhitError
 from replayer.arrivals import ArrivalConfig, child_offset, children_index, root_start_times, roots
 from replayer.records import RequestRecord
@@ -159,6 +160,7 @@ class _Replay:
         self.max_think = cfg.max_think_time if cfg.max_think_time is not None else math.inf
         self.records: list[RequestRecord] = []
         self.seen: dict[str, set[int]] = {}  # namespace -> trace hash ids sent so far
+        self._last_ids: dict[str, tuple[int, ...]] = {}  # namespace -> the last turn's ids _implied checked
         self.sent = 0
         self.sessions_started = 0
         self.loop = asyncio.get_running_loop()
@@ -187,10 +189,16 @@ class _Replay:
         """Longest prefix of this turn's trace blocks already sent in its namespace, in tokens."""
         seen = self.seen.setdefault(s.namespace, set())
         ids = turn.hash_ids
+        # Every id of the namespace's last checked turn is in ``seen`` by now, so the ids this turn
+        # shares with it from the front are seen too: only the ones after them are probed (a turn
+        # extends its session's previous one, so that is the new part of a long prompt).
+        last = self._last_ids.get(s.namespace)
+        start = common_prefix_len(ids, last) if last else 0
+        self._last_ids[s.namespace] = ids
         # C-level passes, not a Python loop: prompts run to thousands of trace blocks. indexOf stops
         # at the first unseen id without building a list, and only the ids from there on can be new.
         try:
-            n = indexOf(map(seen.__contains__, ids), False)
+            n = start + indexOf(map(seen.__contains__, islice(ids, start, None)), False)
         except ValueError:  # every id seen: nothing to add
             return min(len(ids) * s.block_size, turn.input_length)
         seen.update(islice(ids, n, None))

@@ -237,6 +237,7 @@ def simulate(
     (None or one replica: the single router).
     """
     from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
+    from gateway.kv_index_chain import ChainIdKVIndex
     from gateway.router import Router
     from policies.registry import build
     from replayer.synth import TokenSynthesizer
@@ -285,7 +286,11 @@ def simulate(
         registry = new_registry() if engine_factory is None else None
         engines = [factory(f"gpu{i}", i, registry) for i in range(instances)]
         def make_index(engs: Sequence[Any]) -> Any:
-            return PreciseKVIndex(instances) if index == "precise" else ApproximateKVIndex.from_engines(engs)
+            if index != "precise":
+                return ApproximateKVIndex.from_engines(engs)
+            if getattr(synth, "identity", None) == "chain":
+                return ChainIdKVIndex(instances)  # the same answers, as arrays (gateway/kv_index_chain.py)
+            return PreciseKVIndex(instances)
 
         router: Any
         if replicas is not None and replicas.replicas > 1:

@@ -53,12 +53,14 @@ from __future__ import annotations
 
 import hashlib
 from itertools import chain as iter_chain
+from typing import Any
 
 import numpy as np
 
 from engines.hashing import BlockHasher, common_prefix_len
+from engines.keyed_hashes import KeyedHashes
 from gpuhit.errors import ConfigError
-from replayer.chain_ids import ChainIds
+from replayer.chain_ids import ChainIds, IdArray
 from replayer.trace import Session
 
 #: block identities: vLLM's exact hashes, or the simulator's chain ids (see the module docstring)
@@ -127,8 +129,10 @@ class TokenSynthesizer:
         # which extends it, starts where the two diverge instead of at the root. (namespace,
         # session id) -> (root key, hash ids walked, trie node after each of them (path[0] =
         # root), their engine-block hashes as one tuple).
-        self._resume: dict[tuple[str, str], tuple[tuple, tuple[int, ...], list[int], tuple[int, ...]]] = {}
+        self._resume: dict[tuple[str, str], tuple[tuple, tuple[int, ...], list[int], tuple[int, ...], Any]] = {}
         self._chain_ids = ChainIds(engine_block_size)  # used with identity="chain" only
+        # chain ids: _store again as int64, so each turn's ids also go out as an array (KeyedHashes)
+        self._keys = IdArray()
 
     # ---------------------------------------------------------------- tokens
 
@@ -255,7 +259,7 @@ class TokenSynthesizer:
         head: tuple[int, ...] = ()
         path = [node]
         if prev is not None and prev[0] == root_key:
-            _, p_ids, p_path, p_out = prev
+            _, p_ids, p_path, p_out, _ = prev
             c = common_prefix_len(ids, p_ids, 0, m)
             if c:
                 k = c
@@ -302,22 +306,34 @@ class TokenSynthesizer:
                 add_path(child)
                 j = end_j
             self._store.extend(new)
+            if chain:
+                self._keys.extend(new)
             if new:
                 if first == last_end:
                     ranges[-1][1] = first + len(new)
                 else:
                     ranges.append([first, first + len(new)])
         store = self._store
+        n_head = len(head)
         if ranges:
             head += tuple(iter_chain.from_iterable(store[lo:hi] for lo, hi in ranges))
-        self._resume[skey] = (root_key, ids[:m], path, head)
         # uncached remainder: engine blocks that reach past the last memoizable trace block
         done = (m * bs) // es
         total = n_in // es
+        if chain:
+            # the same ids as one int64 array: the kept part of the previous turn's, the store's
+            # ranges, the remainder (the previous turn's array is kept with its walk)
+            rest = self._chain_remainder(session, turn_index, node, m, done, total, s_len) if done < total else ()
+            parts = [prev[4][:n_head]] if n_head else []
+            parts += [self._keys.view(lo, hi) for lo, hi in ranges]
+            if rest:
+                parts.append(np.fromiter(rest, np.int64, len(rest)))
+            out = KeyedHashes(head + rest, np.concatenate(parts) if parts else np.empty(0, np.int64))
+            self._resume[skey] = (root_key, ids[:m], path, head, out.array)
+            return out
+        self._resume[skey] = (root_key, ids[:m], path, head, None)
         if done >= total:
             return head
-        if chain:
-            return head + self._chain_remainder(session, turn_index, node, m, done, total, s_len)
         new, _ = self._sha_ids(session, turn_index, digest, done, total)
         return head + tuple(new)
 
@@ -357,6 +373,7 @@ class TokenSynthesizer:
                 bs, es = session.block_size, self.engine_block_size
                 lo = len(self._store)
                 self._store.extend(self._fresh_ids(done, ((m + 1) * bs) // es, session.model, s_len))
+                self._keys.extend(self._store[lo:])
                 child = self._new_node(lo, len(self._store), None)
                 self._children[(node, ids[m])] = child
             lo = self._node_start[child]
@@ -386,5 +403,6 @@ class TokenSynthesizer:
         self._node_end.clear()
         self._node_digest.clear()
         self._store.clear()
+        self._keys.clear()
         self._resume.clear()
         self._chain_ids.clear()

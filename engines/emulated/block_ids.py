@@ -143,10 +143,11 @@ class FreeBlockQueue:
         parts: list[np.ndarray] = []
         need = n
         c, o = 0, self._off  # chunk index and offset of the scan
+        span = max(2 * need, 64)
         while need:
             ids, first = chunks[c]
             size = len(ids)
-            w = min(size - o, max(2 * need, 64))
+            w = min(size - o, span)
             window = ids[o : o + w]
             live = np.flatnonzero(stamp[window] == np.arange(first + o, first + o + w))
             if len(live) >= need:
@@ -156,6 +157,7 @@ class FreeBlockQueue:
             else:
                 need -= len(live)
                 o += w
+                span *= 2  # stale entries ahead (blocks touched out of the queue): look further at once
             if len(live):
                 parts.append(window[live])
             if o == size and need:

@@ -27,7 +27,10 @@ Events: vLLM queues one ``BlockRemoved`` per evicted block. Here the evictions o
 (consecutive in the event stream anyway) share one ``BlockRemoved`` listing their hashes in
 eviction order: the same information in vLLM's format (``block_hashes`` is a list), and the same
 index state for any consumer, but one event object instead of thousands. Building those per-block
-event objects was a fifth of a saturated simulation's time.
+event objects was a fifth of a saturated simulation's time. With chain ids (virtual time) the
+events' ``block_hashes`` are the pool's int64 arrays, not tuples, and a batch of evictions is one
+``BlockRemoved`` even where vLLM would publish one per allocation: the simulator's index takes
+them as arrays (:mod:`gateway.kv_index_chain`), with no Python int per block.
 
 Watch (speed, no behaviour): the KV manager may *watch* one set of cached blocks (a waiting
 request's prefix hit that could not be allocated, which vLLM looks up again every step). The pool
@@ -44,6 +47,7 @@ import numpy as np
 
 from engines.emulated.block_ids import BLOCK_ID, NO_BLOCKS, FreeBlockQueue, as_block_ids, distinct
 from engines.emulated.hash_map import ChainIdMap, HashMap
+from engines.keyed_hashes import keys_of
 from engines.kv_events import GPU, BlockRemoved, BlockStored, KVEvent
 
 
@@ -76,12 +80,9 @@ class BlockPool:
         # the hashes as the map keeps them (objects for vLLM's hashes, int64 for chain ids)
         self.block_hash = self._cached.key_array(num_blocks)
         self._no_key = self._cached.NO_KEY
-        # The hashes as the very int objects the requests carry, for comparing a run of blocks with a
-        # prompt's hashes (kv_manager's run check): a list of the same objects compares at memory
-        # speed, where int64 keys would make a new int per block. Written when blocks are cached,
-        # left stale after an eviction (read only where has_hash holds).
-        self._objects_apart = self.block_hash.dtype != object
-        self.hash_objects = HashMap.key_array(num_blocks) if self._objects_apart else self.block_hash
+        # chain ids: int64 keys, which the requests also carry as arrays (KeyedHashes), so runs of
+        # blocks compare with a prompt's ids as arrays (kv_manager's run check) and events carry them
+        self.int_keys = self.block_hash.dtype != object
         # block_hash[id] is not None, kept beside it so that masks over many blocks are one numpy
         # operation instead of a Python comparison per object
         self.has_hash = np.zeros(num_blocks, bool)
@@ -123,7 +124,6 @@ class BlockPool:
     def reset_cache(self) -> None:
         """Forget every cached hash (vLLM's prefix-cache reset); the caller checked nothing is in use."""
         self.block_hash[:] = self._no_key
-        self.hash_objects[:] = None
         self.has_hash[:] = False
         self.parent_hash[:] = None
         self._cached.clear()
@@ -196,6 +196,9 @@ class BlockPool:
             self.block_hash[evicted] = self._no_key  # parent_hash is left stale: read only while cached
             self.has_hash[evicted] = False
         if self.enable_events:
+            if self.int_keys:  # chain ids: the int64 array itself (see "Events" above)
+                self.events.append(BlockRemoved(keys, GPU))
+                return ids
             hs = tuple(keys.tolist())
             if event_per_block:
                 self.events.extend([BlockRemoved((h,), GPU) for h in hs])
@@ -300,7 +303,8 @@ class BlockPool:
         parent = hashes[start - 1] if start > 0 else None
         seg = as_block_ids(blocks)[start:end]
         hs = tuple(hashes[start:end])
-        keys = self._cached.keys(hs)
+        arr = keys_of(hashes) if self.int_keys else None
+        keys = arr[start:end] if arr is not None else self._cached.keys(hs)
         # One batch maps each new hash to its block; a hash already cached keeps its block, and the
         # map hands that back, so a duplicate (a recomputed last block, a hash twice in the run)
         # shows up as a mismatch with ``seg``.
@@ -311,8 +315,6 @@ class BlockPool:
                 if c != b:  # vLLM keeps the duplicate blocks, first cached one in the map
                     dups.setdefault(h, []).append(b)
         self.block_hash[seg] = keys
-        if self._objects_apart:
-            self.hash_objects[seg] = HashMap.keys(hs)
         self.has_hash[seg] = True
         if self.on_evict is not None:
             # parent_hash is read only by on_evict (the CPU tier's BlockStored)
@@ -320,7 +322,7 @@ class BlockPool:
         if self.enable_events:
             self.events.append(
                 BlockStored(
-                    block_hashes=hs,
+                    block_hashes=keys if self.int_keys else hs,
                     parent_block_hash=parent,
                     token_ids=token_ids,
                     block_size=self.block_size,

@@ -32,6 +32,7 @@ from engines.emulated.scheduler import Scheduler
 from engines.emulated.step_loop import StepLoopMixin
 from engines.emulated.tiers import CPUTier, RemoteStore
 from engines.hashing import BlockHasher
+from engines.keyed_hashes import KeyedHashes
 from engines.kv_events import CPU, GPU, STORAGE, AllBlocksCleared, KVEventBatch
 from gpuhit.errors import BadRequestError, CapacityError, ConfigError
 
@@ -176,7 +177,10 @@ class EmulatedEngine(StepLoopMixin, DecodeJumpMixin):
             self.metrics.request_errors += 1
             return result
         if request.block_hashes is not None:
-            hashes: Any = request.block_hashes[: request.prompt_len // self.block_size]
+            hashes: Any = request.block_hashes
+            if type(hashes) is not KeyedHashes or len(hashes) > request.prompt_len // self.block_size:
+                # a copy (the request may grow its own), and a KeyedHashes kept whole: its array goes with it
+                hashes = hashes[: request.prompt_len // self.block_size]
         elif request.prompt_token_ids is not None:
             hashes = self.hasher.event_ints(request.prompt_token_ids[: request.prompt_len])
         else:

@@ -19,6 +19,7 @@ from engines.emulated.block_ids import BLOCK_ID, NO_BLOCKS, BlockList, as_block_
 from engines.emulated.block_pool import BlockPool
 from engines.emulated.request import EmuRequest
 from engines.hashing import present_run_end
+from engines.keyed_hashes import keys_of
 
 
 class PrefixCacheStats:
@@ -119,7 +120,8 @@ class KVCacheManager:
         k = present_run_end(hashes, cached, 1, n)
         hs = hashes[:k] if k < len(hashes) else hashes
         if not self.pool._dups:
-            blocks = self._from_run(hs, cached[hs[-1]])
+            keys = keys_of(hashes)
+            blocks = self._from_run(hs, cached[hs[-1]], None if keys is None else keys[:k])
             if blocks is not None:
                 return blocks
         blocks = cached.get_all(hs)
@@ -128,9 +130,9 @@ class KVCacheManager:
             return np.array(out[: out.index(None)], BLOCK_ID)
         return blocks
 
-    def _from_run(self, hs: Sequence[int], last: int) -> np.ndarray | None:
+    def _from_run(self, hs: Sequence[int], last: int, keys: np.ndarray | None = None) -> np.ndarray | None:
         """The blocks of ``hs`` read off a finished run, or None (caller: no duplicates anywhere;
-        ``last`` is the block cached under ``hs[-1]``).
+        ``last`` is the block cached under ``hs[-1]``; ``keys``: ``hs`` as int64, when known).
 
         Why: the blocks an agentic turn hits are, nearly always, the blocks a finished request
         (the session's previous turn) held at the same chain positions. The run holding the
@@ -149,9 +151,13 @@ class KVCacheManager:
         pool = self.pool
         if not pool.has_hash[cand].all():
             return None
-        held = pool.hash_objects[cand].tolist()
-        if held != (hs if isinstance(hs, list) else list(hs)):
-            return None
+        if pool.int_keys:  # chain ids: int64 arrays, compared in one pass
+            if keys is None:
+                keys = np.fromiter(hs, np.int64, k)
+            if not (pool.block_hash[cand] == keys).all():
+                return None
+        elif pool.block_hash[cand].tolist() != (hs if isinstance(hs, list) else list(hs)):
+            return None  # vLLM's hashes: the very int objects, compared at memory speed
         self.run_hits += 1
         return cand
 
