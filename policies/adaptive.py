@@ -128,6 +128,7 @@ class LPWLAuto:
     aging: str = "p50"
     hold_when: str = "none"
     reads_residency = True  # the router fills the resident blocks and the observed service time
+    reads_prefill_work = True  # and each instance's queued prefill work (pending_prefill_work)
 
     @property
     def holds(self) -> bool:

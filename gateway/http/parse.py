@@ -123,6 +123,7 @@ class Prompts:
         self.ids = TokenIdParser(accel)
         self.usage = UsageReader(accel)
         self.not_exact: dict[str, int] = {}
+        self._no_tokenizer: dict[str, str] = {}  # label -> its reason without a tokenizer
         self._served = f" Served: `{model}`."
 
     def body(self, raw: bytes) -> dict[str, Any]:
@@ -170,24 +171,27 @@ class Prompts:
 
     def rendered(self, dialect: Dialect, body: Mapping[str, Any], raw: bytes, max_tokens: int, stream: bool,
                  session: str | None, label: str, render: Callable[[], list[int]], text: Callable[[], str],
-                 **kw: Any) -> ParsedRequest:
+                 pin: int | None = None) -> ParsedRequest:
         """A prompt the engines render from messages (chat, Messages, Responses): ``render()``
         gives the token ids vLLM runs (the engines' chat template and tokenizer), routed exactly;
         without a tokenizer, or when ``render`` raises :class:`NotExact`, the approximate hash of
-        ``text()``, counted under ``label``. ``kw``: the :class:`ParsedRequest`'s other fields."""
+        ``text()``, counted under ``label``. ``pin``: the :class:`ParsedRequest`'s."""
         if self.tokenizer is not None:
             try:
                 ids = render()
                 hashes = self.exact(ids, session)
                 return ParsedRequest(dialect, body, raw, len(ids), self.check_len(len(ids), max_tokens), stream,
-                                     hashes, ids, session, **kw)
+                                     hashes, ids, session, pin)
             except NotExact as exc:
                 self.approximate(f"{label}: {exc}")
         else:
-            self.approximate(f"{label}: no tokenizer")
+            reason = self._no_tokenizer.get(label)  # the same reason every request: formatted once
+            if reason is None:
+                reason = self._no_tokenizer[label] = f"{label}: no tokenizer"
+            self.approximate(reason)
         n, text_hashes = self.text(text())
         return ParsedRequest(dialect, body, raw, n, self.check_len(n, max_tokens), stream, text_hashes, None,
-                             session, **kw)
+                             session, pin)
 
     def token_array(self, arr: np.ndarray | LazyIds, session: str | None) -> Sequence[int]:
         """Block hashes of a non-empty uint64 token-id array (or :class:`LazyIds`, parsed as far
