@@ -221,7 +221,8 @@ class Router:
             hits = [(0, 0)] * n
         now = self.now()
         res = self.residency
-        resident, expected = res.working_sets(n, now, req.session_id) if self._reads_residency else ([0] * n,) * 2
+        reads_residency = self._reads_residency
+        resident, expected = res.working_sets(n, now, req.session_id) if reads_residency else ([0] * n,) * 2
         use_stats = self.use_engine_stats
         names, roles, healthy = self.names, self.roles, self._healthy
         in_flight, pending, decode, active, routed = (self._in_flight, self._pending, self._decode,
@@ -245,12 +246,12 @@ class Router:
             next(self._seq),
         )
         session = req.session_id
-        service = (res.service_s, res.service_p90_s) if self._reads_residency else (None, None)
+        service_s, service_p90_s = (res.service_s, res.service_p90_s) if reads_residency else (None, None)
         if session is None:  # no binding, migration or start to look up
-            return Snapshot(now, view, tuple(states), None, None, None, *service)
+            return Snapshot(now, view, tuple(states), None, None, None, service_s, service_p90_s)
         b = self.bindings
         return Snapshot(now, view, tuple(states), b.get(session), b.last_migrated_at(session),
-                        res.started_at(session), *service)
+                        res.started_at(session), service_s, service_p90_s)
 
     def decide(self, req: RouteRequest) -> Decision:
         """Snapshot + policy + validation (sync). Logs nothing and changes no counters."""

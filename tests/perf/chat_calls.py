@@ -113,9 +113,9 @@ def first_line(p: subprocess.Popen) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("cprofile", "opcodes", "callgrind"), default="cprofile",
+    ap.add_argument("--mode", choices=("cprofile", "opcodes", "callgrind", "strace"), default="cprofile",
                     help="cprofile: Python function calls; opcodes: bytecodes run, per function (slow); "
-                         "callgrind: machine instructions")
+                         "callgrind: machine instructions; strace: system calls, by name")
     ap.add_argument("--checkout", default=str(HERE.parent.parent))
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--concurrency", type=int, default=16)
@@ -140,7 +140,7 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": checkout, "CHAT_CALLS_OUT": os.path.join(tmp, "prof")}
         if a.mode == "opcodes":
             env["CHAT_CALLS_OPCODES"] = "1"
-        if a.mode != "callgrind":
+        if a.mode in ("cprofile", "opcodes", "strace"):
             cmd = [sys.executable, "-c", _BOOT.replace("@CHECKOUT@", repr(checkout)).replace("@CLI@", repr(cli)), *serve]
         else:
             boot = f"import runpy, sys; sys.path.insert(0, {checkout!r}); " \
@@ -153,7 +153,22 @@ def main() -> None:
         asyncio.run(send(url, chat_bodies("warm", 400, a.stream), a.concurrency))
         counts = []
         for k, n in enumerate((a.small, a.large)):
-            if a.mode != "callgrind":
+            if a.mode == "strace":
+                out = os.path.join(tmp, f"strace.{k}")
+                st = subprocess.Popen(["strace", "-f", "-c", "-o", out, "-p", str(gw.pid)],
+                                      stderr=subprocess.DEVNULL)
+                asyncio.run(asyncio.sleep(1.0))  # strace attaches to every thread
+                asyncio.run(send(url, chat_bodies(f"p{k}", n, a.stream), a.concurrency))
+                st.send_signal(signal.SIGINT)
+                st.wait(30)
+                calls = {}
+                with open(out) as fh:
+                    for line in fh:
+                        f = line.split()
+                        if len(f) >= 5 and f[0][0].isdigit() and f[-1] != "total":
+                            calls[f[-1]] = int(f[3])
+                counts.append(calls)
+            elif a.mode != "callgrind":
                 gw.send_signal(signal.SIGUSR1)
                 asyncio.run(send(url, chat_bodies(f"p{k}", n, a.stream), a.concurrency))
                 gw.send_signal(signal.SIGUSR2)
@@ -171,7 +186,12 @@ def main() -> None:
                 subprocess.run(["callgrind_control", "-d", str(gw.pid)], check=True, capture_output=True)
                 counts.append(None)
         dn = a.large - a.small
-        if a.mode != "callgrind":
+        if a.mode == "strace":
+            c0, c1 = counts
+            print(f"system calls per request: {(sum(c1.values()) - sum(c0.values())) / dn:.2f}")
+            for name in sorted(set(c0) | set(c1), key=lambda x: -(c1.get(x, 0) - c0.get(x, 0))):
+                print(f"{(c1.get(name, 0) - c0.get(name, 0)) / dn:8.2f}  {name}")
+        elif a.mode != "callgrind":
             s0, s1 = (c.stats for c in counts)  # type: ignore[union-attr]
             tot0 = sum(v[1] for v in s0.values())
             tot1 = sum(v[1] for v in s1.values())
