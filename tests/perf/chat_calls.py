@@ -103,6 +103,25 @@ async def send(url: str, bodies: list[bytes], concurrency: int) -> None:
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
 
 
+def proc_counters(pid: int) -> dict[str, int]:
+    """The process's read / write system calls, context switches and CPU ns (all its threads)."""
+    out = {"syscr": 0, "syscw": 0, "voluntary_ctxt_switches": 0, "nonvoluntary_ctxt_switches": 0, "cpu_ns": 0}
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            key, _, v = line.partition(":")
+            if key in out:
+                out[key] = int(v)
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/status") as f:
+            for line in f:
+                key, _, v = line.partition(":")
+                if key in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
+                    out[key] += int(v)
+        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            out["cpu_ns"] += int(f.read().split()[0])
+    return out
+
+
 def first_line(p: subprocess.Popen) -> str:
     assert p.stdout is not None
     line = p.stdout.readline().decode()
@@ -113,14 +132,16 @@ def first_line(p: subprocess.Popen) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("cprofile", "opcodes", "callgrind", "strace"), default="cprofile",
+    ap.add_argument("--mode", choices=("cprofile", "opcodes", "callgrind", "strace", "proc"), default="cprofile",
                     help="cprofile: Python function calls; opcodes: bytecodes run, per function (slow); "
-                         "callgrind: machine instructions; strace: system calls, by name")
+                         "callgrind: machine instructions; strace: system calls, by name; proc: /proc counters "
+                         "(read / write system calls, context switches, CPU ns: the last depends on load)")
     ap.add_argument("--checkout", default=str(HERE.parent.parent))
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--small", type=int, default=200)
     ap.add_argument("--large", type=int, default=1000)
+    ap.add_argument("--cache-sim", action="store_true", help="callgrind: simulate the caches too (misses)")
     ap.add_argument("--top", type=int, default=40, help="functions listed (cprofile)")
     ap.add_argument("flags", nargs="*", help="more `gpuhit serve` flags (after --)")
     a = ap.parse_args()
@@ -140,12 +161,13 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": checkout, "CHAT_CALLS_OUT": os.path.join(tmp, "prof")}
         if a.mode == "opcodes":
             env["CHAT_CALLS_OPCODES"] = "1"
-        if a.mode in ("cprofile", "opcodes", "strace"):
+        if a.mode in ("cprofile", "opcodes", "strace", "proc"):
             cmd = [sys.executable, "-c", _BOOT.replace("@CHECKOUT@", repr(checkout)).replace("@CLI@", repr(cli)), *serve]
         else:
             boot = f"import runpy, sys; sys.path.insert(0, {checkout!r}); " \
                    f"runpy.run_module({cli!r}, run_name='__main__', alter_sys=True)"
             cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--log-file={tmp}/valgrind.log",
+                   *(["--cache-sim=yes"] if a.cache_sim else []),
                    f"--callgrind-out-file={tmp}/cg.%p", sys.executable, "-c", boot, *serve]
         gw = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp)
         procs.append(gw)
@@ -153,7 +175,12 @@ def main() -> None:
         asyncio.run(send(url, chat_bodies("warm", 400, a.stream), a.concurrency))
         counts = []
         for k, n in enumerate((a.small, a.large)):
-            if a.mode == "strace":
+            if a.mode == "proc":
+                before = proc_counters(gw.pid)
+                asyncio.run(send(url, chat_bodies(f"p{k}", n, a.stream), a.concurrency))
+                after = proc_counters(gw.pid)
+                counts.append({key: after[key] - before[key] for key in after})
+            elif a.mode == "strace":
                 out = os.path.join(tmp, f"strace.{k}")
                 st = subprocess.Popen(["strace", "-f", "-c", "-o", out, "-p", str(gw.pid)],
                                       stderr=subprocess.DEVNULL)
@@ -186,7 +213,11 @@ def main() -> None:
                 subprocess.run(["callgrind_control", "-d", str(gw.pid)], check=True, capture_output=True)
                 counts.append(None)
         dn = a.large - a.small
-        if a.mode == "strace":
+        if a.mode == "proc":
+            c0, c1 = counts
+            for key in c1:
+                print(f"{key} per request: {(c1[key] - c0[key]) / dn:.3f}")
+        elif a.mode == "strace":
             c0, c1 = counts
             print(f"system calls per request: {(sum(c1.values()) - sum(c0.values())) / dn:.2f}")
             for name in sorted(set(c0) | set(c1), key=lambda x: -(c1.get(x, 0) - c0.get(x, 0))):
@@ -213,11 +244,16 @@ def main() -> None:
             totals = []
             for f in files:
                 with open(f) as fh:
-                    totals += [int(line.split()[1]) for line in fh if line.startswith("totals:")]
+                    totals += [[int(x) for x in line.split()[1:]] for line in fh if line.startswith("totals:")]
+                with open(f) as fh:
+                    events = next((line.split()[1:] for line in fh if line.startswith("events:")), ["Ir"])
             if len(totals) < 2:
                 raise SystemExit(f"callgrind dumps {files}: {totals}")
-            i0, i1 = totals[-2], totals[-1]
+            t0, t1 = totals[-2], totals[-1]
+            i0, i1 = t0[0], t1[0]
             print(f"instructions per request: {(i1 - i0) / dn:.0f} ({i0} in {a.small}, {i1} in {a.large})")
+            for name, x0, x1 in list(zip(events, t0, t1))[1:]:
+                print(f"{name} per request: {(x1 - x0) / dn:.0f}")
             print(f"dumps: {files[-2]} {files[-1]}")
     finally:
         for p in procs:
