@@ -10,7 +10,7 @@ from :mod:`gateway.router`, which decides and accounts, so the router holds no e
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,7 +41,7 @@ class Routes(Protocol):
     engines: tuple[EngineClient, ...]
     names: tuple[str, ...]
 
-    async def begin_held(self, req: RouteRequest) -> Ticket: ...
+    def begin_held(self, req: RouteRequest) -> Ticket | Coroutine[Any, Any, Ticket]: ...
 
 
 def accepts_on_progress(engine: EngineClient) -> bool:
@@ -56,7 +56,9 @@ def accepts_on_progress(engine: EngineClient) -> bool:
 async def run_routed(router: Routes, req: RouteRequest, progress_ok: Sequence[bool]) -> RoutedResult:
     """Route and run ``req``: (hold) -> begin -> (producer step) -> target -> finish. ``progress_ok[i]``:
     :func:`accepts_on_progress` of engine ``i``."""
-    t = await router.begin_held(req)
+    t = router.begin_held(req)
+    if not isinstance(t, Ticket):  # a hold queue: wait for the turn
+        t = await t
     producer: GenerateResult | None = None
     try:
         params = None

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import msgspec
@@ -105,8 +105,10 @@ class Router:
         # without them; only the chosen instances' hits are looked up, for the accounting. Matching
         # every instance is the costliest part of a snapshot when sessions are spread out.
         self._reads_hits = bool(getattr(policy, "reads_prefix_hits", True))
-        # Only policies that declare ``reads_residency = True`` pay for the per-instance working-set sum.
+        # Only a policy that declares it gets the per-instance working-set sums (``reads_residency``)
+        # and each ticket's prefill priced in work (``reads_prefill_work``); the others see 0 there.
         self._reads_residency = bool(getattr(policy, "reads_residency", False))
+        self.prices_work = bool(getattr(policy, "reads_prefill_work", False))
         self.residency = SessionResidency()
         self.index = index
         # An index fed by the engines' events learns nothing from a forward (skipped per request).
@@ -219,7 +221,8 @@ class Router:
             hits = [(0, 0)] * n
         now = self.now()
         res = self.residency
-        resident, expected = res.working_sets(n, now, req.session_id) if self._reads_residency else ([0] * n,) * 2
+        reads_residency = self._reads_residency
+        resident, expected = res.working_sets(n, now, req.session_id) if reads_residency else ([0] * n,) * 2
         use_stats = self.use_engine_stats
         names, roles, healthy = self.names, self.roles, self._healthy
         in_flight, pending, decode, active, routed = (self._in_flight, self._pending, self._decode,
@@ -243,12 +246,12 @@ class Router:
             next(self._seq),
         )
         session = req.session_id
-        service = (res.service_s, res.service_p90_s) if self._reads_residency else (None, None)
+        service_s, service_p90_s = (res.service_s, res.service_p90_s) if reads_residency else (None, None)
         if session is None:  # no binding, migration or start to look up
-            return Snapshot(now, view, tuple(states), None, None, None, *service)
+            return Snapshot(now, view, tuple(states), None, None, None, service_s, service_p90_s)
         b = self.bindings
         return Snapshot(now, view, tuple(states), b.get(session), b.last_migrated_at(session),
-                        res.started_at(session), *service)
+                        res.started_at(session), service_s, service_p90_s)
 
     def decide(self, req: RouteRequest) -> Decision:
         """Snapshot + policy + validation (sync). Logs nothing and changes no counters."""
@@ -370,11 +373,12 @@ class Router:
             )
         return t
 
-    async def begin_held(self, req: RouteRequest) -> Ticket:
-        """:meth:`begin`, after the hold queue lets ``req`` through (at once without one)."""
-        h = self.hold
-        if h is None:
-            return self.begin(req)
+    def begin_held(self, req: RouteRequest) -> Ticket | Coroutine[Any, Any, Ticket]:
+        """:meth:`begin` after the hold queue lets ``req`` through: the ticket itself without a
+        hold queue (no coroutine per request), else a coroutine of it (callers await a non-Ticket)."""
+        return self.begin(req) if self.hold is None else self._begin_after_hold(req, self.hold)
+
+    async def _begin_after_hold(self, req: RouteRequest, h: HoldQueue) -> Ticket:
         await h.admit(req)
         try:
             return self.begin(req)
@@ -390,12 +394,6 @@ class Router:
 
     def counters(self) -> list[dict[str, int]]:
         """Per-instance gateway counters (for /debug/state and tests)."""
-        return [
-            {
-                "in_flight": self._in_flight[i],
-                "pending_prefill_tokens": self._pending[i],
-                "decode_seqs": self._decode[i],
-                "active_blocks": self._active_blocks[i],
-            }
-            for i in range(len(self.engines))
-        ]
+        return [{"in_flight": self._in_flight[i], "pending_prefill_tokens": self._pending[i],
+                 "decode_seqs": self._decode[i], "active_blocks": self._active_blocks[i]}
+                for i in range(len(self.engines))]

@@ -111,6 +111,7 @@ class Counters(Protocol):
     residency: SessionResidency
     kv_bytes_per_token: int
     now: Callable[[], float]
+    prices_work: bool  # whether the policy reads the prefill work a ticket prices (else it stays 0)
     _in_flight: list[int]
     _routed: list[int]
     _pending: list[int]
@@ -183,19 +184,22 @@ class Ticket:
         cap = max_cached_tokens(req.prompt_len, block_size)
         self.predicted_hit_tokens = min(hit_blocks * block_size, cap)
         self._pending = req.prompt_len - self.predicted_hit_tokens
-        self._pending_work = prefill_work_tokens(self._pending, self.predicted_hit_tokens)
         self._blocks = -(-(req.prompt_len + req.max_tokens) // block_size)
         r._in_flight[tgt] += 1
         r._routed[tgt] += 1
         r._pending[tgt] += self._pending
-        r._pending_work[tgt] += self._pending_work
+        if r.prices_work:
+            self._pending_work = prefill_work_tokens(self._pending, self.predicted_hit_tokens)
+            r._pending_work[tgt] += self._pending_work
         r._active_blocks[tgt] += self._blocks
         if transfer_id is not None:
             src = self.source
             assert src is not None
             self.transfer_id = transfer_id
             self._prod_pending = req.prompt_len - min(source_hit_blocks * block_size, cap)
-            self._prod_pending_work = prefill_work_tokens(self._prod_pending, req.prompt_len - self._prod_pending)
+            if r.prices_work:
+                self._prod_pending_work = prefill_work_tokens(self._prod_pending,
+                                                              req.prompt_len - self._prod_pending)
             self._prod_blocks = -(-(req.prompt_len + 1) // block_size)
             self._prod_open = True
             r._in_flight[src] += 1
@@ -255,7 +259,7 @@ class Ticket:
         r.stats.fallbacks += 1
         own = r.hit_tokens_of(self.target, self.request)
         new_pending = self.request.prompt_len - own
-        new_work = prefill_work_tokens(new_pending, own)
+        new_work = prefill_work_tokens(new_pending, own) if r.prices_work else 0
         if not self._first:
             r._pending[self.target] += new_pending - self._pending
             r._pending_work[self.target] += new_work - self._pending_work

@@ -158,6 +158,7 @@ class LPWLAuto:
     hold_when: str = "none"
     migrate: str = "none"
     reads_residency = True  # the router fills the resident blocks and the observed service time
+    reads_prefill_work = True  # and each instance's queued prefill work (pending_prefill_work)
 
     @property
     def holds(self) -> bool:

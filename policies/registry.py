@@ -23,7 +23,9 @@ class Policy(Protocol):
     looks up only the chosen instances' hits for its accounting. Likewise ``reads_engine_stats =
     False`` declares it never reads the engines' ``running``/``waiting``/``kv_usage``/
     ``capacity_blocks``: the router then leaves them None (unknown) instead of asking every engine
-    per decision."""
+    per decision. ``reads_residency = True`` and ``reads_prefill_work = True`` ask for what is
+    otherwise left 0: the resident working sets, and the queued prefill work (which the gateway then
+    prices for every request it routes)."""
 
     # Read-only (policies are frozen dataclasses): properties, so a frozen field satisfies them.
     @property

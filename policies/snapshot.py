@@ -50,7 +50,8 @@ class InstanceState(msgspec.Struct, frozen=True, gc=False):
     # return (the gateway's residency observer); filled with resident_blocks.
     expected_resident_blocks: int = 0
     # The same requests' prefill time in linear-token equivalents, the attention term included
-    # (:func:`policies.costmodel.prefill_work_tokens` of each one's new and cached tokens).
+    # (:func:`policies.costmodel.prefill_work_tokens` of each one's new and cached tokens). Filled
+    # only for policies with ``reads_prefill_work = True`` (else 0): pricing costs every request.
     pending_prefill_work: int = 0
 
 

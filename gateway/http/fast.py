@@ -139,7 +139,14 @@ class _ServerConn(asyncio.Protocol):
         try:
             self._feed(data)
         finally:
-            self.deadline.sync()  # the parser's callbacks moved the deadline; the timer follows once
+            # A read that ends inside a request times its head (from its first byte) or its body (from
+            # the head), both of which began in this read unless already timed; a request read whole
+            # sets no deadline, and the first one keeps the connection's opening head deadline.
+            if self._partial and not self._stop_parsing:
+                if self._in_head:
+                    self.deadline.begun("head", self.server.header_timeout)
+                else:
+                    self.deadline.begun("body", self.server.body_timeout)
 
     def _feed(self, data: bytes) -> None:
         try:
@@ -197,8 +204,6 @@ class _ServerConn(asyncio.Protocol):
         self._body = []
         self._size = 0
         self._partial = True
-        if self.deadline.kind != "head":  # the connection's first request keeps its opening deadline
-            self.deadline.set("head", self.server.header_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
@@ -222,7 +227,6 @@ class _ServerConn(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._heads += 1
-        self.deadline.set("body", self.server.body_timeout)
         url = b"".join(self._url)
         q = url.find(b"?")
         self._path = path = (url if q < 0 else url[:q]).decode("latin-1")

@@ -31,15 +31,19 @@ class Deadline:
         self.kind = ""
         self.at: float | None = None
 
-    def set(self, kind: str, delay: float) -> None:
-        """The deadline ``delay`` seconds from now; the timer follows at the next :meth:`sync`."""
-        self.kind = kind
-        self.at = self._loop.time() + delay
-
     def arm(self, kind: str, delay: float) -> None:
-        """The deadline ``delay`` seconds from now, timer included."""
-        self.set(kind, delay)
-        self.sync()
+        """The deadline ``delay`` seconds from now, timer included (re-set only when it would
+        fire after the deadline: moving the deadline later is the two stores)."""
+        self.kind = kind
+        d = self.at = self._loop.time() + delay
+        if self._timer is None or self._timer_at > d:
+            self.sync()
+
+    def begun(self, kind: str, delay: float) -> None:
+        """A part of a request (``head``, ``body``) is under way: timed from now unless it already
+        is (it began in an earlier read)."""
+        if self.kind != kind:
+            self.arm(kind, delay)
 
     def disarm(self) -> None:
         """No deadline (the timer, if set, finds none when it fires)."""

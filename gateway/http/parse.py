@@ -123,6 +123,7 @@ class Prompts:
         self.ids = TokenIdParser(accel)
         self.usage = UsageReader(accel)
         self.not_exact: dict[str, int] = {}
+        self._no_tokenizer: dict[str, str] = {}  # label -> its reason without a tokenizer
         self._served = f" Served: `{model}`."
 
     def body(self, raw: bytes) -> dict[str, Any]:
@@ -170,24 +171,36 @@ class Prompts:
 
     def rendered(self, dialect: Dialect, body: Mapping[str, Any], raw: bytes, max_tokens: int, stream: bool,
                  session: str | None, label: str, render: Callable[[], list[int]], text: Callable[[], str],
-                 **kw: Any) -> ParsedRequest:
+                 pin: int | None = None) -> ParsedRequest:
         """A prompt the engines render from messages (chat, Messages, Responses): ``render()``
         gives the token ids vLLM runs (the engines' chat template and tokenizer), routed exactly;
-        without a tokenizer, or when ``render`` raises :class:`NotExact`, the approximate hash of
-        ``text()``, counted under ``label``. ``kw``: the :class:`ParsedRequest`'s other fields."""
-        if self.tokenizer is not None:
-            try:
-                ids = render()
-                hashes = self.exact(ids, session)
-                return ParsedRequest(dialect, body, raw, len(ids), self.check_len(len(ids), max_tokens), stream,
-                                     hashes, ids, session, **kw)
-            except NotExact as exc:
-                self.approximate(f"{label}: {exc}")
-        else:
-            self.approximate(f"{label}: no tokenizer")
-        n, text_hashes = self.text(text())
+        without a tokenizer, or when ``render`` raises :class:`NotExact`, :meth:`approximated` of
+        ``text()``. ``pin``: the :class:`ParsedRequest`'s."""
+        if self.tokenizer is None:
+            return self.approximated(dialect, body, raw, max_tokens, stream, session, label, text(), pin)
+        try:
+            ids = render()
+            hashes = self.exact(ids, session)
+            return ParsedRequest(dialect, body, raw, len(ids), self.check_len(len(ids), max_tokens), stream,
+                                 hashes, ids, session, pin)
+        except NotExact as exc:
+            self.approximate(f"{label}: {exc}")
+            n, text_hashes = self.text(text())
+            return ParsedRequest(dialect, body, raw, n, self.check_len(n, max_tokens), stream, text_hashes, None,
+                                 session, pin)
+
+    def approximated(self, dialect: Dialect, body: Mapping[str, Any], raw: bytes, max_tokens: int, stream: bool,
+                     session: str | None, label: str, text: str, pin: int | None = None) -> ParsedRequest:
+        """A rendered prompt (:meth:`rendered`) without a tokenizer: routed by the approximate hash
+        of ``text``, counted under ``label``'s "no tokenizer" (a dialect without a tokenizer may
+        call this directly, without building ``rendered``'s callables)."""
+        reason = self._no_tokenizer.get(label)  # the same reason every request: formatted once
+        if reason is None:
+            reason = self._no_tokenizer[label] = f"{label}: no tokenizer"
+        self.approximate(reason)
+        n, text_hashes = self.text(text)
         return ParsedRequest(dialect, body, raw, n, self.check_len(n, max_tokens), stream, text_hashes, None,
-                             session, **kw)
+                             session, pin)
 
     def token_array(self, arr: np.ndarray | LazyIds, session: str | None) -> Sequence[int]:
         """Block hashes of a non-empty uint64 token-id array (or :class:`LazyIds`, parsed as far
@@ -283,10 +296,16 @@ class Chat(OpenAIDialect):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise _bad("messages must be a non-empty list of objects", "messages")
-        tok = p.tokenizer
-        return p.rendered(self, body, raw, max_tokens, stream, session, "chat",
-                          lambda: tok.chat_ids(body, session),  # type: ignore[union-attr]  # called with one
-                          lambda: chat_text(messages))
+        if p.tokenizer is None:
+            return p.approximated(self, body, raw, max_tokens, stream, session, "chat", chat_text(messages))
+        return self._rendered(body, raw, max_tokens, stream, session, messages)
+
+    def _rendered(self, body: dict[str, Any], raw: bytes, max_tokens: int, stream: bool, session: str | None,
+                  messages: list[dict[str, Any]]) -> ParsedRequest:
+        tok = self.prompts.tokenizer
+        assert tok is not None
+        return self.prompts.rendered(self, body, raw, max_tokens, stream, session, "chat",
+                                     lambda: tok.chat_ids(body, session), lambda: chat_text(messages))
 
 
 class RequestParser:

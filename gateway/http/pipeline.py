@@ -29,6 +29,7 @@ from gateway.http.settle import Settler
 from gateway.http.transport import Downstream, HeaderLines
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router, RouteRequest
+from gateway.ticket import Ticket
 from gpuhit import tracing
 from gpuhit.errors import ConfigError, EngineError, GpuhitError
 from policies.snapshot import FORWARD, Decision
@@ -101,8 +102,12 @@ class Pipeline:
             hashes = req.block_hashes
             try:
                 rreq = RouteRequest(rid, n, req.max_tokens, hashes, req.prompt_ids, session)
-                ticket = await router.begin_held(rreq) if req.pin is None else \
-                    router.begin_on(rreq, req.pin, "holds the stored response this request continues")
+                if req.pin is None:
+                    ticket = router.begin_held(rreq)
+                    if type(ticket) is not Ticket:  # a hold queue: wait for the turn
+                        ticket = await ticket
+                else:
+                    ticket = router.begin_on(rreq, req.pin, "holds the stored response this request continues")
             except ConfigError as exc:  # a request the router cannot take (e.g. inconsistent sizes)
                 return await self.replies.send(down, protocol.bad_request(str(exc)), endpoint)
             except GpuhitError as exc:

@@ -4,10 +4,10 @@ read into a :class:`Usage`, the shape the gateway's bookkeeping takes from every
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import msgspec
 import orjson
 
 from engines.vllm import protocol
@@ -15,10 +15,10 @@ from engines.vllm import protocol
 TAIL_MAX = 4096  # bytes of a JSON answer's end searched for its usage object
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
+class Usage(msgspec.Struct, frozen=True, gc=False):
     """What an engine reported of one answer: prompt tokens served from its prefix cache (0 when it
-    sent usage without the detail) and tokens generated."""
+    sent usage without the detail) and tokens generated. A msgspec Struct: built in C, one per
+    answer (a frozen dataclass sets each field through ``object.__setattr__``)."""
 
     cached_tokens: int
     completion_tokens: int

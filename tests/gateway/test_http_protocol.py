@@ -186,6 +186,30 @@ def test_slowloris_head_is_timed_out_and_closed():
     asyncio.run(main())
 
 
+def test_a_keep_alive_connections_next_head_and_body_are_timed():
+    """After an answered request the connection waits idle (a long keep-alive); the next request's
+    half head, then another connection's next request with half its body, are each timed out by
+    their own deadline, set at the end of the read they began in."""
+    async def main():
+        async with servers([FakeEngine("a")]) as srvs, \
+                gateway(urls(srvs), transport=FAST, header_timeout=0.3, body_timeout=0.3,
+                        keepalive_timeout=60.0) as (gw, url):
+            body = completion([1] * 20)
+            for part, why in ((b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ", "head"),
+                              (request(body)[: -len(body) // 2], "body")):
+                reader, writer = await _open(url)
+                writer.write(request(body))
+                assert (await read_response(reader))[0] == 200
+                writer.write(part)
+                s, _, b = await asyncio.wait_for(read_response(reader), GUARD)
+                assert s == 408 and why in _error(json.loads(b))["message"]
+                assert await asyncio.wait_for(reader.read(), GUARD) == b""
+                writer.close()
+            assert gw.router.stats.decisions == 2
+
+    asyncio.run(main())
+
+
 @BOTH
 def test_body_shorter_than_content_length_times_out(transport):
     async def main():

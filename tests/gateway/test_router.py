@@ -324,3 +324,14 @@ def test_policy_that_reads_no_hits_gets_none_but_accounting_is_unchanged(ptype):
     assert blind_router.counters() == full_router.counters()
     assert all(s.gpu_hit_blocks == 0 for snap in blind_router.policy.seen for s in snap.instances)
     assert any(s.gpu_hit_blocks for snap in full_router.policy.seen for s in snap.instances)
+
+
+def test_begin_held_without_a_hold_queue_returns_the_ticket_itself():
+    from gateway.ticket import Ticket
+
+    router, _engines, records, _ = make()
+    assert router.hold is None
+    t = router.begin_held(req("a", 10))
+    assert isinstance(t, Ticket) and t.target == 0 and len(records) == 1  # routed at once, no coroutine
+    t.finish(GenerateResult("a", 168, 4))
+    assert router.counters()[0]["in_flight"] == 0

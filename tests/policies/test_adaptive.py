@@ -158,6 +158,17 @@ def test_router_counts_queued_prefill_work_until_the_first_token():
     assert queued == [(0, 0)] * 2
 
 
+def test_prefill_work_is_priced_only_for_a_policy_that_reads_it():
+    engines = [FakeEngine(f"e{i}", capacity_blocks=64) for i in range(2)]
+    router = Router(engines, registry.build("lpwl"), index=PreciseKVIndex(2), clock=lambda: 1.0)
+    t = router.begin(_req("a0", 10, "a", 1000))
+    s = router.snapshot(_req("c0", 1, "c", 9))
+    assert sorted(x.pending_prefill_tokens for x in s.instances) == [0, 168]
+    assert [x.pending_prefill_work for x in s.instances] == [0, 0]  # lpwl does not read it: not priced
+    t.finish(GenerateResult("a0", 168, 4))
+    assert [x.pending_prefill_tokens for x in router.snapshot(_req("c0", 1, "c", 9)).instances] == [0, 0]
+
+
 def test_hold_rule_waits_only_while_every_healthy_instance_has_prefill_queued():
     p = registry.build({"type": "lpwl_auto", "params": {"hold": "saturated"}})
     assert p.holds and not registry.build("lpwl_auto").holds
