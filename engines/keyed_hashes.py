@@ -10,10 +10,12 @@ Everything else sees a plain tuple (slicing one gives plain tuples).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Self
 
 import numpy as np
+
+from gpuhit.errors import ConfigError
 
 
 class KeyedHashes(tuple):
@@ -37,4 +39,16 @@ def keys_of(hashes: object) -> np.ndarray | None:
     return getattr(hashes, "array", None) if type(hashes) is KeyedHashes else None
 
 
-__all__ = ["KeyedHashes", "keys_of"]
+def chain_id_array(hashes: Sequence[int], remedy: str) -> np.ndarray:
+    """``hashes`` as int64 chain ids; a ConfigError naming ``remedy`` for any that is not one
+    (negative, or beyond int64: vLLM's 64-bit hashes, say)."""
+    try:
+        keys = np.fromiter(hashes, np.int64, len(hashes))
+    except OverflowError:
+        keys = None
+    if keys is None or (len(keys) and int(keys.min()) < 0):
+        raise ConfigError(f"given hashes that are not chain ids (negative or beyond int64): {remedy}")
+    return keys
+
+
+__all__ = ["KeyedHashes", "chain_id_array", "keys_of"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.keyed_hashes import keys_of
+from engines.keyed_hashes import chain_id_array, keys_of
 from engines.kv_events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from gpuhit.errors import ConfigError
 
@@ -49,14 +49,7 @@ def _as_keys(hashes: Any) -> np.ndarray:
     keys = keys_of(hashes)
     if keys is not None:
         return keys
-    try:
-        keys = np.fromiter(hashes, np.int64, len(hashes))
-    except OverflowError:
-        keys = None
-    if keys is None or (len(keys) and int(keys.min()) < 0):
-        raise ConfigError("the chain-id KV index was given hashes that are not chain ids (negative or beyond "
-                          "int64): use PreciseKVIndex for vLLM's hashes")
-    return keys
+    return chain_id_array(hashes, "the chain-id KV index needs them; use PreciseKVIndex for vLLM's hashes")
 
 
 class _Bits:
@@ -170,7 +163,7 @@ class ChainIdKVIndex:
 
     def cached(self, instance: int, medium: str = GPU) -> set[int]:
         self._check(instance)
-        tier = self._gpu if medium in (GPU, None) else self._cpu if medium == CPU else None
+        tier = self._tier(medium)
         if tier is None:
             raise ConfigError(f"unknown medium {medium!r}; the index tracks GPU and CPU")
         return set(np.flatnonzero(tier.words[instance // WORD_BITS] & self._bit[instance]).tolist())

@@ -31,7 +31,7 @@ import numpy as np
 
 from engines.emulated.block_ids import BLOCK_ID as _BLOCK_ID
 from engines.emulated.block_ids import positions
-from gpuhit.errors import ConfigError
+from engines.keyed_hashes import chain_id_array
 
 
 class HashMap(dict):
@@ -214,14 +214,7 @@ class ChainIdMap:
     @staticmethod
     def keys(hashes: Sequence[int]) -> np.ndarray:
         """The hashes as the pool stores them: int64 (ConfigError for hashes that are not chain ids)."""
-        try:
-            hs = np.fromiter(hashes, np.int64, len(hashes))
-        except OverflowError:
-            hs = None
-        if hs is None or (len(hs) and int(hs.min()) < 0):
-            raise ConfigError("a chain-id block map was given hashes that are not chain ids (negative or beyond "
-                              "int64): build the engine with the map of its hashes")
-        return hs
+        return chain_id_array(hashes, "a chain-id block map needs them; build the engine with the map of its hashes")
 
     # ---- internals -----------------------------------------------------------------------------
     def _setdefault_each(self, keys: np.ndarray, blocks: np.ndarray) -> np.ndarray | None:
