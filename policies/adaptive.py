@@ -94,7 +94,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
-from policies.costmodel import PrefillProfile, prefill_work_tokens
+from policies.costmodel import DEFAULT_PROFILE, prefill_work_tokens
 from policies.migration import holder, migrate_work
 from policies.registry import register
 from policies.resident import session_priority
@@ -104,7 +104,6 @@ PRIORITIES = ("aged", "saved", "session_start", "none")
 AGING = ("p50", "p90")
 HOLDS = ("none", "saturated")
 MIGRATES = ("none", "priced")
-PROFILE = PrefillProfile()  # the cost model's prefill profile, seconds (policies/costmodel.py)
 
 
 def auto_cost(snapshot: Snapshot, s: InstanceState) -> tuple[int, int, int, int]:
@@ -145,7 +144,7 @@ def saved_priority(snapshot: Snapshot, hit_tokens: int, aging: str = "p50") -> i
     now - prefill_s(hit))`` in integer milliseconds (module docstring)."""
     now = snapshot.now
     key = aged_priority(snapshot, aging) / 1000.0
-    saved = PROFILE.time(hit_tokens) if hit_tokens > 0 else 0.0
+    saved = DEFAULT_PROFILE.time(hit_tokens) if hit_tokens > 0 else 0.0
     return round(1000.0 * max(key, now - saved))
 
 

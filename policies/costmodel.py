@@ -249,12 +249,13 @@ def prefill_work_tokens(new_tokens: int, cached_tokens: int = 0, profile: Prefil
     fraction of its wait; summed in this unit (the gateway's ``pending_prefill_work``) it is
     proportional to the queue's time on any instance.
     """
-    p = profile or _DEFAULT_PROFILE
+    p = profile or DEFAULT_PROFILE
     n = max(new_tokens, 0)
     return round(p.time(n, cached_tokens) / p.a) if p.a > 0 else n
 
 
-_DEFAULT_PROFILE = PrefillProfile()
+#: the prefill profile the policies price work with (the *GPU-Hit-First* note's fit)
+DEFAULT_PROFILE = PrefillProfile()
 
 
 def queue_delay_s(pending_prefill_tokens: int, per_token_s: float) -> float:

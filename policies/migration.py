@@ -29,20 +29,19 @@ from __future__ import annotations
 
 from policies.costmodel import (
     DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_PROFILE,
     FABRICS,
-    PrefillProfile,
     kv_transfer_s,
     prefill_work_tokens,
 )
 from policies.snapshot import InstanceState, Snapshot
 
-_PROFILE = PrefillProfile()
 _LINK = FABRICS["nic"]
 
 
 def transfer_work_tokens(tokens: int) -> int:
     """Moving ``tokens`` tokens of KV over the link, in prefill-work tokens (time over ``a``)."""
-    return round(kv_transfer_s(tokens, _LINK, DEFAULT_KV_BYTES_PER_TOKEN) / _PROFILE.a)
+    return round(kv_transfer_s(tokens, _LINK, DEFAULT_KV_BYTES_PER_TOKEN) / DEFAULT_PROFILE.a)
 
 
 def holder(snapshot: Snapshot) -> InstanceState | None:

@@ -13,7 +13,7 @@ keep overtaking the first turns until those sessions end.
 
 from __future__ import annotations
 
-from policies.adaptive import PROFILE
+from policies.costmodel import DEFAULT_PROFILE as PROFILE
 from replayer.simulate import simulate
 from replayer.trace import Session, Trace, Turn
 
