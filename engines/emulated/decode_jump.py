@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engines.emulated.block_ids import distinct, positions
 from engines.emulated.kv_manager import cdiv
 from engines.emulated.request import EmuRequest
 from engines.emulated.scheduler import SchedulerOutput
@@ -93,6 +94,39 @@ class Allocations:
 
 
 _NONE = np.empty(0, np.int64)
+
+
+def _hit_pops(pool: BlockPool, hit: np.ndarray, zpos: np.ndarray, made: np.ndarray
+              ) -> tuple[list[int], list[int], list[int]]:
+    """The decode allocations of a stretch that pop one of the waiting head's evictable hit blocks
+    ``hit[zpos]``: per such pop, in popping order, the step index (0 = step 2) whose allocations
+    make it, the block, and its first position in ``hit``.
+
+    Why arrays: a stretch pops thousands of free blocks and the head's hit holds thousands; only the
+    few pops that meet the hit matter, so membership is one pass over the popped ids (the pool's
+    scratch array maps each hit block to a position in ``hit[zpos]``; a stale entry fails the
+    check ``hit[zpos][slot] == block``) instead of a dict probe per popped block.
+    """
+    n_pop = int(made[-1])
+    if not n_pop:
+        return [], [], []
+    order = pool.free_queue.peek(n_pop)
+    cand = hit[zpos]
+    m = len(cand)
+    scratch = pool._mark
+    unique = distinct(cand, scratch)
+    scratch[cand] = positions(m)
+    slot = np.minimum(scratch[order], m - 1)
+    met = np.flatnonzero(cand[slot] == order)
+    if not len(met):
+        return [], [], []
+    nodes = order[met]
+    if unique:
+        pos = zpos[slot[met]].tolist()
+    else:  # a block listed twice (hashes that are not chained): its first position
+        pos = [int(zpos[np.flatnonzero(cand == b)[0]]) for b in nodes.tolist()]
+    steps = np.searchsorted(made, met, "right")  # pop p is made by the first step with made > p
+    return steps.tolist(), nodes.tolist(), pos
 
 
 def _first_step(computed: int, block_size: int) -> int:
@@ -207,45 +241,51 @@ class DecodeJumpMixin:
         n_hit = len(hit)
         pool = self.pool
         zero = pool.ref_cnt[hit] == 0
-        evictable = int(np.count_nonzero(zero))
-        # first position of each evictable hit block in the hit (only those can be popped; a hit
-        # from hashes that are not chained may list a block twice)
-        in_hit = (dict(zip(hit[zero][::-1].tolist(), np.flatnonzero(zero)[::-1].tolist()))
-                  if evictable else None)
+        zpos = np.flatnonzero(zero)  # positions of the evictable hit blocks (only those can be popped)
+        evictable = len(zpos)
         free0 = pool.free_queue.num_free
-        dups = pool._dups
         num_tokens = head.num_tokens
-        # the blocks the decodes' allocations pop, in order (within the jump they fit in the free queue)
-        order = pool.free_queue.peek(len(allocs)).tolist() if in_hit is not None else ()
-        popped = 0
         # per step j = 2..k: the allocations of steps <= j (the free queue pops them before the lookup)
-        made = np.searchsorted(allocs.step, np.arange(2, k + 1), "right").tolist()
+        made = np.searchsorted(allocs.step, positions(k + 1)[2:], "right")
+        n_steps = k - 1
+        # The head's state changes only where a decode allocation pops one of its evictable hit
+        # blocks: those pops are the events, (step index, block, its first position in the hit).
+        ev_t: list[int] = []
+        ev_node: list[int] = []
+        ev_pos: list[int] = []
+        if evictable:
+            ev_t, ev_node, ev_pos = _hit_pops(pool, hit, zpos, made)
+        dups = pool._dups
         hits: list[int] = []
-        for j, a in zip(range(2, k + 1), made):
-            while in_hit is not None and popped < a:  # step j's decode allocations pop these
-                node = order[popped]
-                popped += 1
-                if node in in_hit:
-                    if pool.block_hash.item(node) in dups:
-                        # a duplicate takes over the hash and the hit goes on with another block,
-                        # whose reference count this plan does not follow: step from here instead
-                        return j - 1, (head, hits)
-                    i = in_hit[node]
-                    if i < n_hit:
-                        n_hit = i
-                        evictable = int(np.count_nonzero(zero[:i]))
+        # Between events the head's hit and evictable count are fixed while the free blocks only
+        # shrink, so the admission test can first pass at a segment's first step or not at all.
+        t, e, n_ev = 0, 0, len(ev_t)
+        while True:
+            while e < n_ev and ev_t[e] == t:  # step t + 2's decode allocations pop these
+                node = ev_node[e]
+                if dups and pool.block_hash.item(node) in dups:
+                    # a duplicate takes over the hash and the hit goes on with another block,
+                    # whose reference count this plan does not follow: step from here instead
+                    return t + 1, (head, hits)
+                i = ev_pos[e]
+                if i < n_hit:
+                    n_hit = i
+                    evictable = int(np.searchsorted(zpos, i))  # evictable hit blocks before i
+                e += 1
+            seg_end = ev_t[e] if e < n_ev else n_steps
             n_local = n_hit * bs
-            if not sched.enable_chunked_prefill and num_tokens - n_local > budget:
-                hits.append(n_local)  # the prompt waits for a whole budget: not admitted
-                continue
-            if sched.reserve_full_isl:  # vLLM's admission gate: blocks for every token
-                n_new = cdiv(num_tokens, bs) - n_hit
-            else:
-                n_new = cdiv(n_local + min(num_tokens - n_local, budget), bs) - n_hit
-            if n_new + evictable <= free0 - a:
-                return j - 1, (head, hits)  # the head would be admitted at step j: stop before it
-            hits.append(n_local)
-        return k, (head, hits)
+            # not chunked and longer than a budget: the prompt waits for a whole budget
+            if sched.enable_chunked_prefill or num_tokens - n_local <= budget:
+                if sched.reserve_full_isl:  # vLLM's admission gate: blocks for every token
+                    n_new = cdiv(num_tokens, bs) - n_hit
+                else:
+                    n_new = cdiv(n_local + min(num_tokens - n_local, budget), bs) - n_hit
+                if n_new + evictable <= free0 - int(made[t]):
+                    return t + 1, (head, hits)  # the head would be admitted at step t + 2: stop before it
+            hits.extend([n_local] * (seg_end - t))
+            t = seg_end
+            if t >= n_steps:
+                return k, (head, hits)
 
     @staticmethod
     def _all_decode(out: SchedulerOutput) -> bool:
