@@ -30,7 +30,6 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from engines.emulated.block_ids import BLOCK_ID as _BLOCK_ID
-from engines.emulated.block_ids import positions
 from engines.keyed_hashes import chain_id_array
 
 
@@ -68,20 +67,26 @@ class HashMap(dict):
 _BITS = 12
 _PAGE = 1 << _BITS
 _LOW = _PAGE - 1
+#: the offset of a page that has no row: any id plus it is negative, so one ``min`` finds them
+_ABSENT = -(1 << 62)
 
 
 class ChainIdMap:
-    """The fast path for chain ids: the block of id ``h`` is ``store[slot_of[h >> 12], h & 4095]``
-    (-1: absent), a page of 4,096 ids per row of one 2-D array.
+    """The fast path for chain ids: the block of id ``h`` is ``store.flat[h + base[h >> 12]]``
+    (-1: absent), a page of 4,096 ids per row of one 2-D array, ``base[p]`` the offset that moves
+    page ``p``'s ids onto its row (``_ABSENT`` while it has none).
 
-    A page gets a row when an id in its range is first cached and gives it back when its last one
-    goes, so memory follows the cached blocks (a pool's cached chains span few pages), not the id
-    range. Batches are whole-array operations whatever the pages they span (a 512-block chunk of
-    a busy cluster spans several: its chains' ids were handed out at different times); single ids
-    go through ``_pages``, a dict of the rows as views, which is the cheaper probe from Python.
+    A page gets a row when an id in its range is first cached. Rows whose ids have all gone are
+    given back when the rows run out (a sweep over the store, which also grows it when it frees
+    less than a quarter), so memory follows the cached blocks (a pool's cached chains span few
+    pages), not the id range, while the batch operations keep no per-row counts: a pool's
+    eviction of a 512-block chunk is four numpy calls (page, offset, flat index, write) and its
+    caching about ten, whatever the pages they span (a chunk of a busy cluster spans several: its
+    chains' ids were handed out at different times). Single ids go through ``_pages``, a dict of
+    the rows as views, which is the cheaper probe from Python.
     """
 
-    __slots__ = ("_count", "_free", "_len", "_page_of", "_pages", "_slot_of", "_store")
+    __slots__ = ("_base", "_free", "_len", "_page_of", "_pages", "_store")
 
     NO_KEY = -1
 
@@ -91,10 +96,9 @@ class ChainIdMap:
 
     def __init__(self) -> None:
         self._store = np.full((8, _PAGE), -1, _BLOCK_ID)  # rows: pages in use (or free)
-        self._count = np.zeros(8, np.int64)  # live entries per row
         self._page_of = np.full(8, -1, np.int64)  # the page a row holds (-1: free)
         self._free = list(range(7, -1, -1))  # free rows, popped from the end
-        self._slot_of = np.full(64, -1, np.int64)  # page -> its row (-1: none)
+        self._base = np.full(64, _ABSENT, np.int64)  # page -> flat offset of its row minus its ids
         self._pages: dict[int, np.ndarray] = {}  # page -> its row (a view of _store)
         self._len = 0
 
@@ -121,10 +125,9 @@ class ChainIdMap:
 
     def __setitem__(self, h: int, b: int) -> None:
         p = h >> _BITS
-        slot = self._row(p)
+        self._row(p)
         page = self._pages[p]
         if page[h & _LOW] < 0:
-            self._count[slot] += 1
             self._len += 1
         page[h & _LOW] = b
 
@@ -139,18 +142,12 @@ class ChainIdMap:
         self.pop(h)
 
     def pop(self, h: int) -> int:
-        p, o = h >> _BITS, h & _LOW
-        page = self._pages.get(p)
-        b = -1 if page is None else int(page[o])
+        page = self._pages.get(h >> _BITS)
+        b = -1 if page is None else int(page[h & _LOW])
         if b < 0:
             raise KeyError(h)
-        page[o] = -1  # type: ignore[index]
-        slot = int(self._slot_of[p])
-        left = self._count[slot] - 1
-        self._count[slot] = left
+        page[h & _LOW] = -1  # type: ignore[index]
         self._len -= 1
-        if not left:
-            self._release(slot)
         return b
 
     def __iter__(self) -> Iterator[int]:
@@ -160,42 +157,44 @@ class ChainIdMap:
     def clear(self) -> None:
         self.__init__()  # type: ignore[misc]
 
+    def pages(self) -> set[int]:
+        """The pages that hold a row now, empty ones included until the next sweep (tests)."""
+        return set(self._pages)
+
     # ---- batches -------------------------------------------------------------------------------
     def pop_all(self, keys: np.ndarray) -> None:
         if not len(keys):
             return
-        slots = self._slot_of[keys >> _BITS]
-        self._store.reshape(-1)[(slots << _BITS) | (keys & _LOW)] = -1
-        self._drop_rows(slots, len(keys))
+        self._store.reshape(-1)[keys + self._base[keys >> _BITS]] = -1
+        self._len -= len(keys)
 
     def setdefault_all(self, keys: np.ndarray, blocks: np.ndarray) -> np.ndarray | None:
         n = len(keys)
         if not n:
             return None
-        slots = self._rows(keys >> _BITS)
-        at = (slots << _BITS) | (keys & _LOW)  # the entries in the flattened store
+        at = self._at(keys)
         flat = self._store.reshape(-1)
         cur = flat[at]
+        if int(cur.max()) < 0:  # every hash new (the common case)
+            flat[at] = blocks
+            # a hash twice in the batch shows as a block overwritten by a later one (the blocks are
+            # distinct): undo, and map them one by one so that the first one is cached, as the dict does
+            if n > 1 and (flat[at] != blocks).any():
+                flat[at] = -1
+                return self._setdefault_each(keys, blocks)
+            self._len += n
+            return None
         new = cur < 0
+        got = np.array(blocks, _BLOCK_ID)
+        got[~new] = cur[~new]
         n_new = int(np.count_nonzero(new))
-        got: np.ndarray | None = None
-        if n_new == n:
-            ids, s_new, at_new = blocks, slots, at
-        else:
-            got = np.array(blocks, _BLOCK_ID)
-            got[~new] = cur[~new]
-            ids, s_new, at_new = blocks[new], slots[new], at[new]
         if n_new:
-            if n_new > 1:
-                # a hash twice among the new ones shows as a position overwritten by a later one:
-                # undo, and map them one by one so that the first one is cached, as the dict does
-                pos = positions(n_new)
-                flat[at_new] = pos
-                if (flat[at_new] != pos).any():
-                    flat[at_new] = -1
-                    return self._setdefault_each(keys, blocks)
+            ids, at_new = blocks[new], at[new]
             flat[at_new] = ids
-            self._add_to_rows(s_new, n_new)
+            if n_new > 1 and (flat[at_new] != ids).any():
+                flat[at_new] = -1
+                return self._setdefault_each(keys, blocks)
+            self._len += n_new
         return got
 
     def get_all(self, hashes: Sequence[int]) -> np.ndarray | None:
@@ -203,12 +202,12 @@ class ChainIdMap:
         if not len(keys):
             return np.empty(0, _BLOCK_ID)
         pages = keys >> _BITS
-        if int(pages.max()) >= len(self._slot_of):
+        if int(pages.max()) >= len(self._base):
             return None
-        slots = self._slot_of[pages]
-        if int(slots.min()) < 0:
+        at = keys + self._base[pages]
+        if int(at.min()) < 0:
             return None
-        out = self._store.reshape(-1)[(slots << _BITS) | (keys & _LOW)]
+        out = self._store.reshape(-1)[at]
         return None if int(out.min()) < 0 else out
 
     @staticmethod
@@ -221,75 +220,76 @@ class ChainIdMap:
         got = [self.setdefault(h, b) for h, b in zip(keys.tolist(), blocks.tolist())]
         return None if got == blocks.tolist() else np.array(got, _BLOCK_ID)
 
-    def _rows(self, pages: np.ndarray) -> np.ndarray:
-        """The rows of these pages, given rows where they have none."""
-        top = int(pages.max())
-        if top >= len(self._slot_of):
-            grown = np.full(max(2 * len(self._slot_of), top + 1), -1, np.int64)
-            grown[: len(self._slot_of)] = self._slot_of
-            self._slot_of = grown
-        slots = self._slot_of[pages]
-        if int(slots.min()) < 0:
-            for p in np.unique(pages[slots < 0]).tolist():
+    def _at(self, keys: np.ndarray) -> np.ndarray:
+        """The entries of these ids in the flattened store, given their pages rows where they have none."""
+        pages = keys >> _BITS
+        if int(pages.max()) >= len(self._base):
+            self._grow_base(int(pages.max()))
+        at = keys + self._base[pages]
+        if int(at.min()) < 0:
+            new = np.unique(pages[at < 0]).tolist()
+            # rows first; a sweep for them keeps the rows of this batch's pages, empty or not
+            self._reserve(len(new), pages)
+            for p in new:
                 self._row(p)
-            slots = self._slot_of[pages]
-        return slots
+            at = keys + self._base[pages]
+        return at
+
+    def _grow_base(self, top: int) -> None:
+        grown = np.full(max(2 * len(self._base), top + 1), _ABSENT, np.int64)
+        grown[: len(self._base)] = self._base
+        self._base = grown
 
     def _row(self, p: int) -> int:
         """The row of page ``p``, given one if it has none."""
-        if p >= len(self._slot_of):
-            self._rows(np.array([p]))
-        slot = int(self._slot_of[p])
-        if slot >= 0:
-            return slot
-        if not self._free:
-            self._grow()
+        if p >= len(self._base):
+            self._grow_base(p)
+        if p in self._pages:
+            return int(self._base[p] + (p << _BITS)) >> _BITS
+        self._reserve(1)
         slot = self._free.pop()
-        self._slot_of[p] = slot
         self._page_of[slot] = p
+        self._base[p] = (slot - p) << _BITS
         self._pages[p] = self._store[slot]
         return slot
 
+    def _reserve(self, k: int, keep: np.ndarray | None = None) -> None:
+        """At least ``k`` free rows: a sweep when short (keeping the rows of pages ``keep``), then
+        growth while still short."""
+        if len(self._free) < k:
+            self._sweep(keep)
+            while len(self._free) < k:
+                self._grow()
+
+    def _sweep(self, keep: np.ndarray | None = None) -> None:
+        """Give back the rows whose ids have all gone, except those of pages ``keep``; grow the
+        store when that frees less than a quarter of it (so sweeps stay rare: amortized O(1) per
+        row handed out)."""
+        live = (self._store >= 0).any(axis=1)
+        if keep is not None:
+            offsets = self._base[keep]
+            held = offsets != _ABSENT
+            live[(offsets[held] >> _BITS) + keep[held]] = True
+        empty = np.flatnonzero(~live & (self._page_of >= 0))
+        for slot in empty.tolist():
+            p = int(self._page_of[slot])
+            self._page_of[slot] = -1
+            self._base[p] = _ABSENT
+            del self._pages[p]
+            self._free.append(slot)
+        if 4 * len(self._free) < len(self._page_of):
+            self._grow()
+
     def _grow(self) -> None:
-        """Twice the rows (the store is copied: the row views in ``_pages`` are remade)."""
-        n = len(self._count)
+        """Twice the rows (the store is copied: the row views in ``_pages`` are remade; the flat
+        offsets in ``_base`` stay valid, rows keeping their numbers)."""
+        n = len(self._page_of)
         store = np.full((2 * n, _PAGE), -1, _BLOCK_ID)
         store[:n] = self._store
         self._store = store
-        self._count = np.concatenate([self._count, np.zeros(n, np.int64)])
         self._page_of = np.concatenate([self._page_of, np.full(n, -1, np.int64)])
         self._free.extend(range(2 * n - 1, n - 1, -1))
-        self._pages = {p: store[int(self._slot_of[p])] for p in self._pages}
-
-    def _add_to_rows(self, slots: np.ndarray, n: int) -> None:
-        """``n`` entries joined these rows (one per element of ``slots``)."""
-        if int(slots[0]) == int(slots[-1]) and not (slots != slots[0]).any():
-            self._count[int(slots[0])] += n
-        else:
-            self._count += np.bincount(slots, minlength=len(self._count))
-        self._len += n
-
-    def _drop_rows(self, slots: np.ndarray, n: int) -> None:
-        """``n`` entries left these rows (one per element of ``slots``): give emptied rows back."""
-        count = self._count
-        if int(slots[0]) == int(slots[-1]) and not (slots != slots[0]).any():
-            s = int(slots[0])
-            count[s] -= n
-            emptied = [s] if not count[s] else []
-        else:
-            gone = np.bincount(slots, minlength=len(count))
-            count -= gone
-            emptied = np.flatnonzero((count == 0) & (gone > 0)).tolist()
-        self._len -= n
-        for s in emptied:
-            self._release(s)
-
-    def _release(self, slot: int) -> None:
-        p = int(self._page_of[slot])
-        self._page_of[slot] = -1
-        self._slot_of[p] = -1
-        del self._pages[p]
-        self._free.append(slot)
+        self._pages = {p: store[int(self._base[p] >> _BITS) + p] for p in self._pages}
 
 
 __all__ = ["ChainIdMap", "HashMap"]

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from engines.emulated.hash_map import ChainIdMap, HashMap
 from gpuhit.errors import ConfigError
 
-# chain ids near page boundaries (4096) and far apart, so batches span one page or several
-IDS = st.one_of(st.integers(0, 40), st.integers(4090, 4100), st.integers(1 << 20, (1 << 20) + 5000))
+# chain ids near page boundaries (4096) and far apart, so batches span one page or several; and on
+# more pages than the map's first rows, so rows run out, are swept back and the store grows
+IDS = st.one_of(st.integers(0, 40), st.integers(4090, 4100), st.integers(1 << 20, (1 << 20) + 5000),
+                st.builds(lambda p, o: p * 4096 + o, st.integers(2, 40), st.integers(0, 2)))
 
 OPS = st.lists(st.one_of(
     st.tuples(st.just("cache"), st.lists(IDS, min_size=1, max_size=12)),
@@ -45,7 +47,9 @@ def test_chain_id_map_answers_as_the_dict(ops):
         got, want = fast.get_all(probe), ref.get_all(probe)
         assert np.array_equal(got, want)
         assert fast.get_all(probe + (99_999_999,)) is None and ref.get_all(probe + (99_999_999,)) is None
-    assert fast._pages.keys() == {h >> 12 for h in ref}  # emptied pages are dropped
+    assert fast.pages() >= {h >> 12 for h in ref}  # emptied pages keep their rows until a sweep
+    fast._sweep()
+    assert fast.pages() == {h >> 12 for h in ref}  # and a sweep gives them back
 
 
 def test_scalar_operations_and_bad_hashes():
@@ -53,7 +57,9 @@ def test_scalar_operations_and_bad_hashes():
     m[5] = 1
     assert m.setdefault(5, 2) == 1 and m.setdefault(4096, 3) == 3 and m[4096] == 3
     del m[5]
-    assert 5 not in m and m.pop(4096) == 3 and len(m) == 0 and not m._pages
+    assert 5 not in m and m.pop(4096) == 3 and len(m) == 0
+    m._sweep()
+    assert not m.pages()
     with pytest.raises(KeyError):
         del m[5]
     with pytest.raises(ConfigError, match="not chain ids"):
@@ -63,8 +69,9 @@ def test_scalar_operations_and_bad_hashes():
 
 
 def test_rows_grow_and_are_given_back():
-    """Ids spread over more pages than the first rows: the store grows (row views remade) and a
-    page whose last id goes gives its row back, in batches and one by one."""
+    """Ids spread over more pages than the first rows: the store grows (row views remade); pages
+    whose last id went, in batches or one by one, give their rows back at the next sweep (when
+    the rows run out), and those rows are reused."""
     ref, fast = HashMap(), ChainIdMap()
     keys = np.array([p * 4096 + o for p in range(0, 400, 7) for o in (0, 5, 4095)], np.int64)
     blocks = np.arange(len(keys))
@@ -74,6 +81,12 @@ def test_rows_grow_and_are_given_back():
     fast.pop_all(keys[: len(keys) // 2])
     for h in keys[len(keys) // 2 :].tolist():
         assert fast.pop(h) == ref[h]
-    assert len(fast) == 0 and not fast._pages and len(fast._free) == len(fast._count)
+    assert len(fast) == 0 and len(fast.pages()) == 400 // 7 + 1  # no sweep yet: the rows are kept
+    rows = len(fast._page_of)
+    fast._sweep()
+    assert not fast.pages() and len(fast._free) == rows
     fast[3] = 9  # a freed row is reused
-    assert fast[3] == 9 and list(fast) == [3]
+    assert fast[3] == 9 and list(fast) == [3] and len(fast._page_of) == rows
+    fast.setdefault_all(keys + 5 * 4096, blocks)  # more pages than free rows: a sweep, then growth
+    assert len(fast) == len(keys) + 1 and fast.get_all((keys + 5 * 4096).tolist()).tolist() == blocks.tolist()
+    assert fast[3] == 9
