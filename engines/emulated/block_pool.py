@@ -302,8 +302,9 @@ class BlockPool:
             return
         parent = hashes[start - 1] if start > 0 else None
         seg = as_block_ids(blocks)[start:end]
-        hs = tuple(hashes[start:end])
         arr = keys_of(hashes) if self.int_keys else None
+        # chain ids: the request's int64 array; the ids as Python ints only for the rare duplicate
+        hs = tuple(hashes[start:end]) if arr is None else None
         keys = arr[start:end] if arr is not None else self._cached.keys(hs)
         # One batch maps each new hash to its block; a hash already cached keeps its block, and the
         # map hands that back, so a duplicate (a recomputed last block, a hash twice in the run)
@@ -311,14 +312,14 @@ class BlockPool:
         got = self._cached.setdefault_all(keys, seg)
         if got is not None:
             dups = self._dups
-            for b, h, c in zip(seg.tolist(), hs, got.tolist()):
+            for b, h, c in zip(seg.tolist(), hs if hs is not None else keys.tolist(), got.tolist()):
                 if c != b:  # vLLM keeps the duplicate blocks, first cached one in the map
                     dups.setdefault(h, []).append(b)
         self.block_hash[seg] = keys
         self.has_hash[seg] = True
         if self.on_evict is not None:
             # parent_hash is read only by on_evict (the CPU tier's BlockStored)
-            self.parent_hash[seg] = HashMap.keys((parent, *hs[:-1]))
+            self.parent_hash[seg] = HashMap.keys((parent, *hashes[start : end - 1]))
         if self.enable_events:
             self.events.append(
                 BlockStored(
