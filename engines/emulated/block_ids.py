@@ -195,13 +195,18 @@ class FreeBlockQueue:
 
 
 class BlockList:
-    """A request's blocks: a growable block-id array (``view()`` is the ids in order)."""
+    """A request's blocks: a growable block-id array (``view()`` is the ids in order).
 
-    __slots__ = ("_buf", "n")
+    ``distinct``: whether no block is listed twice, as its owner knows it (the KV manager clears it
+    when a prefix hit repeats a block); freeing a list known distinct skips checking it again.
+    """
+
+    __slots__ = ("_buf", "distinct", "n")
 
     def __init__(self) -> None:
         self._buf = np.empty(64, BLOCK_ID)
         self.n = 0
+        self.distinct = True
 
     def __len__(self) -> int:
         return self.n

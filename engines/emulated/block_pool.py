@@ -230,17 +230,19 @@ class BlockPool:
         self.has_hash[b] = False
         self.parent_hash[b] = None
 
-    def touch(self, blocks: Iterable[int]) -> None:
-        """A prefix hit: take ref-0 blocks out of the free queue and count the new user.
+    def touch(self, blocks: Iterable[int]) -> bool:
+        """A prefix hit: take ref-0 blocks out of the free queue and count the new user; returns
+        whether no block was listed twice.
 
         A block listed twice (hashes that are not chained can map two positions to one block)
         gains one reference per occurrence, as in vLLM's loop.
         """
         ids = as_block_ids(blocks)
         if not len(ids):
-            return
+            return True
         counts: np.ndarray | int = 1
-        if not distinct(ids, self._mark):
+        unique = distinct(ids, self._mark)
+        if not unique:
             ids, counts = np.unique(ids, return_counts=True)
         ref = self.ref_cnt
         r = ref[ids]
@@ -251,18 +253,21 @@ class BlockPool:
                 self.watch_dirty = True
             self.free_queue.remove_many(leaving)
         ref[ids] = r + counts
+        return unique
 
-    def free_blocks(self, ordered: Iterable[int]) -> None:
+    def free_blocks(self, ordered: Iterable[int], known_distinct: bool = False) -> None:
         """Drop one reference each; blocks reaching 0 join the free queue tail in this order.
 
         A block listed twice loses one reference per occurrence and, reaching 0, joins where its
-        last occurrence is (vLLM's loop appends it when the last reference goes).
+        last occurrence is (vLLM's loop appends it when the last reference goes). ``known_distinct``:
+        the caller knows no block is listed twice (the KV manager tracks it per request), which
+        skips checking the request's thousands of blocks again.
         """
         ids = as_block_ids(ordered)
         if not len(ids):
             return
         counts: np.ndarray | int = 1
-        if not distinct(ids, self._mark):
+        if not (known_distinct or distinct(ids, self._mark)):
             uniq, first_rev, counts = np.unique(ids[::-1], return_index=True, return_counts=True)
             by_last = np.argsort(-first_rev)  # the last occurrence is the first one reversed
             ids, counts = uniq[by_last], counts[by_last]

@@ -291,7 +291,9 @@ class KVCacheManager:
             held = self.req_blocks[rid] = BlockList()
             self.num_cached_blocks[rid] = 0
         if n_hit:
-            self.pool.touch(new_computed_blocks)
+            # a hit listing a block twice, or one the request holds already, makes its list repeat
+            # a block: the pool's free then counts each occurrence (see BlockList.distinct)
+            held.distinct = self.pool.touch(new_computed_blocks) and held.distinct and not len(held)
             held.extend(new_computed_blocks)
             # hit blocks are cached already
             self.num_cached_blocks[rid] = len(held)
@@ -347,7 +349,7 @@ class KVCacheManager:
         if m:
             self._remember_run(blocks.view()[:m].copy())
         if blocks:
-            self.pool.free_blocks(blocks.view()[::-1])
+            self.pool.free_blocks(blocks.view()[::-1], known_distinct=blocks.distinct)
 
     def block_ids(self, req: EmuRequest) -> list[int]:
         blocks = self.req_blocks.get(req.request_id)
