@@ -19,41 +19,44 @@ import asyncio
 import math
 from collections.abc import Callable
 
-import msgspec
-
 TTFB = "ttfb"
 IDLE = "idle"
 EJECTED = "ejected"
 
 
-class Watchdog(msgspec.Struct, eq=False):
-    """Deadlines of one upstream exchange: ``limit`` seconds to the first answer byte, then
-    ``idle`` seconds between chunks (None = no limit), measured on the loop's clock while the gateway
+class Watchdog:
+    """Deadlines of one upstream exchange: ``first`` seconds to the first answer byte, then
+    ``idle`` seconds between chunks (0 = no limit), measured on the loop's clock while the gateway
     waits for the engine (time spent writing to the client is not the engine's: the caller sets
     :attr:`last` to None around a write). :class:`Deadlines` checks every active watchdog on one
     timer; when a deadline has passed, or :meth:`abort` is called (the engine's breaker opened),
     the task that made it (:meth:`Deadlines.enter`) is cancelled, :meth:`leave` answers True for
     that cancellation (the caller turns it into its 504 / 502) and :attr:`fired` says which
     (``ttfb``, ``idle``, ``ejected``). Plain calls, not an ``async with``: entering and leaving
-    cost a set insertion and removal, no coroutine; per chunk: one ``loop.time()``. Made by
-    :meth:`Deadlines.enter` only: a msgspec Struct, built in C with its state at the defaults (one
-    per request; compared by identity)."""
+    cost a set insertion and removal, no coroutine; per chunk: one ``loop.time()``. A slots class,
+    not a msgspec Struct: a stream stores :attr:`last` twice a chunk, and an attribute store on a
+    Struct takes the generic path (about twice a slot's)."""
 
-    _deadlines: Deadlines
-    _instance: int
-    limit: float | None  # the limit now: None once done (or when there is none)
-    idle: float | None
-    _task: asyncio.Task | None
-    _cancelling: int  # the task's cancel requests when the exchange began
-    last: float | None
-    streamed: bool = True  # bytes come per token (the stall check waits on these only)
-    first: bool = True  # no answer byte yet: ``limit`` is the TTFB one
-    fired: str | None = None
-    after: float = 0.0  # the limit (seconds) that fired
-    why: str = ""
-    # In its engine's set (Deadlines.enter adds it): an exchange that ends is done() and then
-    # leave()s, and only the first takes it out (a call fewer per request).
-    _listed: bool = True
+    __slots__ = ("_cancelling", "_deadlines", "_instance", "_listed", "_task", "after", "fired", "first", "idle",
+                 "last", "limit", "streamed", "why")
+
+    def __init__(self, deadlines: Deadlines, instance: int, first: float, idle: float, task: asyncio.Task,
+                 streamed: bool = True):
+        self._deadlines = deadlines
+        self.streamed = streamed  # bytes come per token (the stall check waits on these only)
+        self._instance = instance
+        self.limit = first or None  # the limit now: None once done (or when there is none)
+        self.idle = idle or None
+        self._task: asyncio.Task | None = task
+        self._cancelling = task.cancelling()
+        self.last: float | None = deadlines.loop.time()
+        self.first = True  # no answer byte yet: ``limit`` is the TTFB one
+        self.fired: str | None = None
+        self.after = 0.0  # the limit (seconds) that fired
+        self.why = ""
+        # In its engine's set (Deadlines.enter adds it): an exchange that ends is done() and then
+        # leave()s, and only the first takes it out (a call fewer per request).
+        self._listed = True
 
     def leave(self, cancelled: bool) -> bool:
         """The exchange is over (``cancelled``: it ended in ``CancelledError``). True when that
@@ -136,7 +139,7 @@ class Deadlines:
         token."""
         task = asyncio.current_task(self.loop)
         assert task is not None, "Deadlines.enter() outside a task"
-        wd = Watchdog(self, i, first or None, idle or None, task, task.cancelling(), self.loop.time(), streamed)
+        wd = Watchdog(self, i, first, idle, task, streamed)
         if streamed:
             if not self.streams[i]:
                 self.progress_at[i] = wd.last  # nothing was owed per token: the window starts now
