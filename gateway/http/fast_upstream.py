@@ -179,7 +179,9 @@ class _UpConn(asyncio.Protocol):
         if r.streaming and r._size > _HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-        r._wake()
+        w = r._waiter  # r._wake(), written out: this runs for every chunk of a stream
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def on_message_complete(self) -> None:
         r = self.resp
