@@ -213,9 +213,9 @@ class _ServerConn(asyncio.Protocol):
             raise httptools.HttpParserCallbackError("URI too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_bytes += len(name) + len(value)
+        size = self._header_bytes = self._header_bytes + len(name) + len(value)
         h = self._headers
-        if self._header_bytes > MAX_HEADER_BYTES or len(h) >= MAX_HEADERS:
+        if size > MAX_HEADER_BYTES or len(h) >= MAX_HEADERS:
             self._reject(HeadersTooLargeError(f"request header fields over {MAX_HEADER_BYTES} bytes or "
                                               f"{MAX_HEADERS} fields"))
             raise httptools.HttpParserCallbackError("headers too large")
