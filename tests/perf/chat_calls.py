@@ -34,7 +34,8 @@ import orjson
 HERE = pathlib.Path(__file__).resolve().parent
 # --mode perf: what the kernel counts (task-clock is CPU ms: it moves with the load; the rest do not,
 # beyond how requests bunch into event-loop turns)
-PERF_EVENTS = "raw_syscalls:sys_enter,syscalls:sys_enter_epoll_wait,context-switches,page-faults,task-clock"
+PERF_EVENTS = ("raw_syscalls:sys_enter,syscalls:sys_enter_epoll_wait,syscalls:sys_enter_epoll_pwait,context-switches,"
+               "page-faults,task-clock")  # epoll_pwait: uvloop's wait
 
 # Runs the checkout's command line with a cProfile profiler that SIGUSR1 switches on and SIGUSR2
 # switches off and dumps (to $CHAT_CALLS_OUT.<k>).
