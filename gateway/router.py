@@ -222,30 +222,18 @@ class Router:
         now = self.now()
         res = self.residency
         reads_residency = self._reads_residency
+        resident, expected = res.working_sets(n, now, req.session_id) if reads_residency else ([0] * n,) * 2
         use_stats = self.use_engine_stats
         names, roles, healthy = self.names, self.roles, self._healthy
-        in_flight, pending, decode, active, routed = (self._in_flight, self._pending, self._decode,
-                                                      self._active_blocks, self._routed)
+        in_flight, pending, decode, active, routed, work = (self._in_flight, self._pending, self._decode,
+                                                            self._active_blocks, self._routed, self._pending_work)
         states = []
-        if reads_residency or self.prices_work:
-            if reads_residency:
-                resident, expected = res.working_sets(n, now, req.session_id)
-            else:
-                resident = expected = [0] * n
-            work = self._pending_work
-            for i, eng in enumerate(self.engines):
-                st = eng.stats() if use_stats else _NO_STATS
-                g, c = hits[i]
-                states.append(InstanceState(i, names[i], roles[i], healthy[i], in_flight[i], pending[i], decode[i],
-                                            active[i], st.running, st.waiting, st.kv_usage, st.kv_capacity_blocks, g,
-                                            c, routed[i], resident[i], expected[i], work[i]))
-        else:  # the residency and prefill-work fields at their 0, as the policy reads neither
-            for i, eng in enumerate(self.engines):
-                st = eng.stats() if use_stats else _NO_STATS
-                g, c = hits[i]
-                states.append(InstanceState(i, names[i], roles[i], healthy[i], in_flight[i], pending[i], decode[i],
-                                            active[i], st.running, st.waiting, st.kv_usage, st.kv_capacity_blocks, g,
-                                            c, routed[i]))
+        for i, eng in enumerate(self.engines):
+            st = eng.stats() if use_stats else _NO_STATS
+            g, c = hits[i]
+            states.append(InstanceState(i, names[i], roles[i], healthy[i], in_flight[i], pending[i], decode[i],
+                                        active[i], st.running, st.waiting, st.kv_usage, st.kv_capacity_blocks, g, c,
+                                        routed[i], resident[i], expected[i], work[i]))
         view = RequestView(
             req.request_id,
             req.prompt_len,
@@ -258,12 +246,10 @@ class Router:
             next(self._seq),
         )
         session = req.session_id
-        if session is None:  # no binding, migration or start to look up
-            if not reads_residency:
-                return Snapshot(now, view, tuple(states))
-            return Snapshot(now, view, tuple(states), None, None, None, res.service_s, res.service_p90_s)
-        b = self.bindings
         service_s, service_p90_s = (res.service_s, res.service_p90_s) if reads_residency else (None, None)
+        if session is None:  # no binding, migration or start to look up
+            return Snapshot(now, view, tuple(states), None, None, None, service_s, service_p90_s)
+        b = self.bindings
         return Snapshot(now, view, tuple(states), b.get(session), b.last_migrated_at(session),
                         res.started_at(session), service_s, service_p90_s)
 
