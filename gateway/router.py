@@ -225,15 +225,15 @@ class Router:
         resident, expected = res.working_sets(n, now, req.session_id) if reads_residency else ([0] * n,) * 2
         use_stats = self.use_engine_stats
         names, roles, healthy = self.names, self.roles, self._healthy
-        in_flight, pending, decode, active, routed = (self._in_flight, self._pending, self._decode,
-                                                      self._active_blocks, self._routed)
+        in_flight, pending, decode, active, routed, work = (self._in_flight, self._pending, self._decode,
+                                                            self._active_blocks, self._routed, self._pending_work)
         states = []
         for i, eng in enumerate(self.engines):
             st = eng.stats() if use_stats else _NO_STATS
             g, c = hits[i]
             states.append(InstanceState(i, names[i], roles[i], healthy[i], in_flight[i], pending[i], decode[i],
                                         active[i], st.running, st.waiting, st.kv_usage, st.kv_capacity_blocks, g, c,
-                                        routed[i], resident[i], expected[i], self._pending_work[i]))
+                                        routed[i], resident[i], expected[i], work[i]))
         view = RequestView(
             req.request_id,
             req.prompt_len,
@@ -312,7 +312,7 @@ class Router:
         return self._begin(req, snap, Decision(FORWARD, target, reason, predicted_hit_blocks=hit))
 
     def _begin(self, req: RouteRequest, snap: Snapshot, d: Decision) -> Ticket:
-        t = Ticket(self, req, d)
+        t = Ticket(self, req, d, d.action, d.target, d.source)
         tgt, src = d.target, d.source
         inst = snap.instances
         if d.action == FORWARD:

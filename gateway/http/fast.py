@@ -213,16 +213,17 @@ class _ServerConn(asyncio.Protocol):
             raise httptools.HttpParserCallbackError("URI too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_bytes += len(name) + len(value)
+        size = self._header_bytes = self._header_bytes + len(name) + len(value)
         h = self._headers
-        if self._header_bytes > MAX_HEADER_BYTES or len(h) >= MAX_HEADERS:
+        if size > MAX_HEADER_BYTES or len(h) >= MAX_HEADERS:
             self._reject(HeadersTooLargeError(f"request header fields over {MAX_HEADER_BYTES} bytes or "
                                               f"{MAX_HEADERS} fields"))
             raise httptools.HttpParserCallbackError("headers too large")
         key = name.decode("latin-1").lower()
-        v = value.decode("latin-1")
-        old = h.get(key)
-        h[key] = v if old is None else f"{old}, {v}"
+        if key in h:  # a repeated field: its values joined, as one field
+            h[key] = f"{h[key]}, {value.decode('latin-1')}"
+        else:
+            h[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -262,11 +263,8 @@ class _ServerConn(asyncio.Protocol):
         self.deadline.disarm()
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         p = self.parser
-        req = ServerRequest(self.out, p.get_method(), self._path, self._headers, body, p.should_keep_alive(),
-                       http10=p.get_http_version() == "1.0")
-        if self._query:
-            req.query = self._query
-        self._enqueue(req)
+        self._enqueue(ServerRequest(self.out, p.get_method(), self._path, self._headers, body, p.should_keep_alive(),
+                                    None, p.get_http_version() != "1.0", self._query))
 
     # -- request processing
 

@@ -11,6 +11,8 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from gateway.http.transport import HeaderLines, header_block
 from gpuhit.errors import GpuhitError
 
@@ -49,24 +51,24 @@ class ClientWriter:
         self._out_size = 0
         self._flush_handle: asyncio.Handle | None = None
 
-    def _gone(self) -> bool:
-        return self.closed or self.transport is None or self.transport.is_closing()
-
     def write(self, data: bytes) -> None:
-        """Write now (after any stream bytes still held); ``ConnectionResetError`` once the client is gone."""
-        if self._gone():
+        """Write now (after any stream bytes still held); ``ConnectionResetError`` once the client is gone.
+        (The gone check is written out in each writer: a helper's call, per chunk, cost more than it.)"""
+        t = self.transport
+        if self.closed or t is None or t.is_closing():
             raise ConnectionResetError("the client closed the connection")
         if self._out:
             self._out.append(data)
             data = b"".join(self._out)
             self._out = []
             self._out_size = 0
-        self.transport.write(data)
+        t.write(data)
 
     def write_soon(self, data: bytes) -> None:
         """Write at the end of this loop iteration, with whatever else is written until then (at once
         past ``_OUT_MAX`` bytes, so the transport's flow control still applies)."""
-        if self._gone():
+        t = self.transport
+        if self.closed or t is None or t.is_closing():
             raise ConnectionResetError("the client closed the connection")
         self._out.append(data)
         self._out_size += len(data)
@@ -85,8 +87,9 @@ class ClientWriter:
             return
         self._out = []
         self._out_size = 0
-        if not self._gone():
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        t = self.transport
+        if not self.closed and t is not None and not t.is_closing():
+            t.write(out[0] if len(out) == 1 else b"".join(out))
 
     async def drain(self) -> None:
         """Wait until the client's socket buffer has room again (:meth:`resumed`)."""
@@ -114,29 +117,23 @@ class ClientWriter:
             d.set_exception(ConnectionResetError("the client closed the connection"))
 
 
-class ServerRequest:
+class ServerRequest(msgspec.Struct, eq=False):
     """One request on a connection of :class:`gateway.http.fast.FastServer` and its answer: the
     :class:`~gateway.http.transport.Downstream` the gateway's request logic writes to (one object
-    per request, not a request and a downstream)."""
+    per request, not a request and a downstream). A msgspec Struct: built in C, one per request."""
 
-    __slots__ = ("body", "chunked", "conn", "head_only", "headers", "keep_alive", "method", "path", "query", "reject",
-                 "started")
-
-    def __init__(self, conn: ClientWriter, method: bytes, path: str, headers: dict[str, str], body: bytes,
-                 keep_alive: bool, reject: GpuhitError | None = None, http10: bool = False):
-        self.conn = conn
-        self.method = method
-        self.path = path
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-        self.reject = reject  # answer with this error, then close the connection
-        self.head_only = method == b"HEAD"  # a HEAD request: the GET answer's head, no body
-        self.started = False
-        # RFC 9112 7.1: no chunked transfer coding toward an HTTP/1.0 client; its stream is
-        # delimited by closing the connection instead.
-        self.chunked = not http10
-        self.query = ""  # "?..." when the URL had one (forwarded routes keep it)
+    conn: ClientWriter
+    method: bytes
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool
+    reject: GpuhitError | None = None  # answer with this error, then close the connection
+    # RFC 9112 7.1: no chunked transfer coding toward an HTTP/1.0 client (False); its stream is
+    # delimited by closing the connection instead.
+    chunked: bool = True
+    query: str = ""  # "?..." when the URL had one (forwarded routes keep it)
+    started: bool = False
 
     def _head(self, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
         # The gateway's own headers come encoded (HeaderLines): their bytes, without two Python calls.
@@ -147,7 +144,8 @@ class ServerRequest:
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes, content_type: str) -> None:
         extra = b"content-type: %s\r\ncontent-length: %d\r\n" % (content_type.encode("latin-1"), len(body))
         head = self._head(status, headers, extra)
-        self.conn.write(head if self.head_only else head + body)
+        # A HEAD request gets the GET answer's head, no body.
+        self.conn.write(head if self.method == b"HEAD" else head + body)
 
     # A stream's head, chunks and end are handed to the connection as they come and leave in one
     # write per loop iteration (:meth:`ClientWriter.write_soon`): a short answer relayed from one

@@ -25,7 +25,9 @@ _HIGH_WATER = 1 << 20  # bytes of upstream answer buffered before the engine's s
 
 
 class FastUpstreamResponse:
-    """One answer on an ``_UpConn`` (the :class:`~gateway.http.transport.UpstreamResponse`)."""
+    """One answer on an ``_UpConn`` (the :class:`~gateway.http.transport.UpstreamResponse`). A slots
+    class, not a msgspec Struct: its state is stored to again and again as the answer arrives, and
+    an attribute store on a Struct takes the generic path (about twice a slot's)."""
 
     __slots__ = ("_chunks", "_conn", "_error", "_released", "_size", "_waiter", "complete", "content_type",
                  "head_done", "keep_alive", "received", "status", "streaming")
@@ -177,7 +179,9 @@ class _UpConn(asyncio.Protocol):
         if r.streaming and r._size > _HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-        r._wake()
+        w = r._waiter  # r._wake(), written out: this runs for every chunk of a stream
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def on_message_complete(self) -> None:
         r = self.resp

@@ -112,14 +112,14 @@ class Forwarder:
                 raise  # the client left, the whole-request --timeout (handled by the caller), a bug
             await self._watchdog_fired(down, req.endpoint, ticket, headers, wd)
         else:
-            wd.leave(cancelled=False)
+            wd.leave(False)
 
     async def _exchange(self, down: Downstream, req: ParsedRequest, raw: bytes, ticket: Ticket,
                         res: GenerateResult, headers: Mapping[str, str], up_headers: dict[str, str], own_hit: int,
                         wd: Watchdog) -> None:
         i = ticket.target
         name = self.names[i]
-        endpoint = req.endpoint
+        endpoint = req.dialect.path  # ParsedRequest.endpoint, without the property call
         try:
             up = await self.upstream.post(i, endpoint, raw, up_headers)
         except UpstreamConnectError as exc:
@@ -139,13 +139,13 @@ class Forwarder:
                     return await self._upstream_failed(down, endpoint, ticket, breaker.CLOSED_CONN,
                                                        f"engine {name} closed the connection: {exc}")
                 wd.done()
-                self.deadlines.progress_at[i] = self.clock()
+                self.deadlines.progress_at[i] = now = self.clock()
                 self.breakers.answered(i)
                 if up.status != 200:
                     self.settle.failed(ticket, f"HTTP {up.status} from {name}", "status", endpoint, up.status)
                     return await down.respond(up.status, headers, data, up.content_type)
                 ticket.first_token()
-                res.first_token_time = self.clock()
+                res.first_token_time = now  # the whole answer came at once: its first byte too
                 self.settle.ok(endpoint, ticket, res, req.dialect.usage_of_answer(data), own_hit)
                 req.dialect.answered(req, i, data, False)
                 return await down.respond(200, headers, data, "application/json")
@@ -183,7 +183,7 @@ class Forwarder:
                       headers: Mapping[str, str], own_hit: int, wd: Watchdog) -> None:
         clock = self.clock
         name = self.names[ticket.target]
-        endpoint = req.endpoint
+        endpoint = req.dialect.path  # ParsedRequest.endpoint, without the property call
         progress = self.deadlines.progress_at  # the engine's last byte, for its stall check
         i = ticket.target
         await down.start_stream(headers)
@@ -191,10 +191,10 @@ class Forwarder:
         first = True
         try:
             async for chunk in up.chunks():
-                progress[i] = clock()
+                progress[i] = now = clock()
                 if first:
                     first = False
-                    res.first_token_time = clock()
+                    res.first_token_time = now
                     ticket.first_token()
                     wd.first_byte()
                     self.breakers.answered(ticket.target)

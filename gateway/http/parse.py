@@ -139,10 +139,11 @@ class Prompts:
         mt = body.get(max_name, 16)
         if mt is None:
             mt = 16
-        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+        # type() first: parsed JSON gives a plain int, and the isinstance pair costs two calls.
+        if (type(mt) is not int and (not isinstance(mt, int) or isinstance(mt, bool))) or mt < 1:
             raise _bad(f"{max_name} must be a positive integer, got {mt!r}", max_name)
         stream = body.get("stream", False)
-        if not isinstance(stream, bool):
+        if type(stream) is not bool:  # bool has no subclasses
             raise _bad("stream must be a boolean", "stream")
         return mt, stream
 
@@ -197,7 +198,8 @@ class Prompts:
         reason = self._no_tokenizer.get(label)  # the same reason every request: formatted once
         if reason is None:
             reason = self._no_tokenizer[label] = f"{label}: no tokenizer"
-        self.approximate(reason)
+        counts = self.not_exact  # approximate(reason), without its call
+        counts[reason] = counts.get(reason, 0) + 1
         n, text_hashes = self.text(text)
         return ParsedRequest(dialect, body, raw, n, self.check_len(n, max_tokens), stream, text_hashes, None,
                              session, pin)
@@ -294,8 +296,11 @@ class Chat(OpenAIDialect):
         max_tokens, stream = p.options(
             body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        if not isinstance(messages, list) or not messages:
             raise _bad("messages must be a non-empty list of objects", "messages")
+        for m in messages:  # a loop: all() over a generator costs a frame per request
+            if not isinstance(m, dict):
+                raise _bad("messages must be a non-empty list of objects", "messages")
         if p.tokenizer is None:
             return p.approximated(self, body, raw, max_tokens, stream, session, "chat", chat_text(messages))
         return self._rendered(body, raw, max_tokens, stream, session, messages)

@@ -44,9 +44,9 @@ def text_chunk_hashes(text: str, chunk_chars: int) -> list[int]:
     data = text.encode("utf-8", "surrogatepass")
     out: list[int] = []
     prev = b""
-    step = chunk_chars
-    for start in range(0, len(data) - step + 1, step):
-        prev = hashlib.blake2b(prev + data[start : start + step], digest_size=8).digest()
+    blake2b = hashlib.blake2b
+    for end in range(chunk_chars, len(data) + 1, chunk_chars):
+        prev = blake2b(prev + data[end - chunk_chars : end], digest_size=8).digest()
         out.append(int.from_bytes(prev, "big"))
     return out
 
@@ -56,10 +56,11 @@ def chat_text(messages: Sequence[Mapping[str, Any]]) -> str:
     parts = []
     for m in messages:
         content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-        elif content is not None and not isinstance(content, str):
-            raise BadRequestError("messages[].content must be a string or a list of content parts")
+        if type(content) is not str:  # text content, the common case, without the isinstance calls
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+            elif content is not None and not isinstance(content, str):
+                raise BadRequestError("messages[].content must be a string or a list of content parts")
         parts.append(f"{m.get('role')}\n{content or ''}\n")
     return "".join(parts)
 

@@ -29,7 +29,14 @@ def openai_usage(u: Any) -> Usage | None:
     ``completion_tokens``) as a :class:`Usage`; None when there is none."""
     if not isinstance(u, dict):
         return None
-    return Usage(protocol.cached_tokens_of(u) or 0, int(u.get("completion_tokens") or 0))
+    details = u.get("prompt_tokens_details")
+    if type(details) is dict:  # parsed JSON: protocol.cached_tokens_of's first case, without its call
+        cached = details.get("cached_tokens")
+        if not isinstance(cached, int):
+            cached = 0
+    else:
+        cached = protocol.cached_tokens_of(u) or 0
+    return Usage(cached, int(u.get("completion_tokens") or 0))
 
 
 def usage_of_json(data: bytes) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from engines.base import GenerateResult
@@ -334,4 +335,15 @@ def test_begin_held_without_a_hold_queue_returns_the_ticket_itself():
     t = router.begin_held(req("a", 10))
     assert isinstance(t, Ticket) and t.target == 0 and len(records) == 1  # routed at once, no coroutine
     t.finish(GenerateResult("a", 168, 4))
+    assert router.counters()[0]["in_flight"] == 0
+
+
+def test_tickets_are_compared_by_identity():
+    """A ticket is one request's accounting: two with the same fields are still two (and hashable:
+    callers keep tickets in sets and dicts)."""
+    router, _engines, _records, _ = make()
+    a = router.begin(req("a", 10))
+    b = msgspec.structs.replace(a)
+    assert a != b and len({a, b}) == 2 and {a: 1}[a] == 1
+    a.finish(GenerateResult("a", 168, 4))
     assert router.counters()[0]["in_flight"] == 0

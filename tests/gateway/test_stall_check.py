@@ -100,3 +100,32 @@ def test_non_streamed_exchanges_owe_no_byte_before_their_end():
         d.close()
 
     asyncio.run(main())
+
+
+def test_an_exchange_leaves_its_engine_once_however_it_ends():
+    """done() then leave(), or a fired deadline then leave(): the engine's set, its active count and
+    its streams count each drop once (a second discard would drive them below zero)."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        d = Deadlines(loop, 1, ttfb=0.05, idle=0.05)
+        wd = d.enter(0, 100.0, 100.0)
+        assert d.in_flight[0] == {wd} and d._active == 1 and d.streams[0] == 1
+        wd.done()
+        assert d.in_flight[0] == set() and d._active == 0 and d.streams[0] == 0
+        assert wd.leave(cancelled=False) is False
+        assert d._active == 0 and d.streams[0] == 0
+
+        async def exchange():
+            w = d.enter(0, 0.01, 0.0, streamed=False)
+            try:
+                await asyncio.Event().wait()  # an engine that never answers
+            except asyncio.CancelledError:
+                return w, w.leave(cancelled=True)
+
+        w, own = await exchange()  # the deadline cancels it: the sweep took it out first
+        assert own is True and w.fired == "ttfb"
+        assert d.in_flight[0] == set() and d._active == 0 and d.streams[0] == 0
+        d.close()
+
+    asyncio.run(main())

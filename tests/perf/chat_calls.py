@@ -32,6 +32,10 @@ import aiohttp
 import orjson
 
 HERE = pathlib.Path(__file__).resolve().parent
+# --mode perf: what the kernel counts (task-clock is CPU ms: it moves with the load; the rest do not,
+# beyond how requests bunch into event-loop turns)
+PERF_EVENTS = ("raw_syscalls:sys_enter,syscalls:sys_enter_epoll_wait,syscalls:sys_enter_epoll_pwait,context-switches,"
+               "page-faults,task-clock")  # epoll_pwait: uvloop's wait
 
 # Runs the checkout's command line with a cProfile profiler that SIGUSR1 switches on and SIGUSR2
 # switches off and dumps (to $CHAT_CALLS_OUT.<k>).
@@ -105,7 +109,8 @@ async def send(url: str, bodies: list[bytes], concurrency: int) -> None:
 
 def proc_counters(pid: int) -> dict[str, int]:
     """The process's read / write system calls, context switches and CPU ns (all its threads)."""
-    out = {"syscr": 0, "syscw": 0, "voluntary_ctxt_switches": 0, "nonvoluntary_ctxt_switches": 0, "cpu_ns": 0}
+    out = {"syscr": 0, "syscw": 0, "voluntary_ctxt_switches": 0, "nonvoluntary_ctxt_switches": 0, "cpu_ns": 0,
+           "utime_ticks": 0, "stime_ticks": 0}
     with open(f"/proc/{pid}/io") as f:
         for line in f:
             key, _, v = line.partition(":")
@@ -119,6 +124,10 @@ def proc_counters(pid: int) -> dict[str, int]:
                     out[key] += int(v)
         with open(f"/proc/{pid}/task/{task}/schedstat") as f:
             out["cpu_ns"] += int(f.read().split()[0])
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            out["utime_ticks"] += int(fields[11])
+            out["stime_ticks"] += int(fields[12])
     return out
 
 
@@ -132,9 +141,11 @@ def first_line(p: subprocess.Popen) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("cprofile", "opcodes", "callgrind", "strace", "proc"), default="cprofile",
+    ap.add_argument("--mode", choices=("cprofile", "opcodes", "callgrind", "strace", "perf", "proc"), default="cprofile",
                     help="cprofile: Python function calls; opcodes: bytecodes run, per function (slow); "
-                         "callgrind: machine instructions; strace: system calls, by name; proc: /proc counters "
+                         "callgrind: machine instructions; strace: system calls, by name; perf: system calls, context "
+                         "switches and page faults counted by the kernel's tracepoints at full speed (perf on PATH; "
+                         "strace slows every call, and so bunches requests); proc: /proc counters "
                          "(read / write system calls, context switches, CPU ns: the last depends on load)")
     ap.add_argument("--checkout", default=str(HERE.parent.parent))
     ap.add_argument("--stream", action="store_true")
@@ -161,7 +172,7 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": checkout, "CHAT_CALLS_OUT": os.path.join(tmp, "prof")}
         if a.mode == "opcodes":
             env["CHAT_CALLS_OPCODES"] = "1"
-        if a.mode in ("cprofile", "opcodes", "strace", "proc"):
+        if a.mode in ("cprofile", "opcodes", "strace", "perf", "proc"):
             cmd = [sys.executable, "-c", _BOOT.replace("@CHECKOUT@", repr(checkout)).replace("@CLI@", repr(cli)), *serve]
         else:
             boot = f"import runpy, sys; sys.path.insert(0, {checkout!r}); " \
@@ -195,6 +206,21 @@ def main() -> None:
                         if len(f) >= 5 and f[0][0].isdigit() and f[-1] != "total":
                             calls[f[-1]] = int(f[3])
                 counts.append(calls)
+            elif a.mode == "perf":
+                out = os.path.join(tmp, f"perf.{k}")
+                st = subprocess.Popen(["perf", "stat", "-x", ",", "-o", out, "-e", PERF_EVENTS, "-p", str(gw.pid)],
+                                      stderr=subprocess.DEVNULL)
+                asyncio.run(asyncio.sleep(1.0))  # perf attaches to every thread
+                asyncio.run(send(url, chat_bodies(f"p{k}", n, a.stream), a.concurrency))
+                st.send_signal(signal.SIGINT)
+                st.wait(30)
+                events = {}
+                with open(out) as fh:
+                    for line in fh:
+                        f = line.split(",")
+                        if len(f) > 2 and f[0].replace(".", "").isdigit():
+                            events[f[2]] = float(f[0])
+                counts.append(events)
             elif a.mode != "callgrind":
                 gw.send_signal(signal.SIGUSR1)
                 asyncio.run(send(url, chat_bodies(f"p{k}", n, a.stream), a.concurrency))
@@ -213,10 +239,10 @@ def main() -> None:
                 subprocess.run(["callgrind_control", "-d", str(gw.pid)], check=True, capture_output=True)
                 counts.append(None)
         dn = a.large - a.small
-        if a.mode == "proc":
+        if a.mode in ("proc", "perf"):
             c0, c1 = counts
             for key in c1:
-                print(f"{key} per request: {(c1[key] - c0[key]) / dn:.3f}")
+                print(f"{key} per request: {(c1[key] - c0[key]) / dn:.4g}")
         elif a.mode == "strace":
             c0, c1 = counts
             print(f"system calls per request: {(sum(c1.values()) - sum(c0.values())) / dn:.2f}")
