@@ -264,8 +264,13 @@ def main(args: argparse.Namespace) -> int:
             print(f"gpuhit experiment ab-live: {msg}", file=sys.stderr, flush=True)
 
     if args.engine and sched == "priority":
-        say("a compared policy sets request priorities: the engines must run with --scheduling-policy priority "
-            "(vLLM refuses a non-zero priority otherwise; those requests are counted as failures)")
+        # vLLM under fcfs takes the priorities and ignores them: refuse engines known to run it
+        from gateway.engine_scheduling import check_scheduling, engines_scheduling
+
+        prio = next(p for p in policies if scheduling_policy([p]) == "priority")
+        found = vtime.run_live(engines_scheduling([u.rstrip("/") for u in args.engine]))
+        for warning in check_scheduling(prio, sched, found):
+            say(f"warning: {warning}")
     with started_engines(args, sched, out) as (urls, engine_lines):
         info = vtime.run_live(_engine_infos(urls))
         mml = info["max_model_len"]
