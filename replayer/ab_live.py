@@ -135,8 +135,8 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
     import aiohttp
 
     from analysis.summary import summarize
-    from replayer.calibrate import engine_side, scrape_all
     from replayer.driver import count_requests, replay
+    from replayer.engine_probe import engine_side, scrape_all
     from replayer.live import HttpTarget, probe_gateway
     from replayer.live_gateway import live_gateway
     from replayer.progress import Progress
@@ -341,7 +341,7 @@ async def _engine_infos(urls: Sequence[str]) -> dict[str, Any]:
     """The engines' capacity (all must agree): what simulation gives its emulated engines."""
     import aiohttp
 
-    from replayer.calibrate import engine_info
+    from replayer.engine_probe import engine_info
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         infos = [await engine_info(http, u) for u in urls]
