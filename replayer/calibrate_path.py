@@ -66,38 +66,78 @@ async def measure_path_in_flight(http: Any, urls: Sequence[str], info: dict[str,
                                  say: Any) -> list[dict[str, Any]]:
     """The live path as a run meets it (:mod:`replayer.live_path`): for each in-flight count ``k`` of
     ``levels``, ``probes`` cold prompts of ``sizes`` sent through an in-process gateway in front of
-    every engine while ``k`` other requests stream through it (each past its first token, so that the
-    engines' TTFT histograms count only the probe); the probe's path is its client TTFT minus vLLM's
-    own. Between probes the streams are cancelled (vLLM aborts them) and the engines drained.
-    ``[{"in_flight", "path_s" (median), "n"}]``."""
+    every engine while ``k`` other requests stream through it (each past its first token); the probe's
+    path is its client TTFT minus vLLM's own. Between probes the streams are cancelled (vLLM aborts
+    them) and the engines drained.
+
+    The engines' TTFT histograms are read by count: every first token this procedure causes is
+    expected, and a probe's engine TTFT is taken only once the histograms hold exactly the ones before
+    it plus its own (stats reach /metrics asynchronously, and late). A probe during which more first
+    tokens appear than sent (a request the gateway sent twice) is discarded and sent again, at most
+    ``probes`` times per count. ``[{"in_flight", "path_s" (median), "n", "discarded"}]``."""
     from replayer.live_gateway import live_gateway
 
     out = []
     async with live_gateway(list(urls), "round_robin", info["block_size"]) as (_, gw_url):
         via = Prober(http, gw_url, info["model"], rng, timeout)
+        expected = _ttft_count(await scrape_all(http, urls)) + 1
         await via.complete(via.ids(info["block_size"]), 2)  # warm-up of the gateway's connections
         tokens = min(BACKGROUND_TOKENS, info["max_model_len"] - info["block_size"] - 8)
         for k in levels:
-            paths = []
-            for i in range(probes):
+            paths: list[float] = []
+            discarded = 0
+            while len(paths) < probes:
+                await _counted_to(http, urls, expected, timeout)  # every earlier first token counted
                 started = [asyncio.Event() for _ in range(k)]
                 background = [asyncio.ensure_future(_stream_until_cancelled(http, gw_url, info["model"],
                                                                             via.ids(info["block_size"]), tokens, ev))
                               for ev in started]
                 try:
-                    before = await _counted(http, urls, k, timeout, started)
-                    ttft, _, _ = await via.complete(via.ids(sizes[i % len(sizes)]), 1)
-                    engine_ttft = await _engine_ttft(http, urls, before, timeout)
+                    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout)
+                    before = await _counted_to(http, urls, expected + k, timeout)
+                    ttft, _, _ = await via.complete(via.ids(sizes[len(paths) % len(sizes)]), 1)
+                    after = await _counted_to(http, urls, expected + k + 1, timeout)
                 finally:
                     for task in background:
                         task.cancel()
                     await asyncio.gather(*background, return_exceptions=True)
-                paths.append(ttft - engine_ttft)
+                got = _ttft_count(after)
+                if _ttft_count(before) != expected + k or got != expected + k + 1:
+                    discarded += 1
+                    if discarded > probes:
+                        raise EngineError(f"the engines counted more first tokens than live-path probes sent "
+                                          f"{discarded} times at {k} in flight")
+                    expected = got
+                else:
+                    paths.append(ttft - _ttft_sum(after) + _ttft_sum(before))
+                    expected += k + 1
                 await _drained(http, urls, timeout)
-            row = {"in_flight": k, "path_s": float(np.median(paths)), "n": len(paths)}
+            row = {"in_flight": k, "path_s": float(np.median(paths)), "n": len(paths), "discarded": discarded}
             out.append(row)
-            say(f"live path with {k} other request(s) in flight: {row['path_s'] * 1e3:.1f} ms (median of {len(paths)})")
+            say(f"live path with {k} other request(s) in flight: {row['path_s'] * 1e3:.1f} ms (median of {len(paths)}"
+                + (f"; {discarded} discarded" if discarded else "") + ")")
     return out
+
+
+def _ttft_count(samples: Sequence[dict[str, Any]]) -> float:
+    return sum(histogram_totals(m, TTFT_H)[1] for m in samples)
+
+
+def _ttft_sum(samples: Sequence[dict[str, Any]]) -> float:
+    return sum(histogram_totals(m, TTFT_H)[0] for m in samples)
+
+
+async def _counted_to(http: Any, urls: Sequence[str], count: float, timeout: float) -> list[dict[str, Any]]:
+    """The engines' metrics once their TTFT histograms count at least ``count`` requests in all."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = await scrape_all(http, urls)
+        if _ttft_count(now) >= count:
+            return now
+        if time.monotonic() > deadline:
+            raise EngineError(f"the engines' TTFT histograms did not reach {count:g} requests "
+                              f"({_ttft_count(now):g}) during the live-path probes")
+        await asyncio.sleep(0.02)  # another process's counters, polled
 
 
 async def _stream_until_cancelled(http: Any, url: str, model: str, ids: list[int], tokens: int,
@@ -112,39 +152,6 @@ async def _stream_until_cancelled(http: Any, url: str, model: str, ids: list[int
         async for data in iter_sse(r.content):
             if data != b"[DONE]" and json.loads(data).get("choices"):
                 first.set()
-
-
-async def _counted(http: Any, urls: Sequence[str], k: int, timeout: float,
-                   started: Sequence[asyncio.Event]) -> list[dict[str, Any]]:
-    """The engines' metrics once the ``k`` background streams have their first token and the engines'
-    TTFT histograms count them (stats reach /metrics asynchronously)."""
-    base = await scrape_all(http, urls)
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout)
-    deadline = time.monotonic() + timeout
-    while True:
-        now = await scrape_all(http, urls)
-        if sum(histogram_totals(a, TTFT_H)[1] - histogram_totals(b, TTFT_H)[1] for a, b in zip(now, base)) >= k:
-            return now
-        if time.monotonic() > deadline:
-            raise EngineError(f"the engines' TTFT histograms did not count {k} background requests")
-        await asyncio.sleep(0.02)  # another process's counters, polled
-
-
-async def _engine_ttft(http: Any, urls: Sequence[str], before: Sequence[dict[str, Any]], timeout: float) -> float:
-    """vLLM's own TTFT of the one request that got its first token since ``before`` (all engines)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        after = await scrape_all(http, urls)
-        d = [(histogram_totals(a, TTFT_H)[0] - histogram_totals(b, TTFT_H)[0], histogram_totals(a, TTFT_H)[1] - histogram_totals(b, TTFT_H)[1])
-             for a, b in zip(after, before)]
-        n = sum(c for _, c in d)
-        if n == 1:
-            return sum(v for v, _ in d)
-        if n > 1:
-            raise EngineError(f"the engines counted {n:g} first tokens during one live-path probe")
-        if time.monotonic() > deadline:
-            raise EngineError("the engines' TTFT histograms did not count the live-path probe")
-        await asyncio.sleep(0.02)  # another process's counters, polled
 
 
 async def _drained(http: Any, urls: Sequence[str], timeout: float) -> None:
