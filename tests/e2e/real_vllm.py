@@ -116,10 +116,11 @@ LAUNCHER = _Launcher()
 
 class _PriorityLauncher:
     """One more server, under ``--scheduling-policy priority`` and running one sequence at a time
-    (``--max-num-seqs 1``): a request that occupies it keeps every later one waiting, so the order in
-    which the waiting ones run afterwards is the scheduler's, observable without timing. Launched
-    like the pair (at collection, booting while the rest of the suite runs) when a test asks for
-    ``real_vllm_priority``."""
+    (``--max-num-seqs 1``), so the order in which queued requests run is the scheduler's and
+    observable without timing; it logs every request it takes (``--enable-log-requests``: "Added
+    request ..." once the engine core has it), so a test knows what is queued while the engine is
+    paused. Launched like the pair (at collection, booting while the rest of the suite runs) when a
+    test asks for ``real_vllm_priority``."""
 
     def __init__(self) -> None:
         self.server: VllmServer | None = None
@@ -134,7 +135,7 @@ class _PriorityLauncher:
             return
         log_dir = pathlib.Path(tempfile.mkdtemp(prefix="gpuhit-real-vllm-priority-"))
         self.server = make_server(log_dir, "vllm-priority", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                                  scheduling_policy="priority", max_num_seqs=1)
+                                  scheduling_policy="priority", max_num_seqs=1, extra=("--enable-log-requests",))
         self.server.start()
 
     def get(self) -> VllmServer:

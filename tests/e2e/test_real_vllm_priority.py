@@ -1,13 +1,14 @@
 """Request priorities from the gateway to a real vLLM under ``--scheduling-policy priority``.
 
 ``lpwl_auto`` (and every policy whose ``scheduling_policy`` is ``priority``) forwards vLLM's
-per-request ``priority``. On the priority engine of ``real_vllm_priority`` (one running sequence at a
-time) a request sent straight to the engine occupies it; three continuation turns then arrive
-through the gateway in the order newest session first, each seen waiting (vLLM's own
-``num_requests_waiting``) before the next is sent; the occupier is cancelled. Under FCFS they would
-run newest session first; with the session-start priority they run oldest first. Their order is read
-from the streams (one sequence at a time: a turn's first token comes after the previous turn's last),
-never from timings.
+per-request ``priority``. The priority engine of ``real_vllm_priority`` runs one sequence at a time.
+Three sessions start through the gateway oldest first; the engine is paused (vLLM's ``/pause``,
+``mode=keep``: requests queue, none is scheduled); their continuation turns arrive newest session
+first, each seen in the engine's log ("Added request": the engine core has it) before the next is
+sent; the engine resumes. Under FCFS they would run newest session first; with the session-start
+priority they run oldest first. Their order is read from the streams (one sequence at a time: a
+turn's first chunk comes after the previous turn's last, which the same API server and gateway
+relayed first), never from timings.
 
 Under FCFS (the pair) vLLM 0.32 accepts a non-zero priority and ignores it; ``gpuhit serve`` reads
 each engine's scheduling policy from ``/server_info`` and refuses a priority policy in front of FCFS
@@ -23,7 +24,6 @@ from typing import Any
 
 import aiohttp
 
-from engines.vllm.metrics_scrape import parse_prometheus
 from gateway.cli import scheduling_warnings
 from gateway.engine_scheduling import engines_scheduling
 from replayer.cli import main
@@ -53,7 +53,8 @@ async def complete(http: aiohttp.ClientSession, url: str, prompt: list[int], tok
 
 async def stream(http: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int, session: str | None,
                  on_first: Any) -> int:
-    """A streamed completion; ``on_first()`` when its first text chunk arrives; the tokens received."""
+    """A streamed completion; ``on_first()`` when its first chunk arrives (at the latest its last, which
+    carries the finish reason); the tokens received."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     # vLLM gzips an answer for a client that accepts it, and a gzipped stream arrives whole at its end
@@ -81,53 +82,56 @@ async def synced(gw: Any) -> None:
             await asyncio.wait_for(s.synced.wait(), TIMEOUT)
 
 
-async def waiting(http: aiohttp.ClientSession, url: str) -> float:
-    async with http.get(url + "/metrics") as r:
-        samples = parse_prometheus(await r.text())
-    return sum(v for _, v in samples.get("vllm:num_requests_waiting", []))
+def added_requests(server: Any) -> int:
+    """How many requests the engine core has taken so far, from the engine's log."""
+    return server.log_path.read_text(errors="replace").count("Added request ")
 
 
-async def wait_waiting(http: aiohttp.ClientSession, url: str, n: int) -> None:
-    """Until the engine reports ``n`` requests waiting (its gauge, polled)."""
+async def wait_added(server: Any, n: int) -> None:
+    """Until the engine's log counts ``n`` requests taken (its log file, polled)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + TIMEOUT
-    while (w := await waiting(http, url)) != n:
-        assert loop.time() < deadline, f"the engine reports {w} requests waiting, expected {n}"
-        await asyncio.sleep(0.02)  # another process's gauge, polled
+    while (got := added_requests(server)) < n:
+        assert loop.time() < deadline, f"the engine took {got} requests, expected {n}"
+        await asyncio.sleep(0.02)  # another process's log, polled
+
+
+async def queued_while_paused(http: aiohttp.ClientSession, server: Any, gw_url: str,
+                              rng: random.Random) -> tuple[list[str], list[int]]:
+    """Three sessions started oldest first; their continuations queued newest first while the engine
+    is paused, then run: (the order they ran in, the tokens each received)."""
+    sessions = ["s-old", "s-mid", "s-new"]
+    prompts = {s: ids(rng, 64) for s in sessions}
+    order: list[str] = []
+    for s in sessions:  # first turns, one after the other: the sessions start in this order
+        await complete(http, gw_url, prompts[s], 2, session=s)
+    async with http.post(server.url + "/pause", params={"mode": "keep"}) as r:
+        assert r.status == 200, await r.text()
+    turns = []
+    try:
+        base = added_requests(server)
+        for k, s in enumerate(reversed(sessions)):  # continuations, newest session first
+            turns.append(asyncio.ensure_future(stream(http, gw_url, prompts[s] + ids(rng, 32), 8, s,
+                                                      lambda s=s: order.append(s))))
+            await wait_added(server, base + k + 1)
+    finally:
+        async with http.post(server.url + "/resume") as r:
+            assert r.status == 200, await r.text()
+        got = await asyncio.wait_for(asyncio.gather(*turns), TIMEOUT)
+    return order, got
 
 
 def test_forwarded_priorities_order_vllms_queue(real_vllm_priority):
-    url = real_vllm_priority.url
-
     async def run() -> tuple[list[str], list[int]]:
-        rng = random.Random(7)
-        sessions = ["s-old", "s-mid", "s-new"]
-        prompts = {s: ids(rng, 64) for s in sessions}
-        order: list[str] = []
         async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as http,
-                    gateway([url], policy=SESSION_START, timeout=TIMEOUT, name_prefix="p") as (gw, gw_url)):
+                    gateway([real_vllm_priority.url], policy=SESSION_START, timeout=TIMEOUT,
+                            name_prefix="p") as (gw, gw_url)):
             await synced(gw)
-            for s in sessions:  # first turns, one after the other: the sessions start in this order
-                await complete(http, gw_url, prompts[s], 2, session=s)
-            started = asyncio.Event()
-            occupier = asyncio.ensure_future(stream(http, url, ids(rng, 32), 4000, None, started.set))
-            await asyncio.wait_for(started.wait(), TIMEOUT)  # running: every later request waits
-            turns = []
-            for k, s in enumerate(reversed(sessions)):  # continuations, newest session first
-                turns.append(asyncio.ensure_future(stream(http, gw_url, prompts[s] + ids(rng, 32), 8, s,
-                                                          lambda s=s: order.append(s))))
-                await wait_waiting(http, url, k + 1)
-            occupier.cancel()  # the client goes away: vLLM aborts the request and frees the engine
-            try:
-                await occupier
-            except asyncio.CancelledError:
-                pass
-            got = await asyncio.wait_for(asyncio.gather(*turns), TIMEOUT)
-        return order, got
+            return await queued_while_paused(http, real_vllm_priority, gw_url, random.Random(7))
 
     order, tokens = asyncio.run(run())
     assert tokens == [8, 8, 8]
-    # arrival order was s-new, s-mid, s-old (each seen waiting before the next was sent)
+    # arrival order was s-new, s-mid, s-old (each taken by the engine before the next was sent)
     assert order == ["s-old", "s-mid", "s-new"]
 
 
