@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 from gpuhit.errors import ConfigError
 
@@ -181,12 +182,28 @@ def _serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
     )
     cfg = replace(cfg, api_key=api_key(args.api_key, args.api_key_file, os.environ, cfg.api_key)).validate()
+    for warning in scheduling_warnings(cfg.policy, [e.url for e in cfg.engines]):
+        print(f"gpuhit serve: warning: {warning}", file=sys.stderr)
     if cfg.api_key is None and cfg.host not in _LOOPBACK:
         print(f"gpuhit serve: warning: listening on {cfg.host} without an API key: anyone who can reach it may "
               "send requests, reset the engines' caches and read /debug/state (the KV replay socket follows "
               f"--host too); set --api-key-file or ${API_KEY_ENV}", file=sys.stderr)
     run(cfg)
     return 0
+
+
+def scheduling_warnings(policy: Any, urls: list[str]) -> list[str]:
+    """Refuse (ConfigError) a policy that sets request priorities in front of engines known to run
+    FCFS, which would ignore them (gateway/engine_scheduling.py); the warnings for engines that could
+    not say."""
+    from gateway.engine_scheduling import check_scheduling, engines_scheduling, policy_scheduling
+    from gpuhit.vtime import run_live
+
+    needed = policy_scheduling(policy)
+    if needed == "fcfs":
+        return []
+    name = policy if isinstance(policy, str) else str(policy.get("name") or policy.get("type"))
+    return check_scheduling(name, needed, run_live(engines_scheduling(urls)))
 
 
 def vllm_commands(
@@ -233,7 +250,7 @@ def vllm_commands(
     if cpu_bind is not None and (not cpu or len(cpu_bind) != instances):
         raise ConfigError(f"--cpu-bind needs --cpu and one core list per instance ({instances}), got {len(cpu_bind)}")
     # A policy that sets vLLM's per-request priority needs the engines to schedule by it (vLLM
-    # refuses a non-zero priority under its default fcfs).
+    # ignores the priority under its default fcfs, without an error).
     sched = getattr(build(policy), "scheduling_policy", "fcfs")
     if hash_algo in ("xxhash", "xxhash_cbor") and hash_seed is None:
         raise ConfigError(f"--hash-algo {hash_algo} needs --hash-seed: without PYTHONHASHSEED vLLM seeds xxhash "

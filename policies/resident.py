@@ -31,7 +31,7 @@ reason says so.
 arXiv 2511.02230, schedules agent programs): under ``--scheduling-policy priority`` a continuation
 turn of an older session runs before the first turns of newer ones. The engines must run with
 priority scheduling (the simulator sets it when the policy asks; a live vLLM needs the flag, and
-refuses a non-zero priority otherwise).
+ignores the priority otherwise, without an error; ``gpuhit serve`` refuses engines it knows run FCFS).
 """
 
 from __future__ import annotations

@@ -135,8 +135,8 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
     import aiohttp
 
     from analysis.summary import summarize
-    from replayer.calibrate import engine_side, scrape_all
     from replayer.driver import count_requests, replay
+    from replayer.engine_probe import engine_side, scrape_all
     from replayer.live import HttpTarget, probe_gateway
     from replayer.live_gateway import live_gateway
     from replayer.progress import Progress
@@ -264,8 +264,13 @@ def main(args: argparse.Namespace) -> int:
             print(f"gpuhit experiment ab-live: {msg}", file=sys.stderr, flush=True)
 
     if args.engine and sched == "priority":
-        say("a compared policy sets request priorities: the engines must run with --scheduling-policy priority "
-            "(vLLM refuses a non-zero priority otherwise; those requests are counted as failures)")
+        # vLLM under fcfs takes the priorities and ignores them: refuse engines known to run it
+        from gateway.engine_scheduling import check_scheduling, engines_scheduling
+
+        prio = next(p for p in policies if scheduling_policy([p]) == "priority")
+        found = vtime.run_live(engines_scheduling([u.rstrip("/") for u in args.engine]))
+        for warning in check_scheduling(prio, sched, found):
+            say(f"warning: {warning}")
     with started_engines(args, sched, out) as (urls, engine_lines):
         info = vtime.run_live(_engine_infos(urls))
         mml = info["max_model_len"]
@@ -336,7 +341,7 @@ async def _engine_infos(urls: Sequence[str]) -> dict[str, Any]:
     """The engines' capacity (all must agree): what simulation gives its emulated engines."""
     import aiohttp
 
-    from replayer.calibrate import engine_info
+    from replayer.engine_probe import engine_info
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         infos = [await engine_info(http, u) for u in urls]

@@ -24,10 +24,13 @@ sides) to say which part of the model the gap comes from:
   gap in that 10%);
 * **live path** (runs that read the engines' own histograms back): the client's mean TTFT minus the
   engines' (vLLM's TTFT starts when its API server receives the request) is what the replayer, the
-  gateway and HTTP add; the emulated path is the profile's measured direct-client path plus, unless
-  ``--no-live-path``, the gateway's addition (``fit.live_path``, measured by ``gpuhit profile fit``),
-  which is added to the emulated frontend delay. Their difference, as a share of the real TTFT, and
-  the engine-side TTFT sim/real (the sim's TTFT less its modeled path) split the TTFT error.
+  gateway and HTTP add; the emulated path is the profile's measured direct-client path (held by its
+  frontend delay) plus the live-path model of :mod:`replayer.live_path` (``--live-path``): by default
+  the path measured by ``gpuhit profile fit`` at several counts of requests in flight at the gateway,
+  applied to each simulated request at the count it meets; ``constant``: the lone pairs' gateway
+  addition for every request; ``none``: no gateway. Their difference, as a share of the real TTFT,
+  and the engine-side TTFT sim/real (the sim's TTFT less its modeled path) split the TTFT error; the
+  mean in-flight count each side's requests met is reported beside them.
 
 The component furthest from agreement is named as the main one.
 """
@@ -51,42 +54,65 @@ METRICS = ("latency_mean", "latency_p50", "latency_p90", "latency_p99", "ttft_p5
 # the medians too: where policies differ by less than the run-to-run spread of a tail metric, the
 # typical request's ranking is the one the two sides can agree on
 RANK_BY = ("latency_mean", "latency_p50", "latency_p90", "ttft_p50", "ttft_p90")
-PATH_KEYS = ("ttft_real_s", "path_real_s", "path_model_s", "engine_ttft_real_s", "engine_ttft_sim_s")
+PATH_KEYS = ("ttft_real_s", "path_real_s", "path_model_s", "engine_ttft_real_s", "engine_ttft_sim_s", "in_flight_real",
+             "in_flight_sim")
 GAP_KEYS = ("median_gap_s", "mean_gap_s", "tail_gap_share")
 
 
-def live_path(profile: Any, model_gateway: bool = True) -> tuple[Any, dict[str, float]]:
-    """The profile the sim runs with (its frontend delay plus the gateway's measured addition, when
-    ``model_gateway`` and the fit measured it) and the emulated live path: ``{"direct_s",
-    "gateway_s", "total_s"}`` (nan where the profile's fit did not measure it)."""
-    import dataclasses
+LIVE_PATH_MODES = ("in-flight", "constant", "none")
 
+
+def live_path(profile: Any, mode: str = "in-flight") -> tuple[Any, dict[str, Any]]:
+    """The live-path model the sim applies at the gateway (None for ``none`` or a profile that never
+    measured it) and its summary: ``{"mode", "direct_s", "points": [[in_flight, extra_s], ...]}``
+    (``direct_s`` nan where the fit did not measure it)."""
+    from replayer.live_path import from_fit
+
+    if mode not in LIVE_PATH_MODES:
+        raise ConfigError(f"--live-path must be one of {', '.join(LIVE_PATH_MODES)}, got {mode!r}")
     lp = (profile.fit or {}).get("live_path") or {}
-    direct = float(lp.get("direct_path_s", math.nan))
-    gw = float(lp.get("gateway_ttft_s", math.nan)) if model_gateway else 0.0
-    if model_gateway and not math.isnan(gw):
-        profile = dataclasses.replace(profile, frontend_overhead_s=profile.frontend_overhead_s + max(gw, 0.0))
-    return profile, {"direct_s": direct, "gateway_s": gw, "total_s": direct + (0.0 if math.isnan(gw) else max(gw, 0.0))}
+    model = None if mode == "none" else from_fit(lp, by_in_flight=mode == "in-flight")
+    return model, {"mode": mode if model is not None or mode == "none" else "none",
+                   "direct_s": float(lp.get("direct_path_s", math.nan)),
+                   "points": [list(p) for p in model.points] if model is not None else []}
 
 
-def path_attribution(real: Any, sim: Any, engine_side: Mapping[str, float] | None, modeled_path: float) -> dict[str, float]:
+def modeled_path(model: Any, direct_s: float, sim: Any) -> tuple[float, float]:
+    """(mean modeled path, mean in-flight count at arrival) over a simulated run's requests: the direct
+    path plus the model's delay at the count each request met."""
+    from replayer.live_path import in_flight_at_arrival
+
+    s = sim[sim["error"].astype(str) == ""]
+    k = in_flight_at_arrival(s["arrival"].to_numpy(), s["finish"].to_numpy())
+    extra = float(np.mean([model(int(x)) for x in k])) if model is not None and len(k) else 0.0
+    return direct_s + extra, float(k.mean()) if len(k) else math.nan
+
+
+def path_attribution(real: Any, sim: Any, engine_side: Mapping[str, float] | None, modeled_path: float,
+                     in_flight_sim: float = math.nan) -> dict[str, float]:
     """One run's TTFT split: the real live path (client mean TTFT minus the engines'), the modeled one,
-    and the engine-side TTFT on each side (the sim's is its TTFT less the modeled path)."""
+    the engine-side TTFT on each side (the sim's is its TTFT less the modeled path) and the mean
+    in-flight count at arrival on each side."""
+    from replayer.live_path import in_flight_at_arrival
+
     if not engine_side or not engine_side.get("n") or math.isnan(modeled_path):
         return {}
     r, s = _frame_key(real), _frame_key(sim)
     ttft_r = float((r["first_token"] - r["arrival"]).mean())
     ttft_s = float((s["first_token"] - s["arrival"]).mean())
+    k_real = in_flight_at_arrival(r["arrival"].to_numpy(), r["finish"].to_numpy())
     return {"ttft_real_s": ttft_r, "path_real_s": ttft_r - float(engine_side["ttft"]), "path_model_s": modeled_path,
-            "engine_ttft_real_s": float(engine_side["ttft"]), "engine_ttft_sim_s": ttft_s - modeled_path}
+            "engine_ttft_real_s": float(engine_side["ttft"]), "engine_ttft_sim_s": ttft_s - modeled_path,
+            "in_flight_real": float(k_real.mean()) if len(k_real) else math.nan, "in_flight_sim": in_flight_sim}
 
 
 def simulate_run(spec: Mapping[str, Any], engines: Mapping[str, Any], trace: Any, profile: Any, policy: str,
-                 seed: int, rate: float) -> Any:
-    """One simulated run of a live experiment's (policy, seed, rate) with the engines' real capacity."""
+                 seed: int, rate: float, live_path: Any = None) -> Any:
+    """One simulated run of a live experiment's (policy, seed, rate) with the engines' real capacity
+    and, when given, the live path's delay at the gateway (:mod:`replayer.live_path`)."""
     from replayer.simulate import simulate
 
-    return simulate(trace, policy, instances=int(engines["count"]), profile=profile, arrival="poisson",
+    return simulate(trace, policy, instances=int(engines["count"]), profile=profile, arrival="poisson", live_path=live_path,
                     session_rate=rate, time_scale=spec.get("time_scale", 1.0), think_time_scale=spec["think_scale"],
                     max_think_time=spec["max_think"],
                     seed=seed, block_size=int(spec["block_size"]), progress=False,
@@ -162,8 +188,10 @@ def explain(apc_diff: float, att: Mapping[str, float]) -> str:
             f"hit prediction off by a block or more on {att.get('live_mispredicted_share', math.nan) * 100:.0f}%, APC "
             f"{apc_diff * 100:+.1f} pp; same-hit TTFT sim/real {att.get('same_hit_ttft_ratio', math.nan):.2f}; "
             f"TPOT sim/real {att.get('tpot_ratio', math.nan):.2f}" + (
-                f"; live path real {att['path_real_s'] * 1e3:.0f} ms / modeled {att['path_model_s'] * 1e3:.0f} ms, "
-                f"engine-side TTFT sim/real {att['engine_ttft_sim_s'] / att['engine_ttft_real_s']:.2f}"
+                f"; live path real {att['path_real_s'] * 1e3:.0f} ms / modeled {att['path_model_s'] * 1e3:.0f} ms "
+                f"(in flight at arrival real {att.get('in_flight_real', math.nan):.1f} / sim "
+                f"{att.get('in_flight_sim', math.nan):.1f}), engine-side TTFT sim/real "
+                f"{att['engine_ttft_sim_s'] / att['engine_ttft_real_s']:.2f}"
                 if att.get("engine_ttft_real_s", 0) > 0 else "") + (
                 f"; paired latency gap real - sim median {att['median_gap_s'] * 1e3:+.0f} ms, mean "
                 f"{att['mean_gap_s'] * 1e3:+.0f} ms, {att['tail_gap_share'] * 100:.0f}% of the absolute gap in the 10% "
@@ -272,8 +300,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--live", required=True, metavar="DIR", help="a `gpuhit experiment ab-live` folder")
     p.add_argument("--profile", required=True, metavar="FILE.json[#NAME]", help="the fitted profile (gpuhit profile fit)")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default DIR/sim-vs-real)")
-    p.add_argument("--no-live-path", action="store_true",
-                   help="do not add the gateway's measured delay (the profile's fit.live_path) to the emulated frontend")
+    p.add_argument("--live-path", choices=LIVE_PATH_MODES, default="in-flight",
+                   help="the live path's delay at the gateway (the profile's fit.live_path): in-flight (default: "
+                        "measured per count of requests in flight, constant where the fit has only lone pairs), "
+                        "constant (the lone pairs' gateway addition), none")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)
@@ -290,7 +320,8 @@ def main(args: argparse.Namespace) -> int:
     if not exp_path.exists():
         raise ConfigError(f"{live} is not a `gpuhit experiment ab-live` folder (no experiment.json)")
     exp = json.loads(exp_path.read_text(encoding="utf-8"))
-    profile, path = live_path(load_profile(args.profile), not args.no_live_path)
+    profile = load_profile(args.profile)
+    path_model, path = live_path(profile, args.live_path)
     spec, engines, policies = exp["trace"], exp["engines"], exp["policies"]
     if profile.block_size != int(spec["block_size"]):
         raise ConfigError(f"the profile's block size {profile.block_size} is not the engines' {spec['block_size']}")
@@ -300,8 +331,9 @@ def main(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"live": str(live), "profile": args.profile, "live_path": path, "rates": {}}
     md = [f"# Simulated vs real: {live}", "", (f"profile `{args.profile}`; engines {engines['count']} x "
           f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}; "
-          f"emulated live path {path['total_s'] * 1e3:.1f} ms (direct client {path['direct_s'] * 1e3:.1f} ms + "
-          f"gateway {path['gateway_s'] * 1e3:.1f} ms{', not modeled' if args.no_live_path else ''})"), ""]
+          f"emulated live path: direct client {path['direct_s'] * 1e3:.1f} ms (the frontend delay) + at the gateway "
+          f"({path['mode']}, ms by requests in flight) "
+          f"{', '.join(f'{k}: {v * 1e3:.1f}' for k, v in path['points']) or 'nothing'}"), ""]
     for rate in exp["rates"]:
         folder = live / rate_label(rate)
         if not (folder / "runs").exists():
@@ -313,11 +345,12 @@ def main(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"gpuhit experiment sim-vs-real: simulating {rate:g}/s {pol} seed {seed}", file=sys.stderr,
                       flush=True)
-            res = simulate_run(spec, engines, trace, profile, pol, seed, rate)
+            res = simulate_run(spec, engines, trace, profile, pol, seed, rate, live_path=path_model)
             sim_runs.append(res.summary())
             real_df, sim_df = read_records(lr["records"]), records_to_frame(res.records)
             att = attribution(real_df, sim_df, int(spec["block_size"]))
-            att.update(path_attribution(real_df, sim_df, lr.get("engine_side"), path["total_s"]))
+            att.update(path_attribution(real_df, sim_df, lr.get("engine_side"),
+                                        *modeled_path(path_model, path["direct_s"], sim_df)))
             atts.setdefault(pol, []).append(att)
             for df, side in ((real_df, "real"), (sim_df, "sim")):
                 ok = df[df["error"].astype(str) == ""]

@@ -97,19 +97,35 @@ class SimTarget:
     computed for this very request, so counting it would report PD's 100% as reuse.
     """
 
-    def __init__(self, router: Any, synth: Any, max_model_len: int | None = None):
+    def __init__(self, router: Any, synth: Any, max_model_len: int | None = None,
+                 live_path: Callable[[int], float] | None = None):
         from gateway.router import RouteRequest
 
         self._RouteRequest = RouteRequest
         self.router = router
         self.synth = synth
+        # the live path's delay given the requests in flight here (replayer/live_path.py); None: none
+        self.live_path = live_path
+        self.in_flight = 0
         # As the live gateway does: the smallest engine max_model_len (None: no limit known).
         lens = [m for e in router.engines if isinstance(m := getattr(e, "max_model_len", None), int)]
         self.max_model_len = max_model_len if max_model_len is not None else (min(lens) if lens else None)
 
     async def submit(self, req: TurnRequest) -> RequestRecord:
+        if self.live_path is None:
+            return await self._submit(req, asyncio.get_running_loop().time())
+        sent = asyncio.get_running_loop().time()
+        delay = self.live_path(self.in_flight)
+        self.in_flight += 1
+        try:
+            if delay > 0:
+                await asyncio.sleep(delay)  # the path from the client through the gateway, in virtual time
+            return await self._submit(req, sent)
+        finally:
+            self.in_flight -= 1
+
+    async def _submit(self, req: TurnRequest, sent: float) -> RequestRecord:
         loop = asyncio.get_running_loop()
-        sent = loop.time()
         s, k = req.session, req.turn_index
         turn = s.turns[k]
         try:
@@ -218,6 +234,7 @@ def simulate(
     label: str | None = None,
     synth: Any = None,
     replicas: Any = None,
+    live_path: Callable[[int], float] | None = None,
 ) -> RunResult:
     """Replay ``trace`` on ``instances`` simulated engines under ``policy`` in virtual time.
 
@@ -235,6 +252,8 @@ def simulate(
     that vLLM's exact hashes give, faster).
     ``replicas``: a :class:`~replayer.replicas.ReplicaConfig` to route through K gateway replicas
     (None or one replica: the single router).
+    ``live_path``: seconds a request spends on the live path before the gateway routes it, given the
+    requests in flight there (:class:`~replayer.live_path.LivePathModel`; None: no such path).
     """
     from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
     from gateway.kv_index_chain import ChainIdKVIndex
@@ -300,7 +319,7 @@ def simulate(
                                     make_index, index == "precise", seed, block_size=block_size, roles=roles)
         else:
             router = Router(engines, pol, index=make_index(engines), block_size=block_size, roles=roles)
-        target = SimTarget(router, synth)
+        target = SimTarget(router, synth, live_path=live_path)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 

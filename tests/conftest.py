@@ -20,17 +20,25 @@ def shared_traces() -> pathlib.Path:
 
 
 REAL_VLLM_FIXTURE = "real_vllm_pair"
+REAL_VLLM_PRIORITY_FIXTURE = "real_vllm_priority"
+# each real-vLLM fixture and the launcher (tests/e2e/real_vllm.py) that boots its servers
+_REAL_VLLM_LAUNCHERS = {REAL_VLLM_FIXTURE: "LAUNCHER", REAL_VLLM_PRIORITY_FIXTURE: "PRIORITY_LAUNCHER"}
 
 
 def pytest_collection_modifyitems(session, config, items):
     """Tests on real vLLM go last, and their servers start booting now (1-3.5 min) while the rest runs."""
-    real = [it for it in items if REAL_VLLM_FIXTURE in getattr(it, "fixturenames", ())]
+    def uses(it, fixture):
+        return fixture in getattr(it, "fixturenames", ())
+
+    real = [it for it in items if any(uses(it, f) for f in _REAL_VLLM_LAUNCHERS)]
     if not real:
         return
-    items[:] = [it for it in items if REAL_VLLM_FIXTURE not in getattr(it, "fixturenames", ())] + real
-    from tests.e2e.real_vllm import LAUNCHER
+    items[:] = [it for it in items if it not in real] + real
+    from tests.e2e import real_vllm
 
-    LAUNCHER.launch()
+    for fixture, launcher in _REAL_VLLM_LAUNCHERS.items():
+        if any(uses(it, fixture) for it in real):
+            getattr(real_vllm, launcher).launch()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -38,7 +46,8 @@ def pytest_sessionfinish(session, exitstatus):
 
     mod = sys.modules.get("tests.e2e.real_vllm")
     if mod is not None:
-        mod.LAUNCHER.shutdown()
+        for launcher in _REAL_VLLM_LAUNCHERS.values():
+            getattr(mod, launcher).shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +57,18 @@ def real_vllm_pair():
 
     try:
         return LAUNCHER.get()
+    except LookupError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def real_vllm_priority():
+    """One real vLLM server under ``--scheduling-policy priority`` with ``--max-num-seqs 1`` (see
+    tests/e2e/real_vllm.py); skips with one line without the vLLM venv."""
+    from tests.e2e.real_vllm import PRIORITY_LAUNCHER
+
+    try:
+        return PRIORITY_LAUNCHER.get()
     except LookupError as e:
         pytest.skip(str(e))
 

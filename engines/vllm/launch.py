@@ -85,7 +85,7 @@ def serve_args(model: str | os.PathLike[str], *, port: int, kv_events_port: int 
     token details on so ``usage.prompt_tokens_details.cached_tokens`` is reported).
 
     ``scheduling_policy`` "priority" is what a policy that sets per-request priorities needs (vLLM
-    refuses a non-zero priority under "fcfs"); requests without one all get priority 0 and run in
+    accepts the field under "fcfs" and ignores it); requests without one all get priority 0 and run in
     arrival order, as under "fcfs"."""
     args = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host,
             "--port", str(port), "--block-size", str(block_size), "--max-model-len", str(max_model_len),

@@ -1,4 +1,5 @@
-"""Two real vLLM servers (CPU build, tiny dummy-weight model) shared by every real-vLLM test in a run.
+"""Two real vLLM servers (CPU build, tiny dummy-weight model) shared by every real-vLLM test in a run,
+and a third under vLLM's priority scheduler for the tests of request priorities.
 
 Start-up takes 1-3.5 minutes, so ``tests/conftest.py`` launches the pair as soon as collection finds a
 test that asks for the ``real_vllm_pair`` fixture and moves those tests to the end of the run: the
@@ -111,3 +112,46 @@ class _Launcher:
 
 
 LAUNCHER = _Launcher()
+
+
+class _PriorityLauncher:
+    """One more server, under ``--scheduling-policy priority`` and running one sequence at a time
+    (``--max-num-seqs 1``), so the order in which queued requests run is the scheduler's and
+    observable without timing; it logs every request it takes (``--enable-log-requests``: "Added
+    request ..." once the engine core has it), so a test knows what is queued while the engine is
+    paused. Launched like the pair (at collection, booting while the rest of the suite runs) when a
+    test asks for ``real_vllm_priority``."""
+
+    def __init__(self) -> None:
+        self.server: VllmServer | None = None
+        self.error: str | None = None
+        self.ready = False
+
+    def launch(self) -> None:
+        if self.server is not None or self.error is not None:
+            return
+        if vllm_python() is None:
+            self.error = missing_reason()
+            return
+        log_dir = pathlib.Path(tempfile.mkdtemp(prefix="gpuhit-real-vllm-priority-"))
+        self.server = make_server(log_dir, "vllm-priority", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                                  scheduling_policy="priority", max_num_seqs=1, extra=("--enable-log-requests",))
+        self.server.start()
+
+    def get(self) -> VllmServer:
+        """The ready server; raises ``LookupError`` with the reason when there is none."""
+        self.launch()
+        if self.error is not None:
+            raise LookupError(self.error)
+        assert self.server is not None
+        if not self.ready:
+            self.server.wait_ready()
+            self.ready = True
+        return self.server
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+PRIORITY_LAUNCHER = _PriorityLauncher()

@@ -1,9 +1,11 @@
 """The live A/B path end to end on the real vLLM pair (``real_vllm_pair``), small:
 
-1. ``gpuhit profile fit`` measures both engines and writes a profile with their real capacity;
+1. ``gpuhit profile fit`` measures both engines and writes a profile with their real capacity and the
+   live path (lone pairs, and probes with other requests in flight through a gateway);
 2. ``gpuhit experiment ab-live`` runs two policies x two seeds through an in-process gateway, each run
    from cold caches (the pair runs with ``VLLM_SERVER_DEV_MODE=1``), and resumes without rerunning;
-3. ``gpuhit experiment sim-vs-real`` replays the same runs in virtual time with the fitted profile.
+3. ``gpuhit experiment sim-vs-real`` replays the same runs in virtual time with the fitted profile and
+   its live-path model.
 
 Every report field is checked for presence and consistency; no timing is asserted.
 """
@@ -36,7 +38,8 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     prof_path = tmp_path / "fitted.json"
     fit = _json(capsys, ["profile", "fit", *engines, "--out", str(prof_path), "--max-num-batched-tokens", "2048",
                          "--max-num-seqs", "128", "--points", "3", "--repeats", "1", "--batches", "1,2",
-                         "--decode-tokens", "4", "--hold-out-every", "2", "--gateway-pairs", "4", "--json"])
+                         "--decode-tokens", "4", "--hold-out-every", "2", "--gateway-pairs", "4",
+                         "--path-in-flight", "0,2", "--json"])
     info = fit["engine"]
     assert (info["block_size"], info["max_model_len"]) == (real_vllm_pair.block_size, real_vllm_pair.max_model_len)
     prof = load_profile(f"{prof_path}#fitted")
@@ -49,7 +52,12 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     # the live path: a direct client's HTTP path, and a gateway's addition measured in pairs
     lp = fit["live_path"]
     assert lp["pairs"] == 4 and all(math.isfinite(lp[k]) for k in ("direct_path_s", "gateway_ttft_s", "gateway_e2e_s"))
-    assert prof.fit["live_path"] == pytest.approx(lp)
+    # and with other requests streaming through the gateway: 4 probes at each count asked for
+    assert [(r["in_flight"], r["n"]) for r in lp["by_in_flight"]] == [(0, 4), (2, 4)]
+    assert all(math.isfinite(r["path_s"]) for r in lp["by_in_flight"])
+    assert prof.fit["live_path"]["by_in_flight"] == lp["by_in_flight"]
+    assert {k: v for k, v in prof.fit["live_path"].items() if k != "by_in_flight"} == pytest.approx(
+        {k: v for k, v in lp.items() if k != "by_in_flight"})
     # one fitted shape per (new, context) / (batch, context): the median of its probes on both engines
     assert 0 < sum(fit["probes"].values()) <= len(prof.fit["measurements"]["prefill"]) + len(
         prof.fit["measurements"]["decode"])
@@ -96,7 +104,12 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
         assert set(v["load_real"]) <= {"gpu0", "gpu1"} and sum(v["load_sim"].values()) == pytest.approx(1.0)
         assert 0 <= v["attribution"]["hit_mismatch_share"] <= 1 and v["explained_by"]
         att = v["attribution"]
-        assert att["path_model_s"] == pytest.approx(svr["live_path"]["total_s"]) and att["engine_ttft_real_s"] > 0
+        # the modeled path: the direct one plus the in-flight model's delay at the counts the sim's requests met
+        assert svr["live_path"]["mode"] == "in-flight" and [k for k, _ in svr["live_path"]["points"]] == [0, 2]
+        extra = [x for _, x in svr["live_path"]["points"]]
+        assert (svr["live_path"]["direct_s"] + min(extra) - 1e-9 <= att["path_model_s"]
+                <= svr["live_path"]["direct_s"] + max(extra) + 1e-9) and att["engine_ttft_real_s"] > 0
+        assert att["in_flight_real"] >= 0 and att["in_flight_sim"] >= 0
         assert att["ttft_real_s"] == pytest.approx(att["path_real_s"] + att["engine_ttft_real_s"])
         assert (out / "sim-vs-real" / f"cdf-{label}-{pol}.png").stat().st_size > 0
     for key in RANK_BY:

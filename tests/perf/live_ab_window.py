@@ -5,7 +5,7 @@ of 32 tokens), fits the emulator profile on them (``gpuhit profile fit``), runs 
 ab-live`` at the load where queues form (all policies, paired seeds), one repeated seed, the light
 load as far as the time allows, and a second fit at the end (does the profile hold over the window?),
 then stops the engines, whatever happens, by ``--stop-at``. ``gpuhit experiment sim-vs-real`` runs
-afterwards (virtual time: no engines, no priority needed).
+afterwards (virtual time: no engines, no priority needed), with each ``--live-path`` model to compare.
 
 Why it raises the CPU priority of its *sessions* and not only its processes' nice value: with
 ``kernel.sched_autogroup_enabled=1`` (the default on many distributions) the scheduler first shares a
@@ -43,8 +43,9 @@ POLICIES = "round_robin,least_request,lmetric,linear,lpwl,lpwl_resident,lpwl_res
 REFERENCE = "lpwl_auto"
 TRACE = ["--max-sessions", "8", "--max-turns", "4", "--max-prompt", "1800", "--max-output", "16", "--max-think", "2",
          "--time-scale", "0.05"]
+# the live path is probed alone and with 1-8 other requests streaming through a gateway (replayer/live_path.py)
 FIT = ["--name", "cpu-prefill-model", "--max-num-batched-tokens", "2048", "--max-num-seqs", "128",
-       "--kv-bytes-per-token", "4096"]
+       "--kv-bytes-per-token", "4096", "--path-in-flight", "0,1,2,4,8"]
 GPUHIT = [str(pathlib.Path(sys.executable).with_name("gpuhit"))]
 
 

@@ -7,8 +7,17 @@ import math
 import pytest
 
 from engines.emulated.profile import load_profile
+from gpuhit.errors import ConfigError
 from replayer.records import RequestRecord, records_to_frame
-from replayer.sim_vs_real import METRICS, attribution, compare_rate, kendall, live_path, path_attribution
+from replayer.sim_vs_real import (
+    METRICS,
+    attribution,
+    compare_rate,
+    kendall,
+    live_path,
+    modeled_path,
+    path_attribution,
+)
 
 
 def recs(hits, ttft, tpot, out=5, predicted=None):
@@ -60,19 +69,32 @@ def test_compare_rate_reports_every_field_per_policy():
         assert r["real"] == r["sim"] == ["lpwl", "rr"] and r["kendall_tau"] == pytest.approx(1.0) and r["same_best"]
 
 
-def test_the_live_path_splits_ttft_into_path_and_engine_and_the_gateway_joins_the_frontend():
+def test_the_live_path_model_by_mode_and_the_ttft_split_into_path_and_engine():
     import dataclasses
 
+    fit = {"direct_path_s": 0.004, "gateway_ttft_s": 0.006,
+           "by_in_flight": [{"in_flight": 0, "path_s": 0.010, "n": 3}, {"in_flight": 4, "path_s": 0.044, "n": 3}]}
     prof = dataclasses.replace(load_profile("qwen3-coder-30b-a3b@h20"), frontend_overhead_s=0.01,
-                               fit={"live_path": {"direct_path_s": 0.004, "gateway_ttft_s": 0.006}})
-    with_gw, path = live_path(prof)
-    assert with_gw.frontend_overhead_s == pytest.approx(0.016) and path["total_s"] == pytest.approx(0.010)
-    without, path0 = live_path(prof, model_gateway=False)
-    assert without.frontend_overhead_s == 0.01 and path0 == {"direct_s": 0.004, "gateway_s": 0.0, "total_s": 0.004}
-    assert math.isnan(live_path(load_profile("qwen3-coder-30b-a3b@h20"))[1]["total_s"])  # never measured
+                               fit={"live_path": fit})
+    model, path = live_path(prof)
+    assert path["mode"] == "in-flight" and path["direct_s"] == 0.004
+    assert [k for k, _ in path["points"]] == [0, 4] and [v for _, v in path["points"]] == pytest.approx([0.006, 0.040])
+    const, path_c = live_path(prof, "constant")
+    assert const.points == ((0, 0.006),) and path_c["mode"] == "constant"
+    assert live_path(prof, "none") == (None, {"mode": "none", "direct_s": 0.004, "points": []})
+    unmeasured, path_u = live_path(load_profile("qwen3-coder-30b-a3b@h20"))
+    assert unmeasured is None and path_u["mode"] == "none" and math.isnan(path_u["direct_s"])
+    with pytest.raises(ConfigError):
+        live_path(prof, "sometimes")
+    # two simulated requests: the second arrives while the first is in flight
+    sim = records_to_frame([RequestRecord(session="s", turn=i, arrival=a, first_token=a + 0.1, finish=a + 0.2)
+                            for i, a in enumerate((0.0, 0.05))])
+    assert modeled_path(model, 0.004, sim) == pytest.approx((0.004 + (0.006 + 0.0145) / 2, 0.5))
+    assert modeled_path(None, 0.004, sim) == pytest.approx((0.004, 0.5))
     real = recs([0, 0], [0.2, 0.4], [0.01, 0.01])
     sim = recs([0, 0], [0.1, 0.3], [0.01, 0.01])
-    a = path_attribution(real, sim, {"n": 2, "ttft": 0.25}, 0.01)
+    a = path_attribution(real, sim, {"n": 2, "ttft": 0.25}, 0.01, 0.5)
     assert a["ttft_real_s"] == pytest.approx(0.3) and a["path_real_s"] == pytest.approx(0.05)
     assert a["engine_ttft_sim_s"] == pytest.approx(0.19) and a["path_model_s"] == 0.01
+    assert a["in_flight_real"] == 0.5 and a["in_flight_sim"] == 0.5  # both arrive at 0: the second meets the first
     assert path_attribution(real, sim, None, 0.01) == {} and path_attribution(real, sim, {"n": 2, "ttft": 0.2}, math.nan) == {}

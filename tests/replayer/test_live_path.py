@@ -1,0 +1,62 @@
+"""The live path's model (replayer/live_path.py) and where the simulator applies it (SimTarget)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.fake import FakeEngine
+from gpuhit.errors import ConfigError
+from replayer.live_path import LivePathModel, from_fit, in_flight_at_arrival
+from replayer.simulate import simulate
+from replayer.trace import Session, Trace, Turn
+
+
+def test_the_model_interpolates_between_measured_counts_and_stays_flat_outside():
+    m = LivePathModel(((0, 0.002), (2, 0.010), (4, 0.030)))
+    assert [m(k) for k in (0, 1, 2, 3, 4, 9)] == pytest.approx([0.002, 0.006, 0.010, 0.020, 0.030, 0.030])
+    assert LivePathModel(((1, 0.005),))(0) == 0.005 and LivePathModel(((1, 0.005),)).constant
+    for bad in ((), ((2, 0.0), (1, 0.0)), ((0, -0.001),), ((0, float("nan")),)):
+        with pytest.raises(ConfigError):
+            LivePathModel(bad)
+
+
+def test_the_profile_gives_the_in_flight_model_or_the_constant_one():
+    fit = {"direct_path_s": 0.004, "gateway_ttft_s": 0.002,
+           "by_in_flight": [{"in_flight": 0, "path_s": 0.003, "n": 4}, {"in_flight": 2, "path_s": 0.024, "n": 4}]}
+    # the path beyond the direct one (which the frontend delay holds); below it (noise) counts as 0
+    m = from_fit(fit)
+    assert [k for k, _ in m.points] == [0, 2] and [s for _, s in m.points] == pytest.approx([0.0, 0.020])
+    assert from_fit(fit, by_in_flight=False).points == ((0, 0.002),)  # the lone pairs' gateway addition
+    assert from_fit({"direct_path_s": 0.004, "gateway_ttft_s": -0.003}).points == ((0, 0.0),)
+    assert from_fit({"direct_path_s": 0.004}) is None and from_fit(None) is None
+
+
+def test_in_flight_at_arrival_counts_the_others_not_yet_finished():
+    #            a: 0-5   b: 1-2   c: 2-6   d: 3-4   e: 7-8
+    arrival = [0.0, 1.0, 2.0, 3.0, 7.0]
+    finish = [5.0, 2.0, 6.0, 4.0, 8.0]
+    assert in_flight_at_arrival(arrival, finish).tolist() == [0, 1, 1, 2, 0]  # c: b finished at 2 exactly
+    assert in_flight_at_arrival([3.0, 0.0], [4.0, 5.0]).tolist() == [1, 0]  # any order
+
+
+def t(n, think=0.0, out=4):
+    return Turn(n, out, (1,), think_time=think)
+
+
+def fake(name, i, registry):
+    return FakeEngine(name, prefill_s_per_token=1e-4, decode_s_per_token=1e-2)
+
+
+def test_the_simulator_delays_each_request_by_the_path_at_the_count_it_meets():
+    trace = Trace("t", "native", (Session("a", (t(100),), 64, "a"), Session("b", (t(100),), 64, "b", arrival=0.01),
+                                  Session("c", (t(100),), 64, "c", arrival=1.0)))
+    base = simulate(trace, "round_robin", instances=2, engine_factory=fake, progress=False)
+    model = LivePathModel(((0, 0.005), (1, 0.5)))
+    got = simulate(trace, "round_robin", instances=2, engine_factory=fake, progress=False, live_path=model)
+    ttft = {r.session: r.first_token - r.arrival for r in got.records}
+    ttft0 = {r.session: r.first_token - r.arrival for r in base.records}
+    # a arrives alone, b while a is in flight, c after both finished
+    assert ttft["a"] - ttft0["a"] == pytest.approx(0.005)
+    assert ttft["b"] - ttft0["b"] == pytest.approx(0.5)
+    assert ttft["c"] - ttft0["c"] == pytest.approx(0.005)
+    assert [r.arrival for r in got.records] == [r.arrival for r in base.records]  # the client's send time
