@@ -32,6 +32,11 @@ the same routing history:
   :attr:`SessionResidency.service_p90_s`): the observed time a request takes here, queueing
   included, the scale of the priority's aging.
 
+* **Prefill work.** The mean, over every request routed so far, of the prefill it was sent to do
+  (:attr:`SessionResidency.prefill_work_mean`, in the unit of ``policies/costmodel.py``'s
+  ``prefill_work_tokens``: the uncached tokens plus their attention term): the size of the prefill
+  that the next request will bring, on average, wherever it is placed.
+
 Everything here is routing history (session ids, prompt lengths, finish times), which a real
 gateway in front of vLLM has; nothing reads engine internals.
 """
@@ -51,8 +56,8 @@ _SERVICE_KEPT = 512  # finished turns whose service time the median is taken ove
 class SessionResidency:
     """Session -> (instance, context blocks, in-flight count, last finish) and the live window."""
 
-    __slots__ = ("_arrived", "_finishes", "_gaps", "_idle_since", "_n_gaps", "_n_service", "_returns", "_service",
-                 "_sessions", "_started", "_turns", "service_p90_s", "service_s", "window_s")
+    __slots__ = ("_arrived", "_finishes", "_gaps", "_idle_since", "_n_gaps", "_n_service", "_n_work", "_returns",
+                 "_service", "_sessions", "_started", "_turns", "_work_sum", "service_p90_s", "service_s", "window_s")
 
     def __init__(self) -> None:
         # session -> [instance, blocks, in_flight, idle_since (None while in flight)]
@@ -75,6 +80,9 @@ class SessionResidency:
         self._n_service = 0
         self.service_s: float | None = None
         self.service_p90_s: float | None = None
+        # Prefill work of every routed request: running sum and count (the mean needs no window).
+        self._work_sum = 0
+        self._n_work = 0
 
     def started_at(self, session: str | None) -> float | None:
         """When the gateway first saw ``session`` (None: never, or no session id)."""
@@ -121,6 +129,17 @@ class SessionResidency:
             e[3] = now
             self._idle_since[session] = now
             self._finishes[0 if self._turns.get(session, 1) <= 1 else 1] += 1
+
+    def on_prefill_routed(self, work: int) -> None:
+        """A request was routed with ``work`` of prefill to do (its target's, plus its producer
+        step's for a KV-moving action), in prefill-work tokens."""
+        self._work_sum += work
+        self._n_work += 1
+
+    @property
+    def prefill_work_mean(self) -> float | None:
+        """Mean prefill work per routed request so far (None before the first)."""
+        return self._work_sum / self._n_work if self._n_work else None
 
     def return_rate(self, after_first_turn: bool) -> float:
         """The observed share of idle sessions that sent another turn, after their first turn or
