@@ -237,9 +237,9 @@ class Router:
         view = RequestView(req.request_id, req.prompt_len, len(req.block_hashes), bs, req.max_tokens,
                            req.session_id, req.parent_session, req.turn, next(self._seq))
         session = req.session_id
-        # the observed service time (median, p90) and mean prefill work, for the policies that read them
+        # the observed service time (median, p90) and median prefill work, for the policies that read them
         obs = ((res.service_s, res.service_p90_s) if reads_residency else (None, None)) + (
-            res.prefill_work_mean if self.prices_work else None,)
+            res.prefill_work_median if self.prices_work else None,)
         if session is None:  # no binding, migration or start to look up
             return Snapshot(now, view, tuple(states), None, None, None, *obs)
         b = self.bindings
