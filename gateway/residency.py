@@ -32,6 +32,13 @@ the same routing history:
   :attr:`SessionResidency.service_p90_s`): the observed time a request takes here, queueing
   included, the scale of the priority's aging.
 
+* **Prefill work.** The median, over the most recent routed requests, of the prefill each was sent
+  to do (:attr:`SessionResidency.prefill_work_median`, in the unit of ``policies/costmodel.py``'s
+  ``prefill_work_tokens``: the uncached tokens plus their attention term): the size of the prefill
+  the next request most likely brings, wherever it is placed. The median, not the mean: prompt
+  sizes are heavy-tailed (the Mooncake trace: a tenth over 32k tokens), and a mean pulled up by the
+  tail calls most prefills "small".
+
 Everything here is routing history (session ids, prompt lengths, finish times), which a real
 gateway in front of vLLM has; nothing reads engine internals.
 """
@@ -45,14 +52,15 @@ from collections import deque
 _GAPS_KEPT = 512
 _REFRESH = 32
 LIVE_QUANTILE = 0.9
-_SERVICE_KEPT = 512  # finished turns whose service time the median is taken over
+_SERVICE_KEPT = 512  # finished turns whose service time the median is taken over (and routed prefills)
 
 
 class SessionResidency:
     """Session -> (instance, context blocks, in-flight count, last finish) and the live window."""
 
-    __slots__ = ("_arrived", "_finishes", "_gaps", "_idle_since", "_n_gaps", "_n_service", "_returns", "_service",
-                 "_sessions", "_started", "_turns", "service_p90_s", "service_s", "window_s")
+    __slots__ = ("_arrived", "_finishes", "_gaps", "_idle_since", "_n_gaps", "_n_service", "_n_work", "_returns",
+                 "_service", "_sessions", "_started", "_turns", "_work", "prefill_work_median", "service_p90_s",
+                 "service_s", "window_s")
 
     def __init__(self) -> None:
         # session -> [instance, blocks, in_flight, idle_since (None while in flight)]
@@ -75,6 +83,10 @@ class SessionResidency:
         self._n_service = 0
         self.service_s: float | None = None
         self.service_p90_s: float | None = None
+        # Prefill work of the most recent routed requests, and their median.
+        self._work: deque[int] = deque(maxlen=_SERVICE_KEPT)
+        self._n_work = 0
+        self.prefill_work_median: int | None = None
 
     def started_at(self, session: str | None) -> float | None:
         """When the gateway first saw ``session`` (None: never, or no session id)."""
@@ -121,6 +133,15 @@ class SessionResidency:
             e[3] = now
             self._idle_since[session] = now
             self._finishes[0 if self._turns.get(session, 1) <= 1 else 1] += 1
+
+    def on_prefill_routed(self, work: int) -> None:
+        """A request was routed with ``work`` of prefill to do (its target's, plus its producer
+        step's for a KV-moving action), in prefill-work tokens."""
+        self._work.append(work)
+        self._n_work += 1
+        if self._n_work % _REFRESH == 1:
+            w = sorted(self._work)
+            self.prefill_work_median = w[len(w) // 2]
 
     def return_rate(self, after_first_turn: bool) -> float:
         """The observed share of idle sessions that sent another turn, after their first turn or

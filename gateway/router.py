@@ -234,24 +234,17 @@ class Router:
             states.append(InstanceState(i, names[i], roles[i], healthy[i], in_flight[i], pending[i], decode[i],
                                         active[i], st.running, st.waiting, st.kv_usage, st.kv_capacity_blocks, g, c,
                                         routed[i], resident[i], expected[i], work[i]))
-        view = RequestView(
-            req.request_id,
-            req.prompt_len,
-            len(req.block_hashes),
-            bs,
-            req.max_tokens,
-            req.session_id,
-            req.parent_session,
-            req.turn,
-            next(self._seq),
-        )
+        view = RequestView(req.request_id, req.prompt_len, len(req.block_hashes), bs, req.max_tokens,
+                           req.session_id, req.parent_session, req.turn, next(self._seq))
         session = req.session_id
-        service_s, service_p90_s = (res.service_s, res.service_p90_s) if reads_residency else (None, None)
+        # the observed service time (median, p90) and median prefill work, for the policies that read them
+        obs = ((res.service_s, res.service_p90_s) if reads_residency else (None, None)) + (
+            res.prefill_work_median if self.prices_work else None,)
         if session is None:  # no binding, migration or start to look up
-            return Snapshot(now, view, tuple(states), None, None, None, service_s, service_p90_s)
+            return Snapshot(now, view, tuple(states), None, None, None, *obs)
         b = self.bindings
         return Snapshot(now, view, tuple(states), b.get(session), b.last_migrated_at(session),
-                        res.started_at(session), service_s, service_p90_s)
+                        res.started_at(session), *obs)
 
     def decide(self, req: RouteRequest) -> Decision:
         """Snapshot + policy + validation (sync). Logs nothing and changes no counters."""

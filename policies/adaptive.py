@@ -13,8 +13,15 @@ Why ``lpwl_resident`` loses on chat-shaped traffic (seen in the lost-hit and per
   carries every running decode plus a chunk of prefill, and its duration is dominated by the chunk
   (the H20 profile: 43 us per prefill token against 41 ns per decoded context token), so each
   prefill token delays every co-running request by about one prefill-token time. Where prompts are
-  mostly new (low reuse), that externality is most of the latency: LMetric's ``P x batch`` ranks
-  by it, LPWL ignores it.
+  mostly new (low reuse) and their sizes spread wide (the Mooncake trace: a tenth over 32k tokens),
+  that externality is most of the latency: LMetric's ``P x batch`` ranks by it, LPWL ignores it.
+* Charged in full, that externality makes a request queue behind other prefills to spare a few
+  decoders even where its prompt is no larger than the prefill that will reach them anyway. On the
+  Azure conversation trace (no prefix reuse, prompts ~1.2k tokens, ~40 requests in flight per
+  instance) a quarter of the decisions did that (an instance with ~1.4k tokens of work queued over
+  one with none, to spare ~1.6 in-flight requests): mean latency gained what the trade predicts
+  (tens of milliseconds), first tokens and the median lost more, and every load balancer had the
+  better TTFT p90 (``analysis/results/policy-typical-prefill-2026-11-27.md``).
 * Counted in tokens, prefill work undercounts long prompts. A prefill of ``n`` new tokens after
   ``c`` cached ones takes ``a*n + b*((c+n)^2 - c^2)`` (attention over the whole context;
   :class:`~policies.costmodel.PrefillProfile`): a 50k-token cold prompt ~3.9x what its token count
@@ -24,31 +31,51 @@ Why ``lpwl_resident`` loses on chat-shaped traffic (seen in the lost-hit and per
   prefill against 1.3 s under ``lmetric_plus1`` (queued prefill at placement 14k against 7k
   tokens), which gave ``lmetric_plus1`` the lower TTFT p90.
 
-``lpwl_auto`` prices all three, in one unit, with no parameter: prefill *work*, the prefill's time
+``lpwl_auto`` prices them all, in one unit, with no parameter: prefill *work*, the prefill's time
 over ``a`` (:func:`~policies.costmodel.prefill_work_tokens`: tokens, plus the attention term; only
 the ratio ``b / a`` enters, from the *GPU-Hit-First* note's prefill measurements as
 ``policies/costmodel.py`` fits them). The gateway sums the same unit over each instance's queued
-prefills (``pending_prefill_work``). For each healthy instance ``i``:
+prefills (``pending_prefill_work``) and observes its median over the recently routed requests
+(``observed_prefill_work``, ``gateway/residency.py``). For each healthy instance ``i``:
 
     new_i      = input - gpu_hit_i                         this request's prefill there
     W_i        = work(new_i after hit_i)                    its time there, in token equivalents
     Q_i        = pending_prefill_work_i                     the prefills queued there, the same unit
+    Wtyp       = observed_prefill_work                      the typical (median) routed prefill
+    X_i        = max(0, W_i - Wtyp) if Q_i = 0 else W_i     the avoidable part of its delay to others
     need       = ceil((input + output) / block_size)        its blocks after the turn
     overflow_i = max(0, E_i + need - C_i)                    E_i: expected resident blocks
     lost_i     = min(gpu_hit_blocks_i, overflow_i)
-    cost_i     = Q_i + W_i * (1 + in_flight_i) + work(block_size * lost_i) + work(block_size * overflow_i)
+    cost_i     = Q_i + W_i + X_i * in_flight_i + work(block_size * lost_i) + work(block_size * overflow_i)
 
 and routes to ``argmin cost_i`` (ties: :func:`~policies.common.tie_key`). ``Q_i + W_i`` is LPWL
-in time (the request's own time to first token); ``W_i * in_flight_i`` the delay its prefill adds
-to the ``in_flight_i`` requests sharing the instance's steps; the residency charge is
-``lpwl_resident``'s (the lost hit, recomputed at this session's next turn, and the overflow,
-recomputed at the victims'), priced in the same work (each as a prefix recomputed from scratch),
-over ``E_i`` = :attr:`InstanceState.expected_resident_blocks`: in-flight sessions in full, idle
-live ones weighted by the observed share of idle sessions that come back
+in time (the request's own time to first token); ``X_i * in_flight_i`` the part of the delay its
+prefill adds to the ``in_flight_i`` requests sharing the instance's steps that placement avoids.
+An instance with no prefill queued is where any request starts soonest: if this one does not take
+it, the next one will, and its decoders pay for *that* prefill, most likely ``Wtyp``, anyway (the
+median, not the mean: prompt sizes are heavy-tailed, and against the mean most prefills of the
+Mooncake trace counted as small, even those of 0.5-1 s, so they stopped weighing in-flight
+requests and its mean and median latency rose past the knee).
+Exchanging the two placements changes what the decoders pay by ``(W - Wtyp) x (in_flight_i -
+in_flight_j)``, so such an instance is charged only the excess: a request of typical size does not
+queue behind other prefills elsewhere to spare its decoders (it starts now, on the idle instance
+with fewest in flight: the tie-break), a long one still goes where fewer requests decode. An
+instance with prefill queued is no slot the next request is bound to fill, and a prefill placed
+there is charged in full, so while every instance has a queue (past the knee) the rule is the full
+charge. (The negative part is not credited: that sends short prompts to the busiest instances. Nor
+is the excess charged on queued instances too: past the knee that sorts prompts by size, the long
+ones away from the busy instances and the typical ones onto them, whose decodes then run slower.)
+Before the first request is routed ``Wtyp`` is 0 (the whole prefill is charged everywhere).
+
+The residency charge is ``lpwl_resident``'s (the lost hit, recomputed at this session's next turn,
+and the overflow, recomputed at the victims'), priced in the same work (each as a prefix recomputed
+from scratch), over ``E_i`` = :attr:`InstanceState.expected_resident_blocks`: in-flight sessions
+in full, idle live ones weighted by the observed share of idle sessions that come back
 (``gateway/residency.py``). Where reuse is high (a warm agentic session: ``new`` a few hundred
-tokens on its holder) the externality is small and the session sticks, as under LPWL; where it is
-low (``new`` ~ the whole prompt everywhere) the rule balances by ``in_flight`` and pending work,
-as load balancers do; the observed return rate decides how much of the idle working set to keep.
+tokens on its holder, far below ``Wtyp``) the session sticks by its own wait, as under LPWL, and a
+cold placement of its context elsewhere is charged in full; where prompts are new, the long ones
+go where fewer requests decode and those of typical size where they start soonest; the observed
+return rate decides how much of the idle working set to keep.
 
 Priority (default ``saved``): vLLM's per-request ``priority`` (lower runs first under
 ``--scheduling-policy priority``) is the integer milliseconds of
@@ -106,14 +133,22 @@ HOLDS = ("none", "saturated")
 MIGRATES = ("none", "priced")
 
 
-def auto_cost(snapshot: Snapshot, s: InstanceState) -> tuple[int, int, int, int]:
+def typical_work(snapshot: Snapshot) -> int:
+    """``Wtyp`` of the module docstring: the observed median prefill work of recently routed
+    requests, or 0 (the whole prefill charged) before the first one."""
+    w = snapshot.observed_prefill_work
+    return 0 if w is None else int(w)
+
+
+def auto_cost(snapshot: Snapshot, s: InstanceState, typical: int = 0) -> tuple[int, int, int, int]:
     """``(cost, work, overflow, lost)`` of placing this request on ``s`` (the module docstring's
-    rule; ``work`` is ``W_i``)."""
+    rule; ``work`` is ``W_i``, ``typical`` is ``Wtyp``: :func:`typical_work`)."""
     req = snapshot.request
     bs = req.block_size
     new = new_prefill_tokens(snapshot, s)
     work = prefill_work_tokens(new, req.input_tokens - new)
-    cost = s.pending_prefill_work + work * (1 + s.in_flight)
+    avoidable = work if s.pending_prefill_work else max(0, work - typical)
+    cost = s.pending_prefill_work + work + avoidable * s.in_flight
     cap = s.capacity_blocks
     if cap is None:
         return cost, work, 0, 0
@@ -212,8 +247,9 @@ class LPWLAuto:
 
     def decide(self, snapshot: Snapshot) -> Decision:
         keyed = []
+        typical = typical_work(snapshot)
         for s in healthy(snapshot):
-            cost, work, overflow, lost = auto_cost(snapshot, s)
+            cost, work, overflow, lost = auto_cost(snapshot, s, typical)
             keyed.append((cost, tie_key(s), s.index, work, overflow, lost))
         cost, _, target, work, overflow, lost = min(keyed)
         if self.migrate == "priced":
@@ -227,7 +263,7 @@ class LPWLAuto:
         return Decision(
             FORWARD, target,
             f"{self.name}: pending {inst.pending_prefill_tokens} (work {inst.pending_prefill_work}) + new "
-            f"{new_prefill_tokens(snapshot, inst)} (work {work}) x (1 + {inst.in_flight} in flight) "
+            f"{new_prefill_tokens(snapshot, inst)} (work {work}, typical {typical}) x {inst.in_flight} in flight "
             f"(hit {inst.gpu_hit_blocks} blocks); {room}; cost {cost} is the least",
             scores=tuple((k[2], float(k[0])) for k in keyed),
             predicted_hit_blocks=inst.gpu_hit_blocks, priority=self._priority(snapshot, snapshot.hit_tokens(target)),

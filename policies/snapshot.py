@@ -78,6 +78,9 @@ class Snapshot(msgspec.Struct, frozen=True, gc=False):
     # the first finish): observed by the gateway's residency observer, filled for residency readers.
     observed_service_s: float | None = None
     observed_service_p90_s: float | None = None  # the same turns' 90th percentile
+    # Median prefill work (policies.costmodel.prefill_work_tokens) of the recently routed requests
+    # (None before the first): observed by the residency observer, filled for policies that price work.
+    observed_prefill_work: float | None = None
 
     def hit_tokens(self, i: int) -> int:
         """GPU prefix-hit tokens of this request on instance ``i``, as vLLM serves them: whole

@@ -1,6 +1,7 @@
-"""lpwl_auto: LPWL plus the delay a prefill adds to the requests beside it, both priced in prefill
-work (tokens plus the attention term), the residency charge over the expected working set, and the
-aged program-level priority (exact choices on tiny snapshots)."""
+"""lpwl_auto: LPWL plus the avoidable part of the delay a prefill adds to the requests beside it
+(its work above the mean routed prefill), both priced in prefill work (tokens plus the attention
+term), the residency charge over the expected working set, and the aged program-level priority
+(exact choices on tiny snapshots)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ def inst(i, **kw):
     return InstanceState(index=i, name=f"i{i}", **kw)
 
 
-def snap(instances, *, input_tokens=1600, output=16, now=100.0, started=None, service=None, service90=None):
+def snap(instances, *, input_tokens=1600, output=16, now=100.0, started=None, service=None, service90=None,
+         work_typical=None):
     req = RequestView("r", input_tokens, input_tokens // BS, BS, output, "s", None, 0, 0)
-    return Snapshot(now, req, tuple(instances), None, None, started, service, service90)
+    return Snapshot(now, req, tuple(instances), None, None, started, service, service90, work_typical)
 
 
 def test_prefill_work_counts_the_attention_term():
@@ -49,6 +51,21 @@ def test_a_cold_prefill_goes_where_it_delays_fewest_requests():
     assert registry.build("lpwl").decide(snap(insts)).target == 0  # 1,600 < 2,600 of prefill tokens
     d = registry.build("lpwl_auto").decide(snap(insts))  # 1,751 x 5 = 8,755 > 1,059 + 1,751 x 2 = 4,561
     assert d.target == 1 and d.scores == ((0, 8755.0), (1, 4561.0))
+
+
+def test_a_prefill_of_typical_size_does_not_queue_to_spare_decoders():
+    # The same two instances once the gateway has seen prefills of this size (1,751 of work) as
+    # typical: instance 0 could start it now, and the next request would bring it a prefill like
+    # this one anyway, so 0 is charged only the excess (none); 1 has prefill queued and is charged
+    # in full. It starts now on 0 instead of queueing behind 1,059 of work on 1 (the full charge: 1).
+    insts = [inst(0, in_flight=4, decode_seqs=4),
+             inst(1, pending_prefill_tokens=1000, pending_prefill_work=1059, in_flight=1)]
+    d = registry.build("lpwl_auto").decide(snap(insts, work_typical=1751.0))
+    assert d.target == 0 and d.scores == ((0, 1751.0), (1, 1059.0 + 1751 * 2))
+    # typical 751: 1,000 of its work is above it, charged per request in flight on the idle 0:
+    # 1,751 + 1,000 x 4 = 5,751 > 4,561 on 1: a larger-than-typical prefill goes where fewer decode
+    d = registry.build("lpwl_auto").decide(snap(insts, work_typical=751.0))
+    assert d.target == 1 and d.scores == ((0, 5751.0), (1, 4561.0))
 
 
 def test_a_long_prompt_is_not_parked_behind_a_longer_one():
@@ -156,6 +173,21 @@ def test_router_counts_queued_prefill_work_until_the_first_token():
     t2.finish(GenerateResult("b0", 168, 4))  # finished without a progress report: released at finish
     queued = [(x.pending_prefill_tokens, x.pending_prefill_work) for x in router.snapshot(_req("c0", 1, "c", 9)).instances]
     assert queued == [(0, 0)] * 2
+
+
+def test_router_observes_the_median_prefill_work_of_routed_requests():
+    engines = [FakeEngine(f"e{i}", capacity_blocks=64) for i in range(2)]
+    router = Router(engines, registry.build("lpwl_auto"), index=PreciseKVIndex(2), clock=lambda: 1.0)
+    assert router.snapshot(_req("c0", 1, "c", 9)).observed_prefill_work is None  # nothing routed yet
+    router.begin(_req("a0", 10, "a", 1000))  # 168 cold tokens: the median is taken on the first
+    assert router.snapshot(_req("c0", 1, "c", 9)).observed_prefill_work == prefill_work_tokens(168)
+    r = SessionResidency()
+    for w in [5] * 20 + [1000] * 12 + [7]:  # refreshed on the 1st and the 33rd: upper median of 33
+        r.on_prefill_routed(w)
+    assert r.prefill_work_median == 5  # 20 fives, a 7, 12 thousands: the heavy tail does not move it (mean 309)
+    lpwl = Router(engines, registry.build("lpwl"), index=PreciseKVIndex(2), clock=lambda: 1.0)
+    lpwl.begin(_req("a0", 10, "a", 1000))
+    assert lpwl.snapshot(_req("c0", 1, "c", 9)).observed_prefill_work is None  # not priced: not filled
 
 
 def test_prefill_work_is_priced_only_for_a_policy_that_reads_it():
