@@ -187,7 +187,7 @@ class Ticket(msgspec.Struct, eq=False):
             r._pending[src] += self._prod_pending
             r._pending_work[src] += self._prod_pending_work
             r._active_blocks[src] += self._prod_blocks
-        if r.prices_work:  # the mean prefill a routed request brings (gateway/residency.py)
+        if r.prices_work:  # the typical prefill a routed request brings (gateway/residency.py)
             r.residency.on_prefill_routed(self._pending_work + self._prod_pending_work)
 
     # -- the KV-moving two-step (MIGRATE / FETCH / PD) ---------------------------------------------
