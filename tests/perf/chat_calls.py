@@ -139,6 +139,16 @@ def first_line(p: subprocess.Popen) -> str:
     return line.split(" on ", 1)[1].split(" ", 1)[0].strip()  # "... on http://host:port ..."
 
 
+def traced(cmd: list[str], batch) -> None:
+    """Run ``batch`` (a coroutine, not yet started) while the tracer ``cmd`` (strace / perf, attached to the
+    gateway's pid) counts, then stop the tracer so it writes its totals."""
+    st = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    asyncio.run(asyncio.sleep(1.0))  # the tracer attaches to every thread
+    asyncio.run(batch)
+    st.send_signal(signal.SIGINT)
+    st.wait(30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("cprofile", "opcodes", "callgrind", "strace", "perf", "proc"), default="cprofile",
@@ -193,12 +203,8 @@ def main() -> None:
                 counts.append({key: after[key] - before[key] for key in after})
             elif a.mode == "strace":
                 out = os.path.join(tmp, f"strace.{k}")
-                st = subprocess.Popen(["strace", "-f", "-c", "-o", out, "-p", str(gw.pid)],
-                                      stderr=subprocess.DEVNULL)
-                asyncio.run(asyncio.sleep(1.0))  # strace attaches to every thread
-                asyncio.run(send(url, chat_bodies(f"p{k}", n, a.stream), a.concurrency))
-                st.send_signal(signal.SIGINT)
-                st.wait(30)
+                traced(["strace", "-f", "-c", "-o", out, "-p", str(gw.pid)],
+                       send(url, chat_bodies(f"p{k}", n, a.stream), a.concurrency))
                 calls = {}
                 with open(out) as fh:
                     for line in fh:
@@ -208,12 +214,8 @@ def main() -> None:
                 counts.append(calls)
             elif a.mode == "perf":
                 out = os.path.join(tmp, f"perf.{k}")
-                st = subprocess.Popen(["perf", "stat", "-x", ",", "-o", out, "-e", PERF_EVENTS, "-p", str(gw.pid)],
-                                      stderr=subprocess.DEVNULL)
-                asyncio.run(asyncio.sleep(1.0))  # perf attaches to every thread
-                asyncio.run(send(url, chat_bodies(f"p{k}", n, a.stream), a.concurrency))
-                st.send_signal(signal.SIGINT)
-                st.wait(30)
+                traced(["perf", "stat", "-x", ",", "-o", out, "-e", PERF_EVENTS, "-p", str(gw.pid)],
+                       send(url, chat_bodies(f"p{k}", n, a.stream), a.concurrency))
                 events = {}
                 with open(out) as fh:
                     for line in fh:
