@@ -7,7 +7,7 @@ pays a few milliseconds, but during a run the client, the gateway and every engi
 relay several streams at once on cores the engines' workers also use, and each hop (client ->
 gateway -> API server -> engine core and back) waits for a core where they are busy.
 ``gpuhit profile fit`` measures it the way a run meets it (``measure_path_in_flight`` in
-:mod:`replayer.calibrate`): probes through a gateway while ``k`` other requests stream through it,
+:mod:`replayer.calibrate_path`): probes through a gateway while ``k`` other requests stream through it,
 client TTFT minus vLLM's own TTFT (which starts when its API server takes the request), for several
 ``k``; the profile stores the medians in ``fit.live_path.by_in_flight``. The model interpolates
 linearly between the measured counts and stays flat beyond the last (no extrapolation past what was
