@@ -58,21 +58,54 @@ class RealVllmPair:
         s.wait_ready()
 
 
-class _Launcher:
-    """The session's pair: launched once (non-blocking), awaited by the first test that needs it."""
+class _Boot:
+    """Servers launched once (non-blocking, at collection, so they boot while the rest of the suite
+    runs) and awaited by the first test that needs them. A subclass says what to start."""
 
     def __init__(self) -> None:
-        self.pair: RealVllmPair | None = None
-        self.collector: subprocess.Popen[bytes] | None = None
+        self.servers: list[VllmServer] | None = None
         self.error: str | None = None
         self.ready = False
 
+    def _make(self) -> list[VllmServer]:
+        raise NotImplementedError
+
     def launch(self) -> None:
-        if self.pair is not None or self.error is not None:
+        if self.servers is not None or self.error is not None:
             return
         if vllm_python() is None:
             self.error = missing_reason()
             return
+        self.servers = self._make()
+        for s in self.servers:
+            s.start()
+
+    def _ready(self) -> list[VllmServer]:
+        """The started servers, ready; raises ``LookupError`` with the reason when there are none."""
+        self.launch()
+        if self.error is not None:
+            raise LookupError(self.error)
+        assert self.servers is not None
+        if not self.ready:
+            for s in self.servers:
+                s.wait_ready()
+            self.ready = True
+        return self.servers
+
+    def shutdown(self) -> None:
+        for s in self.servers or ():
+            s.stop()
+
+
+class _Launcher(_Boot):
+    """The session's pair, with an OTLP collector for their spans."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair: RealVllmPair | None = None
+        self.collector: subprocess.Popen[bytes] | None = None
+
+    def _make(self) -> list[VllmServer]:
         log_dir = pathlib.Path(tempfile.mkdtemp(prefix="gpuhit-real-vllm-"))
         spans = log_dir / "spans.jsonl"
         self.collector = subprocess.Popen([sys.executable, str(COLLECTOR), str(spans)], stdout=subprocess.PIPE,
@@ -86,26 +119,17 @@ class _Launcher:
                                max_model_len=MAX_MODEL_LEN, extra=ENGINE_ARGS,
                                otlp_traces_endpoint=f"http://127.0.0.1:{port}/v1/traces")
                    for i in range(2)]
-        for s in servers:
-            s.start()
         self.pair = RealVllmPair(servers, spans, log_dir)
+        return servers
 
     def get(self) -> RealVllmPair:
         """The ready pair; raises ``LookupError`` with the reason when there is none."""
-        self.launch()
-        if self.error is not None:
-            raise LookupError(self.error)
+        self._ready()
         assert self.pair is not None
-        if not self.ready:
-            for s in self.pair.servers:
-                s.wait_ready()
-            self.ready = True
         return self.pair
 
     def shutdown(self) -> None:
-        if self.pair is not None:
-            for s in self.pair.servers:
-                s.stop()
+        super().shutdown()
         if self.collector is not None:
             self.collector.kill()
             self.collector.wait()
@@ -114,44 +138,21 @@ class _Launcher:
 LAUNCHER = _Launcher()
 
 
-class _PriorityLauncher:
+class _PriorityLauncher(_Boot):
     """One more server, under ``--scheduling-policy priority`` and running one sequence at a time
     (``--max-num-seqs 1``), so the order in which queued requests run is the scheduler's and
     observable without timing; it logs every request it takes (``--enable-log-requests``: "Added
     request ..." once the engine core has it), so a test knows what is queued while the engine is
-    paused. Launched like the pair (at collection, booting while the rest of the suite runs) when a
-    test asks for ``real_vllm_priority``."""
+    paused. Launched like the pair when a test asks for ``real_vllm_priority``."""
 
-    def __init__(self) -> None:
-        self.server: VllmServer | None = None
-        self.error: str | None = None
-        self.ready = False
-
-    def launch(self) -> None:
-        if self.server is not None or self.error is not None:
-            return
-        if vllm_python() is None:
-            self.error = missing_reason()
-            return
+    def _make(self) -> list[VllmServer]:
         log_dir = pathlib.Path(tempfile.mkdtemp(prefix="gpuhit-real-vllm-priority-"))
-        self.server = make_server(log_dir, "vllm-priority", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                                  scheduling_policy="priority", max_num_seqs=1, extra=("--enable-log-requests",))
-        self.server.start()
+        return [make_server(log_dir, "vllm-priority", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                            scheduling_policy="priority", max_num_seqs=1, extra=("--enable-log-requests",))]
 
     def get(self) -> VllmServer:
         """The ready server; raises ``LookupError`` with the reason when there is none."""
-        self.launch()
-        if self.error is not None:
-            raise LookupError(self.error)
-        assert self.server is not None
-        if not self.ready:
-            self.server.wait_ready()
-            self.ready = True
-        return self.server
-
-    def shutdown(self) -> None:
-        if self.server is not None:
-            self.server.stop()
+        return self._ready()[0]
 
 
 PRIORITY_LAUNCHER = _PriorityLauncher()
