@@ -176,26 +176,24 @@ class ChainIdMap:
         flat = self._store.reshape(-1)
         cur = flat[at]
         if int(cur.max()) < 0:  # every hash new (the common case)
-            flat[at] = blocks
-            # a hash twice in the batch shows as a block overwritten by a later one (the blocks are
-            # distinct): undo, and map them one by one so that the first one is cached, as the dict does
-            if n > 1 and (flat[at] != blocks).any():
-                flat[at] = -1
-                return self._setdefault_each(keys, blocks)
-            self._len += n
-            return None
+            return None if self._write_distinct(flat, at, blocks) else self._setdefault_each(keys, blocks)
         new = cur < 0
         got = np.array(blocks, _BLOCK_ID)
         got[~new] = cur[~new]
-        n_new = int(np.count_nonzero(new))
-        if n_new:
-            ids, at_new = blocks[new], at[new]
-            flat[at_new] = ids
-            if n_new > 1 and (flat[at_new] != ids).any():
-                flat[at_new] = -1
-                return self._setdefault_each(keys, blocks)
-            self._len += n_new
+        if new.any() and not self._write_distinct(flat, at[new], blocks[new]):
+            return self._setdefault_each(keys, blocks)
         return got
+
+    def _write_distinct(self, flat: np.ndarray, at: np.ndarray, ids: np.ndarray) -> bool:
+        """Map new hashes (at ``at``) to ``ids``; False, with nothing written, when a hash comes twice in
+        the batch: it shows as a block overwritten by a later one (the blocks are distinct), and the
+        caller maps them one by one so that the first one is cached, as the dict does."""
+        flat[at] = ids
+        if len(ids) > 1 and (flat[at] != ids).any():
+            flat[at] = -1
+            return False
+        self._len += len(ids)
+        return True
 
     def get_all(self, hashes: Sequence[int]) -> np.ndarray | None:
         keys = self.keys(hashes)
