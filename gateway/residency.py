@@ -55,12 +55,37 @@ LIVE_QUANTILE = 0.9
 _SERVICE_KEPT = 512  # finished turns whose service time the median is taken over (and routed prefills)
 
 
+class _Recent:
+    """The most recent ``kept`` observations, and a sorted copy refreshed at the first observation and
+    every ``_REFRESH``-th after (sorting at every one would cost a sort per request)."""
+
+    __slots__ = ("_kept", "_n", "_sorted")
+
+    def __init__(self, kept: int) -> None:
+        self._kept: deque = deque(maxlen=kept)
+        self._n = 0
+        self._sorted: list = []
+
+    def add(self, x: float) -> bool:
+        """Observe ``x``; True when the sorted copy was refreshed (its quantiles may have moved)."""
+        self._kept.append(x)
+        self._n += 1
+        if self._n % _REFRESH != 1:
+            return False
+        self._sorted = sorted(self._kept)
+        return True
+
+    def quantile(self, q: float):
+        """The ``q`` quantile of the sorted copy (lower element; call after a refresh)."""
+        g = self._sorted
+        return g[min(len(g) - 1, int(q * len(g)))]
+
+
 class SessionResidency:
     """Session -> (instance, context blocks, in-flight count, last finish) and the live window."""
 
-    __slots__ = ("_arrived", "_finishes", "_gaps", "_idle_since", "_n_gaps", "_n_service", "_n_work", "_returns",
-                 "_service", "_sessions", "_started", "_turns", "_work", "prefill_work_median", "service_p90_s",
-                 "service_s", "window_s")
+    __slots__ = ("_arrived", "_finishes", "_gaps", "_idle_since", "_returns", "_service", "_sessions", "_started",
+                 "_turns", "_work", "prefill_work_median", "service_p90_s", "service_s", "window_s")
 
     def __init__(self) -> None:
         # session -> [instance, blocks, in_flight, idle_since (None while in flight)]
@@ -69,8 +94,7 @@ class SessionResidency:
         # session -> when its last turn finished with none in flight (kept apart from _sessions,
         # which forgets sessions idle beyond the window: their gaps must still be observed)
         self._idle_since: dict[str, float] = {}
-        self._gaps: deque[float] = deque(maxlen=_GAPS_KEPT)
-        self._n_gaps = 0
+        self._gaps = _Recent(_GAPS_KEPT)
         self.window_s = 0.0
         # Return rates (module docstring): per bucket (0: after a session's first turn, 1: after a
         # later one), turns after which the session went idle, and those followed by another turn.
@@ -79,13 +103,11 @@ class SessionResidency:
         self._returns = [0, 0]
         # Service time: session -> arrival of its turn in flight; recent service times; their median.
         self._arrived: dict[str, float] = {}
-        self._service: deque[float] = deque(maxlen=_SERVICE_KEPT)
-        self._n_service = 0
+        self._service = _Recent(_SERVICE_KEPT)
         self.service_s: float | None = None
         self.service_p90_s: float | None = None
         # Prefill work of the most recent routed requests, and their median.
-        self._work: deque[int] = deque(maxlen=_SERVICE_KEPT)
-        self._n_work = 0
+        self._work = _Recent(_SERVICE_KEPT)
         self.prefill_work_median: int | None = None
 
     def started_at(self, session: str | None) -> float | None:
@@ -137,11 +159,8 @@ class SessionResidency:
     def on_prefill_routed(self, work: int) -> None:
         """A request was routed with ``work`` of prefill to do (its target's, plus its producer
         step's for a KV-moving action), in prefill-work tokens."""
-        self._work.append(work)
-        self._n_work += 1
-        if self._n_work % _REFRESH == 1:
-            w = sorted(self._work)
-            self.prefill_work_median = w[len(w) // 2]
+        if self._work.add(work):
+            self.prefill_work_median = self._work.quantile(0.5)
 
     def return_rate(self, after_first_turn: bool) -> float:
         """The observed share of idle sessions that sent another turn, after their first turn or
@@ -151,19 +170,13 @@ class SessionResidency:
         return min(1.0, (self._returns[b] + 1) / (self._finishes[b] + 1))
 
     def _observe_service(self, seconds: float) -> None:
-        self._service.append(max(0.0, seconds))
-        self._n_service += 1
-        if self._n_service % _REFRESH == 1:
-            g = sorted(self._service)
-            self.service_s = g[len(g) // 2]
-            self.service_p90_s = g[min(len(g) - 1, int(0.9 * len(g)))]
+        if self._service.add(max(0.0, seconds)):
+            self.service_s = self._service.quantile(0.5)
+            self.service_p90_s = self._service.quantile(0.9)
 
     def _observe_gap(self, gap: float) -> None:
-        self._gaps.append(max(0.0, gap))
-        self._n_gaps += 1
-        if self._n_gaps % _REFRESH == 1:  # the first gap, then every _REFRESH-th
-            g = sorted(self._gaps)
-            self.window_s = g[min(len(g) - 1, int(LIVE_QUANTILE * len(g)))]
+        if self._gaps.add(max(0.0, gap)):
+            self.window_s = self._gaps.quantile(LIVE_QUANTILE)
 
     def resident_blocks(self, n: int, now: float, exclude: str | None) -> list[int]:
         """Per instance, the context blocks of live sessions other than ``exclude`` (forgets the
