@@ -70,11 +70,9 @@ from typing import Any
 
 from engines.attention._torch import require_torch
 from engines.attention.partial import Partial
-from engines.attention.transports import (
-    Holder,
-    PolledRoute,
+from engines.attention.transports import Holder, PolledRoute, RouteStats
+from engines.attention.wire import (
     RouteRequest,
-    RouteStats,
     decode_partial,
     decode_request,
     encode_partial,

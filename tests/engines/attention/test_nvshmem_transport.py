@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 
 from engines.attention.fake_nvshmem import FakeNvshmemError, FakeNvshmemWorld
 from engines.attention.nvshmem_transport import NvshmemHolderService, NvshmemPE, NvshmemQueryTransport
-from engines.attention.transports import Holder, InProcessTransport, RouteRequest, route_and_merge
+from engines.attention.transports import Holder, InProcessTransport, route_and_merge
+from engines.attention.wire import RouteRequest
 from gpuhit.errors import BadRequestError, ConfigError, TransferError, UnavailableError
 from tests.engines.attention.test_transports import SCALE, cluster, local_partial
 
