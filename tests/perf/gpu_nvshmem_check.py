@@ -220,7 +220,7 @@ class Check:
             self.world = FakeNvshmemWorld(1)
             self.core = self.world.core(0)
             return {"my_pe": self.core.my_pe(), "n_pes": self.core.n_pes()}
-        from engines.attention.nvshmem_transport import init_uid, load_nvshmem_core
+        from engines.attention.nvshmem_lib import init_uid, load_nvshmem_core
 
         t0 = time.perf_counter()
         core = load_nvshmem_core()

@@ -222,7 +222,7 @@ def test_gpu_real_nvshmem_single_pe_routes_to_itself():
     """GPU ONLY: the real nvshmem4py, one PE (UID init with nranks=1), holder and requester on PE 0."""
     from nvshmem import core
 
-    from engines.attention.nvshmem_transport import init_uid
+    from engines.attention.nvshmem_lib import init_uid
 
     init_uid(core, rank=0, nranks=1)
     try:
