@@ -65,7 +65,7 @@ $(BENCH_STAMP): pyproject.toml | $(STAMP)
 bench: $(STAMP) $(BENCH_STAMP)
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/perf
 
-# The C speedups (gpuhit/speedups.py: vLLM's sha256 block chain on OpenSSL, the KV index's hash set),
+# The C speedups (gpuhit/speedups.py: vLLM's sha256 block chain and the text-chunk hashes on OpenSSL, the KV index's hash set),
 # built in place; optional: without them the same code runs its reference implementations (`make
 # test` runs either; the banner of `gpuhit serve` says which). Needs a C compiler and OpenSSL's headers.
 compile: $(STAMP)

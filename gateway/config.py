@@ -154,7 +154,7 @@ class GatewayConfig:
         if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
                                             or self.block_size <= 0):
             raise ConfigError(f"block_size must be a positive integer, got {self.block_size!r}")
-        from engines.hashing import HASH_FUNCTIONS
+        from engines.hash_functions import HASH_FUNCTIONS
 
         if self.hash not in HASH_FUNCTIONS:
             raise ConfigError(f"hash must be one of {sorted(HASH_FUNCTIONS)} (vLLM's --prefix-caching-hash-algo), "

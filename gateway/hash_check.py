@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engines.hashing import BlockHasher, to_event_int
+from engines.hash_functions import to_event_int
+from engines.hashing import BlockHasher
 from engines.kv_events import BlockStored, KVEventBatch, KVEventDecodeError
 
 log = logging.getLogger(__name__)

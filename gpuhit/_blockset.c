@@ -1,5 +1,5 @@
 /* gpuhit._speedups.BlockSet: the precise KV index's set of block hashes (part of the C speedups,
- * built with _speedups.c into one extension; gateway/kv_index.py _ChainSet uses it).
+ * built with _speedups.c into one extension; gateway/kv_tiers.py ChainTier uses it).
  *
  * Why: the precise index takes every block an engine stores or evicts. Once an engine's cache is
  * full, each new 2k-token prompt is 128 hashes in and 128 out, in sets of hundreds of thousands to

@@ -6,7 +6,9 @@ What they speed up, each the one fast path of a stage whose reference gives the 
 uint64 (:class:`gateway.http.token_ids.TokenIdParser`; the reference is numpy's); ``kv_batch``
 (``_kvbatch.c``), a vLLM KV-event batch decoded with its token ids skipped
 (:class:`engines.kv_event_codec.BatchDecoder`; the reference is msgspec's); ``sha256_blocks``, vLLM's
-sha256 block-hash chain (:class:`engines.hashing.BlockHasher`; the hashing is OpenSSL's); and
+sha256 block-hash chain (:class:`engines.hashing.BlockHasher`; the hashing is OpenSSL's);
+``text_chunk_hashes``, the approximate chained hashes of a text's chunks
+(:func:`gateway.http.prompt.text_chunk_hashes` with hashlib's BLAKE2b; the C calls OpenSSL's);
 ``BlockSet`` (``_blockset.c``), the precise KV index's set of block hashes
 (:class:`gateway.kv_index.PreciseKVIndex`); and ``usage_object`` (``_usage.c``), the usage object
 of a non-streamed answer (:class:`gateway.http.usage.UsageReader`; the reference is
@@ -73,15 +75,17 @@ def load_file(path: Path) -> ModuleType:
     return verified(module)
 
 
-def build(out: Path | None = None) -> Path:
-    """Compile the extension (needs setuptools, a C compiler and OpenSSL's headers) into ``out``, or
-    in place beside its sources when None; returns the extension file."""
+def build(out: Path | None = None, sources: Sequence[Path] = SOURCES) -> Path:
+    """Compile the extension (needs setuptools, a C compiler, Python's headers and OpenSSL's) into
+    ``out``, or in place beside its sources when None; returns the extension file. A failed build
+    is a ConfigError naming what it needs (the compiler's own message is printed above it), never
+    a silent fall back to pure Python."""
     try:
         from setuptools import Extension, setup
     except ImportError as exc:
         raise ConfigError(f"building the C speedups needs setuptools ({exc})") from None
-    ext = Extension(NAME, [str(p) for p in SOURCES], libraries=["crypto"], extra_compile_args=["-O3"],
-                    define_macros=[("SOURCE_SHA256", f'"{sources_sha256()}"')])
+    ext = Extension(NAME, [str(p) for p in sources], libraries=["crypto"], extra_compile_args=["-O3"],
+                    define_macros=[("SOURCE_SHA256", f'"{sources_sha256(sources)}"')])
     target = ROOT if out is None else out
     tmp = (ROOT / "build" / "speedups") if out is None else out / "tmp"
     cwd = Path.cwd()
@@ -89,6 +93,10 @@ def build(out: Path | None = None) -> Path:
         os.chdir(target)  # not the checkout when building elsewhere: setuptools would read its pyproject.toml
         setup(name="gpuhit-speedups", ext_modules=[ext],
               script_args=["-q", "build_ext", "--build-temp", str(tmp), "--build-lib", str(target)])
+    except SystemExit as exc:  # how setup() reports a failed compile or link
+        raise ConfigError(f"building the C speedups failed ({exc}): they need a C compiler, Python's headers "
+                          "and OpenSSL's (openssl/evp.h and libcrypto: Debian's libssl-dev, Fedora's "
+                          "openssl-devel); the compiler's message is above") from None
     finally:
         os.chdir(cwd)
     return next((target / "gpuhit").glob("_speedups.*.so"))

@@ -5,16 +5,14 @@ Pieces:
 - :class:`Holder` owns resident KV chunks and answers a :class:`RouteRequest` with one partial over
   the requested chunks (merged locally, so the wire carries one ``(o, m, l)`` per row whatever the
   number of chunks).
-- A binary wire format (:func:`encode_request` / :func:`decode_request`, :func:`encode_partial` /
-  :func:`decode_partial`): q rows in the wire dtype (bf16 by default: q = d_qk x 2 B per row and
-  head), the partial's o in the wire dtype and m, l in fp32 (p = d_v x 2 + 8 B), as *Move the Query, Not the Cache*
-  counts.
+- A binary wire format (:mod:`engines.attention.wire`: :class:`RouteRequest`, its bytes and the
+  partial's).
 - Transports: :class:`InProcessTransport` (optionally through the byte codec, to test the bf16 wire),
   :class:`MooncakeQueryTransport` + :class:`MooncakeHolderService` (one-sided writes over Mooncake's
   transfer engine with a doorbell word, the put-with-signal pattern of NVSHMEM), and
   :class:`NvshmemQueryTransport` + :class:`NvshmemHolderService` (nvshmem4py put-with-signal into
   symmetric per-peer slots; in :mod:`engines.attention.nvshmem_transport`, built on this module's
-  holder and wire format: import them from there).
+  holder and :mod:`engines.attention.wire`: import them from there).
 
 Mooncake's engine is one-sided (no RPC), so a routed request is: requester writes the request into
 the holder's inbox, then bumps the inbox doorbell (a second write, ordered after the first because
@@ -30,25 +28,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engines.attention._torch import require_torch
 from engines.attention.merge import merge_partial_stats
 from engines.attention.partial import Partial, empty_partial, partial_attention
+from engines.attention.wire import (
+    RouteRequest,
+    decode_partial,
+    decode_request,
+    encode_partial,
+    encode_request,
+)
 from engines.transfer.base import KVTransfer
 from gpuhit.errors import BadRequestError, NotFoundError, TransferError
 
 # ------------------------------------------------------------------------------------------------
 # holder
 # ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
-    """Query rows routed to one holder. ``chunk_ids`` None means every chunk the holder has."""
-
-    q: Any  # [Mq, Hq, d_qk]
-    scale: float
-    chunk_ids: tuple[str, ...] | None = None
-    q_positions: Any = None  # [Mq] int64 for causal masking against the chunks' token positions
 
 
 @dataclass(slots=True)
@@ -114,98 +108,6 @@ class Holder:
             d_v = 0 if not self._chunks else int(next(iter(self._chunks.values())).v.shape[2])
             return empty_partial(mq, hq, d_v, device=req.q.device)
         return merge_partial_stats(parts)
-
-
-# ------------------------------------------------------------------------------------------------
-# wire format
-# ------------------------------------------------------------------------------------------------
-
-_DTYPES = ("float32", "bfloat16", "float16")
-_REQ_HDR = struct.Struct("<4sBBHIIId")  # magic, dtype, has_pos, n_chunks, Mq, Hq, d_qk, scale
-_PART_HDR = struct.Struct("<4sBIII")  # magic, dtype, Mq, Hq, d_v
-_REQ_MAGIC = b"GHQ1"
-_PART_MAGIC = b"GHP1"
-
-
-def _dtype_code(torch: Any, dtype: Any) -> int:
-    for i, name in enumerate(_DTYPES):
-        if dtype == getattr(torch, name):
-            return i
-    raise BadRequestError(f"wire dtype must be one of {_DTYPES}, got {dtype}")
-
-
-def _tensor_bytes(t: Any) -> bytes:
-    return t.detach().contiguous().cpu().view(-1).view(require_torch().uint8).numpy().tobytes()
-
-
-def _tensor_from(buf: bytes | memoryview, offset: int, dtype: Any, shape: Sequence[int]) -> tuple[Any, int]:
-    torch = require_torch()
-    n = 1
-    for s in shape:
-        n *= int(s)
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    if offset + nbytes > len(buf):
-        raise TransferError(f"truncated message: need {nbytes} bytes at offset {offset}, have {len(buf) - offset}")
-    raw = bytearray(buf[offset : offset + nbytes])
-    t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(*shape) if nbytes else torch.empty(*shape, dtype=dtype)
-    return t, offset + nbytes
-
-
-def encode_request(req: RouteRequest, wire_dtype: Any = None) -> bytes:
-    """Serialize a request; q travels as ``wire_dtype`` (default: q's own dtype)."""
-    torch = require_torch()
-    q = req.q if wire_dtype is None else req.q.to(wire_dtype)
-    mq, hq, d = (int(x) for x in q.shape)
-    ids = b"" if req.chunk_ids is None else "\n".join(req.chunk_ids).encode()
-    n_chunks = 0xFFFF if req.chunk_ids is None else len(req.chunk_ids)
-    hdr = _REQ_HDR.pack(_REQ_MAGIC, _dtype_code(torch, q.dtype), req.q_positions is not None, n_chunks, mq, hq, d, req.scale)
-    parts = [hdr, struct.pack("<I", len(ids)), ids, _tensor_bytes(q)]
-    if req.q_positions is not None:
-        parts.append(_tensor_bytes(torch.as_tensor(req.q_positions, dtype=torch.int64).reshape(mq)))
-    return b"".join(parts)
-
-
-def decode_request(buf: bytes | memoryview) -> RouteRequest:
-    torch = require_torch()
-    if len(buf) < _REQ_HDR.size + 4:
-        raise TransferError("truncated route request")
-    magic, dt, has_pos, n_chunks, mq, hq, d, scale = _REQ_HDR.unpack_from(buf, 0)
-    if magic != _REQ_MAGIC or dt >= len(_DTYPES):
-        raise TransferError("not a route request (bad magic or dtype)")
-    off = _REQ_HDR.size
-    (n_ids,) = struct.unpack_from("<I", buf, off)
-    off += 4
-    ids_raw = bytes(buf[off : off + n_ids])
-    off += n_ids
-    chunk_ids = None if n_chunks == 0xFFFF else (tuple(ids_raw.decode().split("\n")) if n_chunks else ())
-    q, off = _tensor_from(buf, off, getattr(torch, _DTYPES[dt]), (mq, hq, d))
-    pos = None
-    if has_pos:
-        pos, off = _tensor_from(buf, off, torch.int64, (mq,))
-    return RouteRequest(q=q, scale=scale, chunk_ids=chunk_ids, q_positions=pos)
-
-
-def encode_partial(p: Partial, wire_dtype: Any = None) -> bytes:
-    """Serialize a partial: o as ``wire_dtype`` (default float32), m and l as float32."""
-    torch = require_torch()
-    o = p.o.to(wire_dtype or torch.float32)
-    mq, hq, dv = (int(x) for x in o.shape)
-    hdr = _PART_HDR.pack(_PART_MAGIC, _dtype_code(torch, o.dtype), mq, hq, dv)
-    return b"".join([hdr, _tensor_bytes(o), _tensor_bytes(p.m.float()), _tensor_bytes(p.l.float())])
-
-
-def decode_partial(buf: bytes | memoryview) -> Partial:
-    torch = require_torch()
-    if len(buf) < _PART_HDR.size:
-        raise TransferError("truncated partial")
-    magic, dt, mq, hq, dv = _PART_HDR.unpack_from(buf, 0)
-    if magic != _PART_MAGIC or dt >= len(_DTYPES):
-        raise TransferError("not a partial (bad magic or dtype)")
-    off = _PART_HDR.size
-    o, off = _tensor_from(buf, off, getattr(torch, _DTYPES[dt]), (mq, hq, dv))
-    m, off = _tensor_from(buf, off, torch.float32, (mq, hq))
-    l, off = _tensor_from(buf, off, torch.float32, (mq, hq))
-    return Partial(o.float(), m, l)
 
 
 def route_and_merge(transport: Any, requests: Mapping[str, RouteRequest], local: Sequence[Partial] = ()) -> Any:

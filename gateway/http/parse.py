@@ -104,8 +104,9 @@ class Prompts:
     token ids (memoized per session, :class:`engines.hashing.SessionHashCache`), the engines'
     tokenizer when there is one, the token-id stage (:class:`~gateway.http.token_ids.TokenIdParser`:
     C with ``accel``, the C speedups, else numpy), the usage stage of a whole answer
-(:class:`~gateway.http.usage.UsageReader`, likewise), and the approximate hash of text. ``not_exact``
-    counts the requests routed by an approximate hash, by reason (``/debug/state``)."""
+    (:class:`~gateway.http.usage.UsageReader`, likewise), and the approximate hash of text
+    (:func:`~gateway.http.prompt.text_chunk_hashes`, or the same hashes in C with ``accel``).
+    ``not_exact`` counts the requests routed by an approximate hash, by reason (``/debug/state``)."""
 
     def __init__(self, model: str, hash_cache: SessionHashCache, block_size: int, *,
                  tokenizer: PromptTokenizer | None = None, max_model_len: int | None = None,
@@ -122,6 +123,8 @@ class Prompts:
         self.memo = PromptMemo() if memo is None else memo
         self.ids = TokenIdParser(accel)
         self.usage = UsageReader(accel)
+        self._text_hashes: Callable[[str, int], list[int]] = (
+            text_chunk_hashes if accel is None else accel.text_chunk_hashes)
         self.not_exact: dict[str, int] = {}
         self._no_tokenizer: dict[str, str] = {}  # label -> its reason without a tokenizer
         self._served = f" Served: `{model}`."
@@ -161,7 +164,7 @@ class Prompts:
 
     def text(self, text: str) -> tuple[int, tuple[int, ...]]:
         """(estimated tokens, approximate hashes) of text the gateway cannot tokenize exactly."""
-        hashes = text_chunk_hashes(text, self.text_chunk_chars)
+        hashes = self._text_hashes(text, self.text_chunk_chars)
         return max(len(text) // CHARS_PER_TOKEN, len(hashes) * self.block_size, 1), tuple(hashes)
 
     def exact(self, ids: list[int], session: str | None) -> Sequence[int]:

@@ -14,7 +14,7 @@
 * **Text and chat prompts** with a tokenizer (``--tokenizer``, or the engines' model directory):
   tokenized exactly as vLLM does (:mod:`gateway.tokenizer`), then as above.
 * **Text and chat prompts** without one (or what the tokenizer cannot reproduce exactly): an
-  *approximate* chained hash of ``text_chunk_chars``-character chunks (64 chars ~ 16 tokens). These
+  *approximate* chained hash of ``text_chunk_chars``-byte chunks of its UTF-8 (64 ~ 16 tokens). These
   hashes do not match engine block hashes, so with the precise index such a prompt sees no predicted
   hit; the approximate index (routing history) learns them, and cold/warm placement by load still
   works. Token counts are estimated as ``len(text) / 4``; the gateway counts these requests in
@@ -38,15 +38,21 @@ from gpuhit.errors import BadRequestError, ConfigError
 CHARS_PER_TOKEN = 4
 
 
-def text_chunk_hashes(text: str, chunk_chars: int) -> list[int]:
-    """Approximate chained hashes of full ``chunk_chars`` chunks of ``text`` (see module docstring):
-    ``blake2b-64(previous digest + chunk)`` of each chunk of its UTF-8 bytes, as a big-endian int."""
+def text_chunk_hashes(text: str, chunk_bytes: int) -> list[int]:
+    """Approximate chained hashes of the full ``chunk_bytes`` chunks of ``text``'s UTF-8 bytes (see
+    module docstring; surrogates pass through): of each chunk, BLAKE2b-512 of the previous digest
+    and the chunk, the digest cut to its first 8 bytes, as their big-endian int. The reference; the
+    C speedups' ``text_chunk_hashes`` (OpenSSL's BLAKE2b) gives the same ints
+    (``tests/gateway/test_text_chunks_c.py``), and :class:`gateway.http.parse.Prompts` picks one.
+    Only the gateway's own approximate index compares these, so the definition is the gateway's."""
+    if chunk_bytes <= 0:
+        raise ValueError("text_chunk_hashes: chunk_bytes must be positive")
     data = text.encode("utf-8", "surrogatepass")
     out: list[int] = []
     prev = b""
     blake2b = hashlib.blake2b
-    for end in range(chunk_chars, len(data) + 1, chunk_chars):
-        prev = blake2b(prev + data[end - chunk_chars : end], digest_size=8).digest()
+    for end in range(chunk_bytes, len(data) + 1, chunk_bytes):
+        prev = blake2b(prev + data[end - chunk_bytes : end]).digest()[:8]
         out.append(int.from_bytes(prev, "big"))
     return out
 

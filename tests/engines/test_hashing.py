@@ -7,7 +7,8 @@ import pickle
 
 import pytest
 
-from engines.hashing import BlockHasher, get_hash_fn, none_hash, sha256_cbor, sha256_pickle, to_event_int
+from engines.hash_functions import get_hash_fn, none_hash, sha256_cbor, sha256_pickle, to_event_int
+from engines.hashing import BlockHasher
 from gpuhit.errors import ConfigError
 
 
@@ -89,7 +90,7 @@ def test_common_prefix_len_matches_a_plain_scan():
 
 def test_xxhash_algorithms_follow_vllm_formula():
     xxhash = pytest.importorskip("xxhash")
-    from engines.hashing import xxhash_cbor, xxhash_pickle
+    from engines.hash_functions import xxhash_cbor, xxhash_pickle
 
     obj = (b"root", (1, 2, 3), None)
     assert xxhash_pickle(obj) == xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))

@@ -9,7 +9,8 @@ import numpy as np
 import orjson
 import pytest
 
-from engines.hashing import HASH_FUNCTIONS, BlockHasher, SessionHashCache, event_ints_of, to_event_int
+from engines.hash_functions import HASH_FUNCTIONS, to_event_int
+from engines.hashing import BlockHasher, SessionHashCache, event_ints_of
 from gateway.http.prompt import PromptMemo, chat_text, fast_completion_ids, text_chunk_hashes
 from gateway.http.token_ids import parse_ids
 from gpuhit.errors import GpuhitError
@@ -231,14 +232,14 @@ def test_lazy_prompt_hashes_read_like_the_eager_list_and_hash_only_what_is_read(
 @pytest.mark.parametrize("chained", [True, False])
 @pytest.mark.parametrize("seed", range(3))
 def test_the_index_search_over_lazy_hashes_answers_as_over_the_list_and_hashes_about_twice_the_hit(seed, chained):
-    from gateway.kv_index import _BlockSet, _ChainSet
+    from gateway.kv_tiers import ChainTier, ParentedTier
 
     hasher = BlockHasher(16)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 150_000, 16 * 300, dtype=np.uint64)
     eager = hasher.event_ints(prompt.tolist())
     for trial in range(30):
-        blocks = _ChainSet() if chained else _BlockSet()
+        blocks = ChainTier() if chained else ParentedTier()
         held = int(rng.integers(0, 301))
         keep = list(range(held))
         if trial % 3 == 0 and held > 2:  # a hole below the held run's end

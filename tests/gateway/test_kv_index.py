@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engines.kv_events import CPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex, _BlockSet
+from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
+from gateway.kv_tiers import ParentedTier
 
 
 def stored(hashes, parent=None, medium="GPU"):
@@ -64,7 +65,7 @@ def test_approximate_lru_eviction_tail_first():
     assert idx.match(b)[1] == (0, 0)
 
 
-def linear(s: _BlockSet, hashes, start=0):
+def linear(s: ParentedTier, hashes, start=0):
     k = start
     while k < len(hashes) and hashes[k] in s.blocks:
         k += 1
@@ -79,7 +80,7 @@ def linear(s: _BlockSet, hashes, start=0):
 )
 def test_binary_search_matches_linear_scan(n, ops, start):
     chain = list(range(1000, 1000 + n))
-    s = _BlockSet()
+    s = ParentedTier()
     for op, pos, length in ops:
         pos = pos % n
         seg = chain[pos : pos + length]

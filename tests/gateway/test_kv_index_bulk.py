@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engines.kv_events import CPU, GPU, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from gateway.kv_index import PreciseKVIndex, _BlockSet, _ChainSet
+from gateway.kv_index import PreciseKVIndex
+from gateway.kv_tiers import ChainTier, ParentedTier
 
 
-def _reference_apply(gpu: _BlockSet, cpu: _BlockSet, events) -> None:
+def _reference_apply(gpu: ParentedTier, cpu: ParentedTier, events) -> None:
     """The event semantics one hash at a time (what PreciseKVIndex.on_kv_event must match)."""
     for ev in events:
         target = gpu if ev.medium in (None, GPU) else cpu if ev.medium == CPU else None
@@ -72,7 +73,7 @@ def new_set(request):
 def test_bulk_event_path_matches_per_hash_semantics(new_set, seed):
     rng = random.Random(seed)
     idx = PreciseKVIndex(2, new_set)
-    gpu, cpu = _BlockSet(), _BlockSet()
+    gpu, cpu = ParentedTier(), ParentedTier()
     for _ in range(rng.randint(1, 6)):
         events = _random_events(rng, rng.randint(0, 25))
         idx.on_kv_event(1, KVEventBatch(ts=0.0, events=tuple(events)))
@@ -89,7 +90,7 @@ def test_bulk_event_path_matches_per_hash_semantics(new_set, seed):
 @given(seed=st.integers(0, 2**32 - 1))
 def test_chain_set_prefix_hit_is_the_linear_run_even_with_holes(new_set, seed):
     rng = random.Random(seed)
-    s = _ChainSet(new_set)
+    s = ChainTier(new_set)
     for h in rng.sample(range(30), rng.randint(0, 30)):
         s.add(h, None)  # arbitrary membership: holes anywhere, no chain structure
     for _ in range(20):

@@ -20,3 +20,16 @@ def test_a_build_from_another_source_is_refused(c_speedups, tmp_path):
                                               "compile` again"):
             speedups.verified(c_speedups, sources)
     assert speedups.verified(c_speedups) is c_speedups
+
+
+def test_a_failed_build_says_what_it_needs(tmp_path):
+    """Where a header is missing (OpenSSL's, on a machine without libssl-dev) the build stops with
+    what it needs, never a silent pure-Python fall back."""
+    import shutil
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc)")
+    source = tmp_path / "_speedups.c"
+    source.write_text("#include <gpuhit_no_such_header/evp.h>\n")
+    with pytest.raises(ConfigError, match="building the C speedups failed .*OpenSSL's .*libssl-dev"):
+        speedups.build(tmp_path, sources=[source])

@@ -220,7 +220,7 @@ class Check:
             self.world = FakeNvshmemWorld(1)
             self.core = self.world.core(0)
             return {"my_pe": self.core.my_pe(), "n_pes": self.core.n_pes()}
-        from engines.attention.nvshmem_transport import init_uid, load_nvshmem_core
+        from engines.attention.nvshmem_lib import init_uid, load_nvshmem_core
 
         t0 = time.perf_counter()
         core = load_nvshmem_core()
@@ -281,7 +281,8 @@ class Check:
 
     def step_correctness(self) -> dict:
         from engines.attention.partial import reference_attention
-        from engines.attention.transports import InProcessTransport, RouteRequest
+        from engines.attention.transports import InProcessTransport
+        from engines.attention.wire import RouteRequest
 
         torch, t, h, d = self.torch, self.transport, self.holder, self.data
         if t is None:
@@ -331,7 +332,7 @@ class Check:
         return out
 
     def step_error_reply(self) -> dict:
-        from engines.attention.transports import RouteRequest
+        from engines.attention.wire import RouteRequest
         from gpuhit.errors import TransferError
 
         torch, t, d = self.torch, self.transport, self.data
@@ -398,13 +399,8 @@ class Check:
         from engines.attention.nvshmem_transport import _HDR, NvshmemHolderService, NvshmemQueryTransport
         from engines.attention.partial import mla_kv
         from engines.attention.shapes import GQA_LLAMA8B, MLA_DSV2_LITE, MLA_FRONTIER
-        from engines.attention.transports import (
-            Holder,
-            InProcessTransport,
-            RouteRequest,
-            encode_partial,
-            encode_request,
-        )
+        from engines.attention.transports import Holder, InProcessTransport
+        from engines.attention.wire import RouteRequest, encode_partial, encode_request
 
         torch, dev, args = self.torch, self.dev, self.args
         bf16 = torch.bfloat16

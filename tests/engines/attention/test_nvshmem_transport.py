@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 
 from engines.attention.fake_nvshmem import FakeNvshmemError, FakeNvshmemWorld
 from engines.attention.nvshmem_transport import NvshmemHolderService, NvshmemPE, NvshmemQueryTransport
-from engines.attention.transports import Holder, InProcessTransport, RouteRequest, route_and_merge
+from engines.attention.transports import Holder, InProcessTransport, route_and_merge
+from engines.attention.wire import RouteRequest
 from gpuhit.errors import BadRequestError, ConfigError, TransferError, UnavailableError
 from tests.engines.attention.test_transports import SCALE, cluster, local_partial
 
@@ -221,7 +222,7 @@ def test_gpu_real_nvshmem_single_pe_routes_to_itself():
     """GPU ONLY: the real nvshmem4py, one PE (UID init with nranks=1), holder and requester on PE 0."""
     from nvshmem import core
 
-    from engines.attention.nvshmem_transport import init_uid
+    from engines.attention.nvshmem_lib import init_uid
 
     init_uid(core, rank=0, nranks=1)
     try:

@@ -13,12 +13,14 @@ from engines.attention.transports import (
     InProcessTransport,
     MooncakeHolderService,
     MooncakeQueryTransport,
+    route_and_merge,
+)
+from engines.attention.wire import (
     RouteRequest,
     decode_partial,
     decode_request,
     encode_partial,
     encode_request,
-    route_and_merge,
 )
 from engines.transfer.mooncake import mooncake_available
 from gpuhit.errors import NotFoundError, TransferError, UnavailableError
