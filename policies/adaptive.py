@@ -21,7 +21,11 @@ Why ``lpwl_resident`` loses on chat-shaped traffic (seen in the lost-hit and per
   instance) a quarter of the decisions did that (an instance with ~1.4k tokens of work queued over
   one with none, to spare ~1.6 in-flight requests): mean latency gained what the trade predicts
   (tens of milliseconds), first tokens and the median lost more, and every load balancer had the
-  better TTFT p90 (``analysis/results/policy-typical-prefill-2026-11-27.md``).
+  better TTFT p90 (``analysis/results/policy-typical-prefill-2026-11-27.md``). Past the knee, where
+  every instance has prefill queued, the same trade went on against the least-queued instance: a
+  third of the decisions queued ~1.1k tokens of work deeper to spare ~2.4 of ~80 in-flight
+  requests, and the load balancers kept the better TTFT p90 and median
+  (``analysis/results/policy-least-queued-2026-11-27.md``).
 * Counted in tokens, prefill work undercounts long prompts. A prefill of ``n`` new tokens after
   ``c`` cached ones takes ``a*n + b*((c+n)^2 - c^2)`` (attention over the whole context;
   :class:`~policies.costmodel.PrefillProfile`): a 50k-token cold prompt ~3.9x what its token count
@@ -42,7 +46,8 @@ prefills (``pending_prefill_work``) and observes its median over the recently ro
     W_i        = work(new_i after hit_i)                    its time there, in token equivalents
     Q_i        = pending_prefill_work_i                     the prefills queued there, the same unit
     Wtyp       = observed_prefill_work                      the typical (median) routed prefill
-    X_i        = max(0, W_i - Wtyp) if Q_i = 0 else W_i     the avoidable part of its delay to others
+    Qmin       = min over healthy instances of Q_j           the soonest any request can start
+    X_i        = max(0, W_i - Wtyp) if Q_i = Qmin else W_i  the avoidable part of its delay to others
     need       = ceil((input + output) / block_size)        its blocks after the turn
     overflow_i = max(0, E_i + need - C_i)                    E_i: expected resident blocks
     lost_i     = min(gpu_hit_blocks_i, overflow_i)
@@ -51,20 +56,25 @@ prefills (``pending_prefill_work``) and observes its median over the recently ro
 and routes to ``argmin cost_i`` (ties: :func:`~policies.common.tie_key`). ``Q_i + W_i`` is LPWL
 in time (the request's own time to first token); ``X_i * in_flight_i`` the part of the delay its
 prefill adds to the ``in_flight_i`` requests sharing the instance's steps that placement avoids.
-An instance with no prefill queued is where any request starts soonest: if this one does not take
-it, the next one will, and its decoders pay for *that* prefill, most likely ``Wtyp``, anyway (the
+The instance with the least prefill queued (none, below the knee) is where any request starts
+soonest: if this one does not take it, the next one will, and its decoders pay for *that* prefill,
+most likely ``Wtyp``, anyway (the
 median, not the mean: prompt sizes are heavy-tailed, and against the mean most prefills of the
 Mooncake trace counted as small, even those of 0.5-1 s, so they stopped weighing in-flight
 requests and its mean and median latency rose past the knee).
 Exchanging the two placements changes what the decoders pay by ``(W - Wtyp) x (in_flight_i -
 in_flight_j)``, so such an instance is charged only the excess: a request of typical size does not
 queue behind other prefills elsewhere to spare its decoders (it starts now, on the idle instance
-with fewest in flight: the tie-break), a long one still goes where fewer requests decode. An
-instance with prefill queued is no slot the next request is bound to fill, and a prefill placed
-there is charged in full, so while every instance has a queue (past the knee) the rule is the full
-charge. (The negative part is not credited: that sends short prompts to the busiest instances. Nor
-is the excess charged on queued instances too: past the knee that sorts prompts by size, the long
-ones away from the busy instances and the typical ones onto them, whose decodes then run slower.)
+with fewest in flight: the tie-break), a long one still goes where fewer requests decode. Any
+other instance is no slot the next request is bound to fill, and a prefill placed there is charged
+in full. This holds past the knee too, where every instance has a queue: the least-queued one is
+the slot, so a request no longer queues deeper behind other prefills to spare a few of the ~80
+requests decoding beside it (with the full charge there, the Azure trace's TTFT p90 and median
+stayed behind every load balancer's at 1.3x knee; the price is the mean those trades bought, a few
+milliseconds). (The negative part is not credited: that sends short prompts to the busiest
+instances. Nor is the excess charged on every instance: past the knee that sorts prompts by size,
+the long ones onto the instances with fewest in flight, whose few decoders then carry most of the
+prefill, and the typical ones onto the rest, whose decodes run slower.)
 Before the first request is routed ``Wtyp`` is 0 (the whole prefill is charged everywhere).
 
 The residency charge is ``lpwl_resident``'s (the lost hit, recomputed at this session's next turn,
@@ -111,7 +121,11 @@ recompute.
 Late binding (``hold: saturated``; default ``none``): the gateway holds a request while every
 healthy instance is *saturated*, i.e. has prefill queued or running (``pending_prefill_work > 0``:
 a new prefill there would wait), and routes it by the rule above when one drains
-(``gateway/hold.py``). No threshold: "would wait" is the only line that needs none.
+(``gateway/hold.py``). No threshold: "would wait" is the only line that needs none. Off by
+default: a held request starts its trip through the engine's frontend (HTTP, tokenization) only when
+released, and ``pending_prefill_work`` counts a request in that frontend as queued, so on the Azure
+trace, where a prefill is shorter than the frontend, instances stood idle between releases (1.3x
+knee, 3 seeds: TTFT p90 +2.9 s, mean +0.29 s; ``analysis/results/policy-least-queued-2026-11-27.md``).
 """
 
 from __future__ import annotations
@@ -140,14 +154,15 @@ def typical_work(snapshot: Snapshot) -> int:
     return 0 if w is None else int(w)
 
 
-def auto_cost(snapshot: Snapshot, s: InstanceState, typical: int = 0) -> tuple[int, int, int, int]:
+def auto_cost(snapshot: Snapshot, s: InstanceState, typical: int = 0, least_queued: int = 0) -> tuple[int, int, int, int]:
     """``(cost, work, overflow, lost)`` of placing this request on ``s`` (the module docstring's
-    rule; ``work`` is ``W_i``, ``typical`` is ``Wtyp``: :func:`typical_work`)."""
+    rule; ``work`` is ``W_i``, ``typical`` is ``Wtyp``: :func:`typical_work`, ``least_queued`` is
+    ``Qmin``, the least prefill work queued on any healthy instance)."""
     req = snapshot.request
     bs = req.block_size
     new = new_prefill_tokens(snapshot, s)
     work = prefill_work_tokens(new, req.input_tokens - new)
-    avoidable = work if s.pending_prefill_work else max(0, work - typical)
+    avoidable = work if s.pending_prefill_work > least_queued else max(0, work - typical)
     cost = s.pending_prefill_work + work + avoidable * s.in_flight
     cap = s.capacity_blocks
     if cap is None:
@@ -248,8 +263,10 @@ class LPWLAuto:
     def decide(self, snapshot: Snapshot) -> Decision:
         keyed = []
         typical = typical_work(snapshot)
-        for s in healthy(snapshot):
-            cost, work, overflow, lost = auto_cost(snapshot, s, typical)
+        cands = healthy(snapshot)
+        least = min(s.pending_prefill_work for s in cands)
+        for s in cands:
+            cost, work, overflow, lost = auto_cost(snapshot, s, typical, least)
             keyed.append((cost, tie_key(s), s.index, work, overflow, lost))
         cost, _, target, work, overflow, lost = min(keyed)
         if self.migrate == "priced":

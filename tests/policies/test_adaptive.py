@@ -1,7 +1,7 @@
 """lpwl_auto: LPWL plus the avoidable part of the delay a prefill adds to the requests beside it
-(its work above the mean routed prefill), both priced in prefill work (tokens plus the attention
-term), the residency charge over the expected working set, and the aged program-level priority
-(exact choices on tiny snapshots)."""
+(on the least-queued instance its work above the median routed prefill, elsewhere all of it), both
+priced in prefill work (tokens plus the attention term), the residency charge over the expected
+working set, and the aged program-level priority (exact choices on tiny snapshots)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,24 @@ def test_a_prefill_of_typical_size_does_not_queue_to_spare_decoders():
     # 1,751 + 1,000 x 4 = 5,751 > 4,561 on 1: a larger-than-typical prefill goes where fewer decode
     d = registry.build("lpwl_auto").decide(snap(insts, work_typical=751.0))
     assert d.target == 1 and d.scores == ((0, 5751.0), (1, 4561.0))
+
+
+def test_past_the_knee_a_typical_prefill_takes_the_least_queued_instance():
+    # Every instance has prefill queued (past the knee): 0 the least (1,059 of work) with 40 in flight,
+    # 1 twice that with 38. The least-queued instance is where the next request would start anyway,
+    # so a prefill of typical size (1,751 of work) is charged no delay to others there: 1,059 + 1,751.
+    # Charged in full everywhere (the rule before), it queued deeper on 1 to spare 2 of ~40 decoders:
+    # 1,059 + 1,751 x 41 = 72,850 on 0 against 2,118 + 1,751 x 39 = 70,407 on 1.
+    insts = [inst(0, pending_prefill_tokens=1000, pending_prefill_work=1059, in_flight=40),
+             inst(1, pending_prefill_tokens=2000, pending_prefill_work=2118, in_flight=38)]
+    d = registry.build("lpwl_auto").decide(snap(insts, work_typical=1751.0))
+    assert d.target == 0 and d.scores == ((0, 1059.0 + 1751), (1, 2118.0 + 1751 * 39))
+    # A long prompt (20,000 tokens, 43,520 of work) still goes where fewer requests decode: its
+    # excess over the typical one, 41,769, weighs the 40 in flight on 0; all of it the 10 on 1.
+    insts = [inst(0, pending_prefill_tokens=1000, pending_prefill_work=1059, in_flight=40),
+             inst(1, pending_prefill_tokens=2000, pending_prefill_work=2118, in_flight=10)]
+    d = registry.build("lpwl_auto").decide(snap(insts, input_tokens=20_000, work_typical=1751.0))
+    assert d.target == 1 and d.scores == ((0, 1059.0 + 43_520 + 41_769 * 40), (1, 2118.0 + 43_520 * 11))
 
 
 def test_a_long_prompt_is_not_parked_behind_a_longer_one():
