@@ -117,9 +117,10 @@ class TokenSynthesizer:
         # the memo trie: node ids index the parallel lists
         self._roots: dict[tuple, int] = {}
         self._children: dict[tuple[int, int], int] = {}
-        # node n's event ints are _store[_node_start[n]:_node_end[n]]. A list of int objects, not
-        # an array: every turn then hands out the *same* int objects for a hash, so the engines'
-        # and the index's hash tables compare keys by identity (half the cost of equal new ints).
+        # node n's identities are store[_node_start[n]:_node_end[n]]. vLLM's hashes: _store, a list
+        # of int objects, not an array: every turn then hands out the *same* int objects for a
+        # hash, so the engines' and the index's hash tables compare keys by identity (half the cost
+        # of equal new ints). Chain ids: _keys, an int64 array, which turns go out as (KeyedHashes).
         self._node_start: list[int] = []
         self._node_end: list[int] = []
         self._node_digest: list[bytes | None] = []
@@ -128,10 +129,9 @@ class TokenSynthesizer:
         # Per-session resume point (speed only): the latest turn's memoized walk, so the next turn,
         # which extends it, starts where the two diverge instead of at the root. (namespace,
         # session id) -> (root key, hash ids walked, trie node after each of them (path[0] =
-        # root), their engine-block hashes as one tuple).
-        self._resume: dict[tuple[str, str], tuple[tuple, tuple[int, ...], list[int], tuple[int, ...], Any]] = {}
+        # root), their engine-block identities: a tuple, or for chain ids the turn's int64 array).
+        self._resume: dict[tuple[str, str], tuple[tuple, tuple[int, ...], list[int], Any]] = {}
         self._chain_ids = ChainIds(engine_block_size)  # used with identity="chain" only
-        # chain ids: _store again as int64, so each turn's ids also go out as an array (KeyedHashes)
         self._keys = IdArray()
 
     # ---------------------------------------------------------------- tokens
@@ -228,13 +228,14 @@ class TokenSynthesizer:
 
     # ---------------------------------------------------------------- hashes
 
-    def block_hashes(self, session: Session, turn_index: int) -> tuple[int, ...]:
+    def block_hashes(self, session: Session, turn_index: int) -> tuple[int, ...] | KeyedHashes:
         """Identities of every full engine block of the turn's prompt (memoized).
 
         With ``identity="vllm"``: vLLM's event-int hashes, equal to
         ``BlockHasher(engine_block_size, hash_name).event_ints(prompt_tokens(...))``. With
-        ``"chain"``: the chain ids of the module docstring. Cost: one dict probe per memoized trace
-        block plus building the tuple; new identities only for engine blocks not seen before and
+        ``"chain"``: the chain ids of the module docstring, as a :class:`KeyedHashes` (one int64
+        array). Cost: one dict probe per memoized trace block plus building the tuple (the
+        array); new identities only for engine blocks not seen before and
         (vllm) for those past the last full, covered trace block.
         """
         turn = session.turns[turn_index]
@@ -254,17 +255,18 @@ class TokenSynthesizer:
         if chain:
             self._chain_ids.check_namespace(session.namespace, bs)
         skey = (session.namespace, session.session_id)
-        prev = self._resume.get(skey)
+        prev = self._resume.pop(skey, None)  # gone until this walk ends (it reuses the path)
         k = 0
-        head: tuple[int, ...] = ()
+        head: Any = ()  # the leading identities kept from the previous walk (a tuple, or chain: an array)
         path = [node]
         if prev is not None and prev[0] == root_key:
-            _, p_ids, p_path, p_out, _ = prev
+            _, p_ids, p_path, p_out = prev
             c = common_prefix_len(ids, p_ids, 0, m)
             if c:
                 k = c
                 node = p_path[c]
-                path = p_path[: c + 1]
+                path = p_path  # this walk replaces the previous one: its path is cut here and grown
+                del path[c + 1 :]
                 head = p_out[: (c * bs) // es]
         # Walk the memoized part, collecting the store ranges of its hashes; nodes created together
         # sit next to each other in the store, so a chain is usually a handful of ranges.
@@ -290,7 +292,7 @@ class TokenSynthesizer:
             # cold part: identities of the engine blocks of trace blocks k..m-1, recorded as nodes
             done = (k * bs) // es  # engine blocks complete before trace block k
             stop = (m * bs) // es
-            first = len(self._store)
+            first = self._stored()
             if chain:
                 new, digests = self._fresh_ids(done, stop, session.model, s_len), None
             else:
@@ -305,33 +307,28 @@ class TokenSynthesizer:
                 node = child
                 add_path(child)
                 j = end_j
-            self._store.extend(new)
-            if chain:
-                self._keys.extend(new)
+            self._store_ids(new)
             if new:
                 if first == last_end:
                     ranges[-1][1] = first + len(new)
                 else:
                     ranges.append([first, first + len(new)])
-        store = self._store
-        n_head = len(head)
-        if ranges:
-            head += tuple(iter_chain.from_iterable(store[lo:hi] for lo, hi in ranges))
         # uncached remainder: engine blocks that reach past the last memoizable trace block
         done = (m * bs) // es
         total = n_in // es
         if chain:
-            # the same ids as one int64 array: the kept part of the previous turn's, the store's
-            # ranges, the remainder (the previous turn's array is kept with its walk)
-            rest = self._chain_remainder(session, turn_index, node, m, done, total, s_len) if done < total else ()
-            parts = [prev[4][:n_head]] if n_head else []
+            # one int64 array: the kept part of the previous turn's, the store's ranges, the remainder
+            parts = [head] if len(head) else []
             parts += [self._keys.view(lo, hi) for lo, hi in ranges]
-            if rest:
-                parts.append(np.fromiter(rest, np.int64, len(rest)))
-            out = KeyedHashes(head + rest, np.concatenate(parts) if parts else np.empty(0, np.int64))
-            self._resume[skey] = (root_key, ids[:m], path, head, out.array)
+            if done < total:
+                parts.append(self._chain_remainder(session, turn_index, node, m, done, total, s_len))
+            out = KeyedHashes(np.concatenate(parts) if parts else np.empty(0, np.int64))
+            self._resume[skey] = (root_key, ids[:m], path, out.array)
             return out
-        self._resume[skey] = (root_key, ids[:m], path, head, None)
+        store = self._store
+        if ranges:
+            head += tuple(iter_chain.from_iterable(store[lo:hi] for lo, hi in ranges))
+        self._resume[skey] = (root_key, ids[:m], path, head)
         if done >= total:
             return head
         new, _ = self._sha_ids(session, turn_index, digest, done, total)
@@ -358,7 +355,7 @@ class TokenSynthesizer:
         return self._chain_ids.fresh(lo, hi, model, s_len)
 
     def _chain_remainder(self, session: Session, turn_index: int, node: int, m: int, done: int, total: int,
-                         s_len: int) -> tuple[int, ...]:
+                         s_len: int) -> np.ndarray:
         """Chain ids of engine blocks ``done..total-1``, past the last full, covered trace block ``m-1``.
 
         If the prompt ends inside trace block ``m`` (an id covers it), those blocks hold that trace
@@ -371,18 +368,29 @@ class TokenSynthesizer:
             child = self._children.get((node, ids[m]))
             if child is None:
                 bs, es = session.block_size, self.engine_block_size
-                lo = len(self._store)
-                self._store.extend(self._fresh_ids(done, ((m + 1) * bs) // es, session.model, s_len))
-                self._keys.extend(self._store[lo:])
-                child = self._new_node(lo, len(self._store), None)
+                lo = self._stored()
+                self._store_ids(self._fresh_ids(done, ((m + 1) * bs) // es, session.model, s_len))
+                child = self._new_node(lo, self._stored(), None)
                 self._children[(node, ids[m])] = child
             lo = self._node_start[child]
-            return tuple(self._store[lo : lo + total - done])
+            return self._keys.view(lo, lo + total - done)
         before = self._chain_ids.issued
         tail = self._chain_ids.tail((session.namespace, session.session_id, turn_index), done, total, session.model,
                                     s_len)
         self.hashed_blocks += self._chain_ids.issued - before  # new ids only: a turn asked again costs none
         return tail
+
+    def _stored(self) -> int:
+        """Identities in the store (the next node's start)."""
+        return self._keys.n if self.identity == "chain" else len(self._store)
+
+    def _store_ids(self, new: list[int]) -> None:
+        """Append identities to the store: chain ids to the int64 array only (no Python int kept per
+        block), vLLM's hashes to the list of their int objects."""
+        if self.identity == "chain":
+            self._keys.extend(new)
+        else:
+            self._store.extend(new)
 
     def _new_node(self, start: int, end: int, digest: bytes | None) -> int:
         """A trie node whose engine-block hashes are ``_store[start:end]``."""
@@ -393,7 +401,7 @@ class TokenSynthesizer:
 
     def cache_info(self) -> dict[str, int]:
         """Memo size: trie nodes and the engine-block hashes they hold; blocks hashed so far."""
-        return {"nodes": len(self._node_end), "cached_blocks": len(self._store), "hashed_blocks": self.hashed_blocks}
+        return {"nodes": len(self._node_end), "cached_blocks": self._stored(), "hashed_blocks": self.hashed_blocks}
 
     def clear(self) -> None:
         """Drop the memo (a long sweep over many traces can bound its memory this way)."""
