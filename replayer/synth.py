@@ -17,9 +17,8 @@ ids, so a prompt's engine blocks are equal exactly when the trace says its block
 3. else (positions the ids do not cover: WEKA gives ids for full blocks only; Azure none) a *tail*
    stream unique to (namespace, session, turn): new text that nothing else shares.
 
-Each stream is a counter-based generator: ``splitmix64(key + i * C) % vocab_size`` with ``key``
-from BLAKE2b of (seed, stream identity) - stable across processes and Python versions (never
-Python's ``hash()``), vectorized with numpy, no per-token Python objects.
+Each stream is a counter-based generator keyed by the seed and the stream's identity
+(:mod:`replayer.token_streams`), vectorized with numpy, no per-token Python objects.
 
 **Identity property.** Two prompts share exactly their first :meth:`common_prefix_tokens` tokens
 (the number their hash ids, system prompts and lengths imply), hence exactly
@@ -51,7 +50,6 @@ engines' and the index's hash tables cheaper to probe than with scattered 64-bit
 
 from __future__ import annotations
 
-import hashlib
 from itertools import chain as iter_chain
 from typing import Any
 
@@ -61,31 +59,11 @@ from engines.hashing import BlockHasher, common_prefix_len
 from engines.keyed_hashes import KeyedHashes
 from gpuhit.errors import ConfigError
 from replayer.chain_ids import ChainIds, IdArray
+from replayer.token_streams import TokenStreams
 from replayer.trace import Session
 
 #: block identities: vLLM's exact hashes, or the simulator's chain ids (see the module docstring)
 IDENTITIES = ("vllm", "chain")
-_MASK = (1 << 64) - 1
-_STEP = np.uint64(0xD1B54A32D192ED03)  # odd constant: consecutive positions land far apart
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer, elementwise on a uint64 array (wraps modulo 2**64 by design)."""
-    z = z + _GOLDEN
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
-
-
-def _ids_u64(ids: tuple[int, ...]) -> np.ndarray:
-    try:
-        return np.fromiter(ids, dtype=np.int64, count=len(ids)).view(np.uint64)
-    except OverflowError:  # ids outside int64: reduce modulo 2**64 (a collision is vanishingly unlikely)
-        return np.array([h & _MASK for h in ids], dtype=np.uint64)
 
 
 class TokenSynthesizer:
@@ -112,8 +90,7 @@ class TokenSynthesizer:
         self.system_prompts = system_prompts
         self.identity = identity
         self.hasher = BlockHasher(engine_block_size, hash_name)
-        self._vocab = np.uint64(vocab_size)
-        self._stream_keys: dict[tuple[str, ...], np.uint64] = {}
+        self._streams = TokenStreams(self.seed, vocab_size)
         # the memo trie: node ids index the parallel lists
         self._roots: dict[tuple, int] = {}
         self._children: dict[tuple[int, int], int] = {}
@@ -140,17 +117,6 @@ class TokenSynthesizer:
         """Full engine blocks of a prompt of ``prompt_len`` tokens (the ones vLLM can cache)."""
         return prompt_len // self.engine_block_size
 
-    def _key(self, *parts: str) -> np.uint64:
-        key = self._stream_keys.get(parts)
-        if key is None:
-            h = hashlib.blake2b(digest_size=8, person=b"gpuhit-synth")
-            h.update(str(self.seed).encode())
-            for part in parts:
-                h.update(b"\x00" + part.encode("utf-8", "surrogatepass"))
-            key = np.uint64(int.from_bytes(h.digest(), "big"))
-            self._stream_keys[parts] = key
-        return key
-
     def _system_len(self, session: Session, turn_index: int) -> int:
         """S for this turn: the session's system prompt, unless off or the turn is another model's
         (a Haiku helper call inside an Opus conversation has its own, unknown, system prompt)."""
@@ -161,32 +127,7 @@ class TokenSynthesizer:
 
     def _tokens_at(self, session: Session, turn_index: int, start: int, stop: int) -> np.ndarray:
         """Token ids (uint64) at prompt positions ``[start, stop)`` of the turn."""
-        turn = session.turns[turn_index]
-        bs = session.block_size
-        pos = np.arange(start, stop, dtype=np.uint64)
-        out = np.empty(stop - start, dtype=np.uint64)
-        s_len = self._system_len(session, turn_index)
-        covered = min(len(turn.hash_ids) * bs, turn.input_length)
-        # region 3: tail, unique per (namespace, session, turn)
-        lo = max(start, covered)
-        if lo < stop:
-            key = self._key("tail", session.namespace, session.session_id, str(turn_index))
-            out[lo - start :] = _mix(key + (pos[lo - start :] - np.uint64(covered)) * _STEP)
-        # region 2: hash-id blocks
-        hi = min(stop, covered)
-        if start < hi:
-            first, last = start // bs, (hi - 1) // bs
-            ns_key = self._key("block", session.namespace)
-            block_keys = _mix(ns_key ^ _mix(_ids_u64(turn.hash_ids[first : last + 1])))
-            p = pos[: hi - start]
-            bidx = (p // np.uint64(bs)) - np.uint64(first)
-            out[: hi - start] = _mix(block_keys[bidx] + (p % np.uint64(bs)) * _STEP)
-        # region 1: the model's system prompt replaces the first S tokens
-        s_hi = min(stop, s_len)
-        if start < s_hi:
-            key = self._key("system", session.model)
-            out[: s_hi - start] = _mix(key + pos[: s_hi - start] * _STEP)
-        return out % self._vocab
+        return self._streams.tokens_at(session, turn_index, start, stop, self._system_len(session, turn_index))
 
     def prompt_tokens(self, session: Session, turn_index: int) -> list[int]:
         """The turn's prompt as token ids (``input_length`` of them)."""
