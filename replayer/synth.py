@@ -108,6 +108,9 @@ class TokenSynthesizer:
         # session id) -> (root key, hash ids walked, trie node after each of them (path[0] =
         # root), their engine-block identities: a tuple, or for chain ids the turn's int64 array).
         self._resume: dict[tuple[str, str], tuple[tuple, tuple[int, ...], list[int], Any]] = {}
+        # (namespace, session id, turn index) -> (the trace block its walk started at, root key, the
+        # nodes it walked to, the store ranges they hold): the walk of a turn asked for again
+        self._walks: dict[tuple[tuple[str, str], int], tuple[int, tuple, tuple[int, ...], tuple]] = {}
         self._chain_ids = ChainIds(engine_block_size)  # used with identity="chain" only
         self._keys = IdArray()
 
@@ -210,11 +213,22 @@ class TokenSynthesizer:
                 del path[c + 1 :]
                 head = p_out[: (c * bs) // es]
         # Walk the memoized part, collecting the store ranges of its hashes; nodes created together
-        # sit next to each other in the store, so a chain is usually a handful of ranges.
+        # sit next to each other in the store, so a chain is usually a handful of ranges. A turn
+        # walked before from the same resume point takes the nodes recorded then (the trie only
+        # grows): every run of a seed asks for the same turns in the same order per session.
         children, starts, ends = self._children, self._node_start, self._node_end
         ranges: list[list[int]] = []
         last_end = -1
         add_path = path.append
+        k0 = k
+        wkey = (skey, turn_index)
+        walked = self._walks.get(wkey)
+        reuse = walked is not None and walked[0] == k0 and walked[1] == root_key
+        if reuse:
+            path.extend(walked[2])
+            node = path[-1]
+            ranges = [list(r) for r in walked[3]]
+            k = m
         while k < m:
             child = children.get((node, ids[k]))
             if child is None:
@@ -254,6 +268,8 @@ class TokenSynthesizer:
                     ranges[-1][1] = first + len(new)
                 else:
                     ranges.append([first, first + len(new)])
+        if k0 < m and not reuse:
+            self._walks[wkey] = (k0, root_key, tuple(path[k0 + 1 :]), tuple(tuple(r) for r in ranges))
         # uncached remainder: engine blocks that reach past the last memoizable trace block
         done = (m * bs) // es
         total = n_in // es
@@ -354,4 +370,5 @@ class TokenSynthesizer:
         self._store.clear()
         self._keys.clear()
         self._resume.clear()
+        self._walks.clear()
         self._chain_ids.clear()
