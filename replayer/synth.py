@@ -108,9 +108,10 @@ class TokenSynthesizer:
         # session id) -> (root key, hash ids walked, trie node after each of them (path[0] =
         # root), their engine-block identities: a tuple, or for chain ids the turn's int64 array).
         self._resume: dict[tuple[str, str], tuple[tuple, tuple[int, ...], list[int], Any]] = {}
-        # (namespace, session id, turn index) -> (the trace block its walk started at, root key, the
-        # nodes it walked to, the store ranges they hold): the walk of a turn asked for again
-        self._walks: dict[tuple[tuple[str, str], int], tuple[int, tuple, tuple[int, ...], tuple]] = {}
+        # (namespace, session id, turn index) -> (its hash ids, (the trace block its walk started at,
+        # the trace blocks walked to, root key), the nodes it walked to, the store ranges they hold):
+        # the walk of a turn asked for again
+        self._walks: dict[tuple[tuple[str, str], int], tuple[tuple[int, ...], tuple, tuple[int, ...], tuple]] = {}
         self._chain_ids = ChainIds(engine_block_size)  # used with identity="chain" only
         self._keys = IdArray()
 
@@ -215,7 +216,9 @@ class TokenSynthesizer:
         # Walk the memoized part, collecting the store ranges of its hashes; nodes created together
         # sit next to each other in the store, so a chain is usually a handful of ranges. A turn
         # walked before from the same resume point takes the nodes recorded then (the trie only
-        # grows): every run of a seed asks for the same turns in the same order per session.
+        # grows): every run of a seed asks for the same turns in the same order per session. The
+        # very ids tuple must match (held by the record, so it cannot be another turn's: two traces
+        # may name their sessions alike).
         children, starts, ends = self._children, self._node_start, self._node_end
         ranges: list[list[int]] = []
         last_end = -1
@@ -223,7 +226,7 @@ class TokenSynthesizer:
         k0 = k
         wkey = (skey, turn_index)
         walked = self._walks.get(wkey)
-        reuse = walked is not None and walked[0] == k0 and walked[1] == root_key
+        reuse = walked is not None and walked[0] is ids and walked[1] == (k0, m, root_key)
         if reuse:
             path.extend(walked[2])
             node = path[-1]
@@ -269,7 +272,7 @@ class TokenSynthesizer:
                 else:
                     ranges.append([first, first + len(new)])
         if k0 < m and not reuse:
-            self._walks[wkey] = (k0, root_key, tuple(path[k0 + 1 :]), tuple(tuple(r) for r in ranges))
+            self._walks[wkey] = (ids, (k0, m, root_key), tuple(path[k0 + 1 :]), tuple(tuple(r) for r in ranges))
         # uncached remainder: engine blocks that reach past the last memoizable trace block
         done = (m * bs) // es
         total = n_in // es
