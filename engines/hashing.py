@@ -41,10 +41,12 @@ def common_prefix_len(a: Sequence[Any], b: Sequence[Any], start: int = 0, stop: 
         sa, sb = tuple(sa), tuple(sb)
     if sa == sb:
         return end - start
-    lo, hi = 0, end - start - 1  # sa[:lo] == sb[:lo]; sa[:hi + 1] != sb[:hi + 1]
+    # sa[:lo] == sb[:lo]; sa[:hi + 1] != sb[:hi + 1]. Each probe compares only sa[lo:mid], the part
+    # in doubt: a prefix compare from 0 would copy ~n/2 items a probe, n log n in all
+    lo, hi = 0, end - start - 1
     while lo < hi:
         mid = (lo + hi + 1) >> 1
-        if sa[:mid] == sb[:mid]:
+        if sa[lo:mid] == sb[lo:mid]:
             lo = mid
         else:
             hi = mid - 1

@@ -90,8 +90,11 @@ class _FifoTimerHandle(asyncio.TimerHandle):
     __slots__ = ("_seq",)
 
     def __lt__(self, other: object) -> bool:
-        if isinstance(other, _FifoTimerHandle):
-            return (self._when, self._seq) < (other._when, other._seq)
+        # compared by the heap on every push and pop (a simulated run: about a million times), so
+        # without building (deadline, seq) tuples
+        if type(other) is _FifoTimerHandle:
+            w, o = self._when, other._when
+            return w < o or (w == o and self._seq < other._seq)
         return super().__lt__(other)  # type: ignore[operator]
 
 

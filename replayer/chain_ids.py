@@ -24,7 +24,7 @@ class ChainIds:
         self.issued = 0  # ids handed out for blocks (system ones counted each time they are used)
         self._next = 1
         self._system: dict[tuple[str, int], int] = {}
-        self._tails: dict[tuple[str, str, int], tuple[int, ...]] = {}
+        self._tails: dict[tuple[str, str, int], np.ndarray] = {}
         self._block_size_of: dict[str, int] = {}  # namespace -> its trace block size
 
     def check_namespace(self, namespace: str, trace_block_size: int) -> None:
@@ -57,12 +57,12 @@ class ChainIds:
         self.issued += hi - lo
         return out
 
-    def tail(self, turn: tuple[str, str, int], lo: int, hi: int, model: str, system_len: int) -> tuple[int, ...]:
+    def tail(self, turn: tuple[str, str, int], lo: int, hi: int, model: str, system_len: int) -> np.ndarray:
         """Ids of blocks ``lo..hi-1`` that reach into ``turn``'s own tail (namespace, session, turn
-        index): the same ids each time that turn is asked for."""
+        index), as int64: the same ids each time that turn is asked for."""
         ids = self._tails.get(turn)
         if ids is None:
-            ids = self._tails[turn] = tuple(self.fresh(lo, hi, model, system_len))
+            ids = self._tails[turn] = np.array(self.fresh(lo, hi, model, system_len), np.int64)
         return ids
 
     def clear(self) -> None:

@@ -144,6 +144,11 @@ def count_requests(trace: Trace, max_sessions: int | None = None) -> int:
     return total
 
 
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class _Replay:
     def __init__(self, trace: Trace, target: Target, cfg: DriverConfig,
                  sink: Callable[[RequestRecord], None] | None, skip: Collection[tuple[str, int]],
@@ -172,8 +177,9 @@ class _Replay:
         # sessions waiting for their start or a think time stop at once instead of sleeping on:
         # in live mode a trace's later arrivals would otherwise hold the replay for its whole span.
         self._stop = asyncio.Event()
+        self._sleeping: set[asyncio.Future[None]] = set()  # the pauses in progress (_halt ends them)
         self._deadline_timer = (
-            self.loop.call_at(self.deadline, self._stop.set) if math.isfinite(self.deadline) else None
+            self.loop.call_at(self.deadline, self._halt) if math.isfinite(self.deadline) else None
         )
 
     # -- bounds ---------------------------------------------------------------------------------
@@ -229,7 +235,7 @@ class _Replay:
         req = TurnRequest(f"{s.session_id}#{k}", s, k, implied)
         self.sent += 1
         if self.cfg.max_requests is not None and self.sent >= self.cfg.max_requests:
-            self._stop.set()
+            self._halt()
         sent_at = self.loop.time()
         try:
             rec = await self.target.submit(req)
@@ -256,14 +262,29 @@ class _Replay:
         self._emit(self._stamp(rec, s, k, 0))
 
     # -- sessions -------------------------------------------------------------------------------
+    def _halt(self) -> None:
+        """Nothing more may be sent: set ``_stop`` and end every pause now."""
+        self._stop.set()
+        for fut in self._sleeping:
+            _wake(fut)
+
     async def _pause(self, delay: float) -> None:
-        """Sleep ``delay`` seconds of replay clock, or less if the replay stops sending meanwhile."""
+        """Sleep ``delay`` seconds of replay clock, or less if the replay stops sending meanwhile.
+
+        One future and one timer (which :meth:`_halt` may beat): every session pauses before each
+        turn, and ``asyncio.wait_for`` on the stop event made a task, a waiter and a cancellation
+        per pause, about three times the CPU.
+        """
         if delay <= 0 or self._stop.is_set():
             return
+        fut = self.loop.create_future()
+        timer = self.loop.call_later(delay, _wake, fut)
+        self._sleeping.add(fut)
         try:
-            await asyncio.wait_for(self._stop.wait(), delay)
-        except TimeoutError:
-            pass
+            await fut
+        finally:
+            timer.cancel()
+            self._sleeping.discard(fut)
 
     async def _sleep_until(self, t: float) -> None:
         await self._pause(t - self.loop.time())

@@ -1,9 +1,9 @@
 """Simulated replay: the gateway core and N emulated vLLM instances on a virtual-time event loop.
 
 :func:`simulate` builds, for one (trace, policy, seed): N engines (emulated by default), a
-:class:`~gateway.router.Router` with a KV index, a :class:`SimTarget` that turns each trace turn into
-a routed request (token-synthesized block hashes, never token lists: the emulator trusts the hashes),
-and the closed-loop :mod:`replayer.driver`; then runs it all on :func:`gpuhit.vtime.run`, where the
+:class:`~gateway.router.Router` with a KV index, a :class:`~replayer.sim_target.SimTarget` that
+turns each trace turn into a routed request (token-synthesized block hashes, never token lists: the
+emulator trusts the hashes), and the closed-loop :mod:`replayer.driver`; then runs it all on :func:`gpuhit.vtime.run`, where the
 clock jumps to the next event, so hours of agent traffic replay in seconds of wall time. The code
 path is the live one: only the loop and the engines differ.
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from engines.emulated.profile import DEFAULT_PROFILE
 from gpuhit import vtime
-from gpuhit.errors import BadRequestError, ConfigError
+from gpuhit.errors import ConfigError
 from replayer.arrivals import (
     ArrivalConfig,
     child_offset,
@@ -41,16 +41,10 @@ from replayer.arrivals import (
     root_start_times,
     roots,
 )
-from replayer.driver import (
-    DriverConfig,
-    ReplayOutcome,
-    TurnRequest,
-    count_requests,
-    replay,
-    request_max_tokens,
-)
+from replayer.driver import DriverConfig, ReplayOutcome, count_requests, replay
 from replayer.records import RequestRecord, records_to_frame
 from replayer.sim_engines import EngineFactory, busy_time, emulated_factory, engine_series, new_registry
+from replayer.sim_target import SimTarget
 from replayer.trace import Trace
 
 
@@ -86,86 +80,6 @@ class RunResult:
         s.update(policy=self.policy, seed=self.seed, wall_s=self.wall_s, sim_wall_ratio=self.sim_wall_ratio,
                  router=self.router_stats, roles=list(self.roles))
         return s
-
-
-class SimTarget:
-    """Driver target that routes each turn through an in-process :class:`~gateway.router.Router`.
-
-    The record's ``realized_hit_tokens`` is what the serving instance did not compute: its GPU
-    prefix hit plus KV imported from a CPU/remote tier, a migration or a fetch (KV computed earlier
-    and moved). For PD it is the prefill instance's hit: the KV the decode instance imports was
-    computed for this very request, so counting it would report PD's 100% as reuse.
-    """
-
-    def __init__(self, router: Any, synth: Any, max_model_len: int | None = None,
-                 live_path: Callable[[int], float] | None = None):
-        from gateway.router import RouteRequest
-
-        self._RouteRequest = RouteRequest
-        self.router = router
-        self.synth = synth
-        # the live path's delay given the requests in flight here (replayer/live_path.py); None: none
-        self.live_path = live_path
-        self.in_flight = 0
-        # As the live gateway does: the smallest engine max_model_len (None: no limit known).
-        lens = [m for e in router.engines if isinstance(m := getattr(e, "max_model_len", None), int)]
-        self.max_model_len = max_model_len if max_model_len is not None else (min(lens) if lens else None)
-
-    async def submit(self, req: TurnRequest) -> RequestRecord:
-        if self.live_path is None:
-            return await self._submit(req, asyncio.get_running_loop().time())
-        sent = asyncio.get_running_loop().time()
-        delay = self.live_path(self.in_flight)
-        self.in_flight += 1
-        try:
-            if delay > 0:
-                await asyncio.sleep(delay)  # the path from the client through the gateway, in virtual time
-            return await self._submit(req, sent)
-        finally:
-            self.in_flight -= 1
-
-    async def _submit(self, req: TurnRequest, sent: float) -> RequestRecord:
-        loop = asyncio.get_running_loop()
-        s, k = req.session, req.turn_index
-        turn = s.turns[k]
-        try:
-            max_tokens, note = request_max_tokens(turn.output_length, turn.input_length, self.max_model_len)
-        except BadRequestError as exc:  # refused by the gateway before routing, as vLLM refuses it
-            return RequestRecord(arrival=sent, finish=sent, input_tokens=turn.input_length, error=str(exc),
-                                 rejected=1)
-        rr = self._RouteRequest(
-            request_id=req.request_id,
-            prompt_len=turn.input_length,
-            max_tokens=max_tokens,
-            block_hashes=self.synth.block_hashes(s, k),
-            session_id=s.session_id,
-            parent_session=s.parent,
-            turn=k,
-        )
-        routed = await self.router.submit(rr)
-        res = routed.result
-        d = routed.decision
-        if getattr(routed, "pd", False) and routed.producer is not None:
-            # PD: the decode instance imports KV the prefill instance has just computed; that is a
-            # transfer, not a prefix-cache hit. The request's cache hit is the producer's.
-            realized = routed.producer.cached_tokens + routed.producer.external_cached_tokens
-        else:
-            realized = res.cached_tokens + res.external_cached_tokens
-        return RequestRecord(
-            instance=routed.instance,
-            action=d.action + ("+fallback" if routed.fallback else ""),
-            reason=d.reason,
-            arrival=sent,
-            first_token=res.first_token_time if res.first_token_time is not None else math.nan,
-            finish=res.finish_time if res.finish_time is not None else loop.time(),
-            input_tokens=turn.input_length,
-            output_tokens=res.completion_tokens,
-            predicted_hit_tokens=routed.predicted_hit_tokens,
-            realized_hit_tokens=realized,
-            error=res.error or "",
-            note=note,
-            preemptions=res.num_preemptions,
-        )
 
 
 def trace_span(trace: Trace, cfg: ArrivalConfig, max_sessions: int | None = None, *,

@@ -17,9 +17,8 @@ ids, so a prompt's engine blocks are equal exactly when the trace says its block
 3. else (positions the ids do not cover: WEKA gives ids for full blocks only; Azure none) a *tail*
    stream unique to (namespace, session, turn): new text that nothing else shares.
 
-Each stream is a counter-based generator: ``splitmix64(key + i * C) % vocab_size`` with ``key``
-from BLAKE2b of (seed, stream identity) - stable across processes and Python versions (never
-Python's ``hash()``), vectorized with numpy, no per-token Python objects.
+Each stream is a counter-based generator keyed by the seed and the stream's identity
+(:mod:`replayer.token_streams`), vectorized with numpy, no per-token Python objects.
 
 **Identity property.** Two prompts share exactly their first :meth:`common_prefix_tokens` tokens
 (the number their hash ids, system prompts and lengths imply), hence exactly
@@ -51,7 +50,6 @@ engines' and the index's hash tables cheaper to probe than with scattered 64-bit
 
 from __future__ import annotations
 
-import hashlib
 from itertools import chain as iter_chain
 from typing import Any
 
@@ -61,31 +59,11 @@ from engines.hashing import BlockHasher, common_prefix_len
 from engines.keyed_hashes import KeyedHashes
 from gpuhit.errors import ConfigError
 from replayer.chain_ids import ChainIds, IdArray
+from replayer.token_streams import TokenStreams
 from replayer.trace import Session
 
 #: block identities: vLLM's exact hashes, or the simulator's chain ids (see the module docstring)
 IDENTITIES = ("vllm", "chain")
-_MASK = (1 << 64) - 1
-_STEP = np.uint64(0xD1B54A32D192ED03)  # odd constant: consecutive positions land far apart
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer, elementwise on a uint64 array (wraps modulo 2**64 by design)."""
-    z = z + _GOLDEN
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
-
-
-def _ids_u64(ids: tuple[int, ...]) -> np.ndarray:
-    try:
-        return np.fromiter(ids, dtype=np.int64, count=len(ids)).view(np.uint64)
-    except OverflowError:  # ids outside int64: reduce modulo 2**64 (a collision is vanishingly unlikely)
-        return np.array([h & _MASK for h in ids], dtype=np.uint64)
 
 
 class TokenSynthesizer:
@@ -112,14 +90,14 @@ class TokenSynthesizer:
         self.system_prompts = system_prompts
         self.identity = identity
         self.hasher = BlockHasher(engine_block_size, hash_name)
-        self._vocab = np.uint64(vocab_size)
-        self._stream_keys: dict[tuple[str, ...], np.uint64] = {}
+        self._streams = TokenStreams(self.seed, vocab_size)
         # the memo trie: node ids index the parallel lists
         self._roots: dict[tuple, int] = {}
         self._children: dict[tuple[int, int], int] = {}
-        # node n's event ints are _store[_node_start[n]:_node_end[n]]. A list of int objects, not
-        # an array: every turn then hands out the *same* int objects for a hash, so the engines'
-        # and the index's hash tables compare keys by identity (half the cost of equal new ints).
+        # node n's identities are store[_node_start[n]:_node_end[n]]. vLLM's hashes: _store, a list
+        # of int objects, not an array: every turn then hands out the *same* int objects for a
+        # hash, so the engines' and the index's hash tables compare keys by identity (half the cost
+        # of equal new ints). Chain ids: _keys, an int64 array, which turns go out as (KeyedHashes).
         self._node_start: list[int] = []
         self._node_end: list[int] = []
         self._node_digest: list[bytes | None] = []
@@ -128,10 +106,13 @@ class TokenSynthesizer:
         # Per-session resume point (speed only): the latest turn's memoized walk, so the next turn,
         # which extends it, starts where the two diverge instead of at the root. (namespace,
         # session id) -> (root key, hash ids walked, trie node after each of them (path[0] =
-        # root), their engine-block hashes as one tuple).
-        self._resume: dict[tuple[str, str], tuple[tuple, tuple[int, ...], list[int], tuple[int, ...], Any]] = {}
+        # root), their engine-block identities: a tuple, or for chain ids the turn's int64 array).
+        self._resume: dict[tuple[str, str], tuple[tuple, tuple[int, ...], list[int], Any]] = {}
+        # (namespace, session id, turn index) -> (its hash ids, (the trace block its walk started at,
+        # the trace blocks walked to, root key), the nodes it walked to, the store ranges they hold):
+        # the walk of a turn asked for again
+        self._walks: dict[tuple[tuple[str, str], int], tuple[tuple[int, ...], tuple, tuple[int, ...], tuple]] = {}
         self._chain_ids = ChainIds(engine_block_size)  # used with identity="chain" only
-        # chain ids: _store again as int64, so each turn's ids also go out as an array (KeyedHashes)
         self._keys = IdArray()
 
     # ---------------------------------------------------------------- tokens
@@ -139,17 +120,6 @@ class TokenSynthesizer:
     def num_blocks(self, prompt_len: int) -> int:
         """Full engine blocks of a prompt of ``prompt_len`` tokens (the ones vLLM can cache)."""
         return prompt_len // self.engine_block_size
-
-    def _key(self, *parts: str) -> np.uint64:
-        key = self._stream_keys.get(parts)
-        if key is None:
-            h = hashlib.blake2b(digest_size=8, person=b"gpuhit-synth")
-            h.update(str(self.seed).encode())
-            for part in parts:
-                h.update(b"\x00" + part.encode("utf-8", "surrogatepass"))
-            key = np.uint64(int.from_bytes(h.digest(), "big"))
-            self._stream_keys[parts] = key
-        return key
 
     def _system_len(self, session: Session, turn_index: int) -> int:
         """S for this turn: the session's system prompt, unless off or the turn is another model's
@@ -161,32 +131,7 @@ class TokenSynthesizer:
 
     def _tokens_at(self, session: Session, turn_index: int, start: int, stop: int) -> np.ndarray:
         """Token ids (uint64) at prompt positions ``[start, stop)`` of the turn."""
-        turn = session.turns[turn_index]
-        bs = session.block_size
-        pos = np.arange(start, stop, dtype=np.uint64)
-        out = np.empty(stop - start, dtype=np.uint64)
-        s_len = self._system_len(session, turn_index)
-        covered = min(len(turn.hash_ids) * bs, turn.input_length)
-        # region 3: tail, unique per (namespace, session, turn)
-        lo = max(start, covered)
-        if lo < stop:
-            key = self._key("tail", session.namespace, session.session_id, str(turn_index))
-            out[lo - start :] = _mix(key + (pos[lo - start :] - np.uint64(covered)) * _STEP)
-        # region 2: hash-id blocks
-        hi = min(stop, covered)
-        if start < hi:
-            first, last = start // bs, (hi - 1) // bs
-            ns_key = self._key("block", session.namespace)
-            block_keys = _mix(ns_key ^ _mix(_ids_u64(turn.hash_ids[first : last + 1])))
-            p = pos[: hi - start]
-            bidx = (p // np.uint64(bs)) - np.uint64(first)
-            out[: hi - start] = _mix(block_keys[bidx] + (p % np.uint64(bs)) * _STEP)
-        # region 1: the model's system prompt replaces the first S tokens
-        s_hi = min(stop, s_len)
-        if start < s_hi:
-            key = self._key("system", session.model)
-            out[: s_hi - start] = _mix(key + pos[: s_hi - start] * _STEP)
-        return out % self._vocab
+        return self._streams.tokens_at(session, turn_index, start, stop, self._system_len(session, turn_index))
 
     def prompt_tokens(self, session: Session, turn_index: int) -> list[int]:
         """The turn's prompt as token ids (``input_length`` of them)."""
@@ -228,13 +173,14 @@ class TokenSynthesizer:
 
     # ---------------------------------------------------------------- hashes
 
-    def block_hashes(self, session: Session, turn_index: int) -> tuple[int, ...]:
+    def block_hashes(self, session: Session, turn_index: int) -> tuple[int, ...] | KeyedHashes:
         """Identities of every full engine block of the turn's prompt (memoized).
 
         With ``identity="vllm"``: vLLM's event-int hashes, equal to
         ``BlockHasher(engine_block_size, hash_name).event_ints(prompt_tokens(...))``. With
-        ``"chain"``: the chain ids of the module docstring. Cost: one dict probe per memoized trace
-        block plus building the tuple; new identities only for engine blocks not seen before and
+        ``"chain"``: the chain ids of the module docstring, as a :class:`KeyedHashes` (one int64
+        array). Cost: one dict probe per memoized trace block plus building the tuple (the
+        array); new identities only for engine blocks not seen before and
         (vllm) for those past the last full, covered trace block.
         """
         turn = session.turns[turn_index]
@@ -254,24 +200,38 @@ class TokenSynthesizer:
         if chain:
             self._chain_ids.check_namespace(session.namespace, bs)
         skey = (session.namespace, session.session_id)
-        prev = self._resume.get(skey)
+        prev = self._resume.pop(skey, None)  # gone until this walk ends (it reuses the path)
         k = 0
-        head: tuple[int, ...] = ()
+        head: Any = ()  # the leading identities kept from the previous walk (a tuple, or chain: an array)
         path = [node]
         if prev is not None and prev[0] == root_key:
-            _, p_ids, p_path, p_out, _ = prev
+            _, p_ids, p_path, p_out = prev
             c = common_prefix_len(ids, p_ids, 0, m)
             if c:
                 k = c
                 node = p_path[c]
-                path = p_path[: c + 1]
+                path = p_path  # this walk replaces the previous one: its path is cut here and grown
+                del path[c + 1 :]
                 head = p_out[: (c * bs) // es]
         # Walk the memoized part, collecting the store ranges of its hashes; nodes created together
-        # sit next to each other in the store, so a chain is usually a handful of ranges.
+        # sit next to each other in the store, so a chain is usually a handful of ranges. A turn
+        # walked before from the same resume point takes the nodes recorded then (the trie only
+        # grows): every run of a seed asks for the same turns in the same order per session. The
+        # very ids tuple must match (held by the record, so it cannot be another turn's: two traces
+        # may name their sessions alike).
         children, starts, ends = self._children, self._node_start, self._node_end
         ranges: list[list[int]] = []
         last_end = -1
         add_path = path.append
+        k0 = k
+        wkey = (skey, turn_index)
+        walked = self._walks.get(wkey)
+        reuse = walked is not None and walked[0] is ids and walked[1] == (k0, m, root_key)
+        if reuse:
+            path.extend(walked[2])
+            node = path[-1]
+            ranges = [list(r) for r in walked[3]]
+            k = m
         while k < m:
             child = children.get((node, ids[k]))
             if child is None:
@@ -290,7 +250,7 @@ class TokenSynthesizer:
             # cold part: identities of the engine blocks of trace blocks k..m-1, recorded as nodes
             done = (k * bs) // es  # engine blocks complete before trace block k
             stop = (m * bs) // es
-            first = len(self._store)
+            first = self._stored()
             if chain:
                 new, digests = self._fresh_ids(done, stop, session.model, s_len), None
             else:
@@ -305,33 +265,30 @@ class TokenSynthesizer:
                 node = child
                 add_path(child)
                 j = end_j
-            self._store.extend(new)
-            if chain:
-                self._keys.extend(new)
+            self._store_ids(new)
             if new:
                 if first == last_end:
                     ranges[-1][1] = first + len(new)
                 else:
                     ranges.append([first, first + len(new)])
-        store = self._store
-        n_head = len(head)
-        if ranges:
-            head += tuple(iter_chain.from_iterable(store[lo:hi] for lo, hi in ranges))
+        if k0 < m and not reuse:
+            self._walks[wkey] = (ids, (k0, m, root_key), tuple(path[k0 + 1 :]), tuple(tuple(r) for r in ranges))
         # uncached remainder: engine blocks that reach past the last memoizable trace block
         done = (m * bs) // es
         total = n_in // es
         if chain:
-            # the same ids as one int64 array: the kept part of the previous turn's, the store's
-            # ranges, the remainder (the previous turn's array is kept with its walk)
-            rest = self._chain_remainder(session, turn_index, node, m, done, total, s_len) if done < total else ()
-            parts = [prev[4][:n_head]] if n_head else []
+            # one int64 array: the kept part of the previous turn's, the store's ranges, the remainder
+            parts = [head] if len(head) else []
             parts += [self._keys.view(lo, hi) for lo, hi in ranges]
-            if rest:
-                parts.append(np.fromiter(rest, np.int64, len(rest)))
-            out = KeyedHashes(head + rest, np.concatenate(parts) if parts else np.empty(0, np.int64))
-            self._resume[skey] = (root_key, ids[:m], path, head, out.array)
+            if done < total:
+                parts.append(self._chain_remainder(session, turn_index, node, m, done, total, s_len))
+            out = KeyedHashes(np.concatenate(parts) if parts else np.empty(0, np.int64))
+            self._resume[skey] = (root_key, ids[:m], path, out.array)
             return out
-        self._resume[skey] = (root_key, ids[:m], path, head, None)
+        store = self._store
+        if ranges:
+            head += tuple(iter_chain.from_iterable(store[lo:hi] for lo, hi in ranges))
+        self._resume[skey] = (root_key, ids[:m], path, head)
         if done >= total:
             return head
         new, _ = self._sha_ids(session, turn_index, digest, done, total)
@@ -358,7 +315,7 @@ class TokenSynthesizer:
         return self._chain_ids.fresh(lo, hi, model, s_len)
 
     def _chain_remainder(self, session: Session, turn_index: int, node: int, m: int, done: int, total: int,
-                         s_len: int) -> tuple[int, ...]:
+                         s_len: int) -> np.ndarray:
         """Chain ids of engine blocks ``done..total-1``, past the last full, covered trace block ``m-1``.
 
         If the prompt ends inside trace block ``m`` (an id covers it), those blocks hold that trace
@@ -371,18 +328,29 @@ class TokenSynthesizer:
             child = self._children.get((node, ids[m]))
             if child is None:
                 bs, es = session.block_size, self.engine_block_size
-                lo = len(self._store)
-                self._store.extend(self._fresh_ids(done, ((m + 1) * bs) // es, session.model, s_len))
-                self._keys.extend(self._store[lo:])
-                child = self._new_node(lo, len(self._store), None)
+                lo = self._stored()
+                self._store_ids(self._fresh_ids(done, ((m + 1) * bs) // es, session.model, s_len))
+                child = self._new_node(lo, self._stored(), None)
                 self._children[(node, ids[m])] = child
             lo = self._node_start[child]
-            return tuple(self._store[lo : lo + total - done])
+            return self._keys.view(lo, lo + total - done)
         before = self._chain_ids.issued
         tail = self._chain_ids.tail((session.namespace, session.session_id, turn_index), done, total, session.model,
                                     s_len)
         self.hashed_blocks += self._chain_ids.issued - before  # new ids only: a turn asked again costs none
         return tail
+
+    def _stored(self) -> int:
+        """Identities in the store (the next node's start)."""
+        return self._keys.n if self.identity == "chain" else len(self._store)
+
+    def _store_ids(self, new: list[int]) -> None:
+        """Append identities to the store: chain ids to the int64 array only (no Python int kept per
+        block), vLLM's hashes to the list of their int objects."""
+        if self.identity == "chain":
+            self._keys.extend(new)
+        else:
+            self._store.extend(new)
 
     def _new_node(self, start: int, end: int, digest: bytes | None) -> int:
         """A trie node whose engine-block hashes are ``_store[start:end]``."""
@@ -393,7 +361,7 @@ class TokenSynthesizer:
 
     def cache_info(self) -> dict[str, int]:
         """Memo size: trie nodes and the engine-block hashes they hold; blocks hashed so far."""
-        return {"nodes": len(self._node_end), "cached_blocks": len(self._store), "hashed_blocks": self.hashed_blocks}
+        return {"nodes": len(self._node_end), "cached_blocks": self._stored(), "hashed_blocks": self.hashed_blocks}
 
     def clear(self) -> None:
         """Drop the memo (a long sweep over many traces can bound its memory this way)."""
@@ -405,4 +373,5 @@ class TokenSynthesizer:
         self._store.clear()
         self._keys.clear()
         self._resume.clear()
+        self._walks.clear()
         self._chain_ids.clear()

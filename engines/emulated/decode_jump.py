@@ -191,7 +191,7 @@ class DecodeJumpMixin:
             self.kv.append_blocks(reqs, allocs.owner[done:upto])
             js[4] = upto
         if self.pool.events:  # step 1's allocations (made when it was scheduled) and the above
-            self._publish(ends[ended - 1])
+            self._publish(float(ends[ended - 1]))
 
     def _waiting_is_predictable(self) -> bool:
         """Whether a decode stretch can be jumped over with requests waiting (see ``_blocked_plan``).
@@ -324,8 +324,9 @@ class DecodeJumpMixin:
         ends = self.profile.decode_step_ends(start, n, sum(out.contexts), k)
         self._jump_state = [reqs, allocs, ends, start, 0]
         timers = self._per_step_progress(reqs, ends)
+        last = float(ends[-1])
         try:
-            interrupted = await self._wait(ends[-1])
+            interrupted = await self._wait(last)
         except BaseException:
             self._jump_state = None
             raise
@@ -337,14 +338,14 @@ class DecodeJumpMixin:
         if interrupted:
             self.num_interrupted_jumps += 1
             now = asyncio.get_running_loop().time()
-            if now < ends[-1]:
+            if now < last:
                 m = bisect.bisect_left(ends, now) + 1
                 if ends[m - 1] > now:
-                    await self._sleep_until(ends[m - 1])
+                    await self._sleep_until(float(ends[m - 1]))
         self._apply_jump(reqs, m, ends, start, allocs)
 
     @staticmethod
-    def _per_step_progress(reqs: list[EmuRequest], ends: list[float]) -> list[asyncio.TimerHandle]:
+    def _per_step_progress(reqs: list[EmuRequest], ends: list[float] | np.ndarray) -> list[asyncio.TimerHandle]:
         """Report each jumped-over step's token at that step's end to the progress callbacks that ask
         for it (``per_step``: a streaming HTTP client, which vLLM sends one chunk per token at its
         step time); a jump otherwise reports its tokens at once, at its end. The step that ends the
@@ -355,10 +356,11 @@ class DecodeJumpMixin:
             cb = r.on_progress
             if cb is not None and getattr(cb, "per_step", False):
                 base = r.num_output_tokens
-                timers.extend(loop.call_at(t, cb, base + j) for j, t in enumerate(ends[:-1], 1))
+                at = ends[:-1].tolist() if isinstance(ends, np.ndarray) else ends[:-1]
+                timers.extend(loop.call_at(t, cb, base + j) for j, t in enumerate(at, 1))
         return timers
 
-    def _apply_jump(self, reqs: list[EmuRequest], m: int, ends: list[float], start: float,
+    def _apply_jump(self, reqs: list[EmuRequest], m: int, ends: list[float] | np.ndarray, start: float,
                     allocs: Allocations) -> None:
         done = 0
         if self._jump_state is not None:
@@ -368,13 +370,14 @@ class DecodeJumpMixin:
         if upto > done:
             self.kv.append_blocks(reqs, allocs.owner[done:upto])
         met = self.metrics
-        end = ends[m - 1]
+        end = float(ends[m - 1])
         met.add_busy(start, end)
         met.num_steps += m
         n = len(reqs)
         itl = met.itl
+        first = float(ends[0])
         for r in reqs:
-            itl.observe(ends[0] - r.last_token_time)
+            itl.observe(first - r.last_token_time)
         if m > 1:
             itl.observe_gaps(ends[:m], n)
         finished = []

@@ -49,10 +49,13 @@ class Histogram:
         self.sum += v * weight
         self.count += weight
 
-    def observe_gaps(self, times: list[float], weight: int = 1) -> None:
+    def observe_gaps(self, times: list[float] | np.ndarray, weight: int = 1) -> None:
         """Each gap between consecutive ``times`` observed ``weight`` times (a decode stretch's step
-        ends, one gap per sequence of its batch): in Python for a few, in numpy for many."""
+        ends, a list or a float64 array, one gap per sequence of its batch): in Python for a few,
+        in numpy for many."""
         if len(times) <= 64:
+            if isinstance(times, np.ndarray):
+                times = times.tolist()
             b, c = self.buckets, self.counts
             s = 0.0
             for t0, t1 in itertools.pairwise(times):
@@ -62,7 +65,7 @@ class Histogram:
             self.sum += s * weight
             self.count += (len(times) - 1) * weight
         else:
-            self.observe_array(np.diff(np.asarray(times)), weight)
+            self.observe_array(np.diff(times), weight)
 
     def observe_array(self, values: np.ndarray, weight: int = 1) -> None:
         """Each value observed ``weight`` times (one decode step's gap for each of its sequences), in

@@ -98,13 +98,15 @@ class Profile:
             + self.decode_per_ctx_token_s * decode_ctx_sum
         )
 
-    def decode_step_ends(self, start: float, num_seqs: int, decode_ctx_sum: int, k: int) -> list[float]:
+    def decode_step_ends(self, start: float, num_seqs: int, decode_ctx_sum: int, k: int) -> list[float] | np.ndarray:
         """End times of ``k`` decode-only steps of a fixed batch from ``start``: step ``j`` (from 0)
         lasts ``step_time(num_seqs, 0.0, decode_ctx_sum + num_seqs * j)`` and ends where the next
         begins. Long stretches in numpy, bit-identical to summing :meth:`step_time` one step at a
         time (the decode jump relies on it): the same operations in the same order on float64
-        (contexts are exact below 2**53), and ``np.add.accumulate`` adds in sequence, not pairwise.
-        Short ones by that sum itself: below ~64 steps a handful of numpy calls costs more."""
+        (contexts are exact below 2**53), and ``np.add.accumulate`` adds in sequence, not pairwise;
+        they stay a float64 array (the jump reads a few ends and hands the rest to the ITL
+        histogram as an array: a list of thousands of floats would be made and unmade). Short ones
+        by that sum itself, as a list: below ~64 steps a handful of numpy calls costs more."""
         if k <= _SHORT_STRETCH:
             ends, t = [], start
             for j in range(k):
@@ -116,7 +118,7 @@ class Profile:
         steps = np.empty(k + 1)
         steps[0] = start
         steps[1:] = base + self.decode_per_ctx_token_s * ctx.astype(np.float64)
-        return np.add.accumulate(steps)[1:].tolist()
+        return np.add.accumulate(steps)[1:]
 
     def frontend_delay(self, prompt_len: int) -> float:
         return self.frontend_overhead_s + self.frontend_per_token_s * prompt_len

@@ -304,3 +304,21 @@ def test_chain_identity_needs_one_block_size_per_namespace():
         synth.block_hashes(Session("b", (Turn(64, 1, (1,)),), 16, "ns"), 0)
     with pytest.raises(ConfigError, match="identity"):
         TokenSynthesizer(identity="md5")
+
+
+@pytest.mark.parametrize("identity", ["vllm", "chain"])
+def test_a_turn_named_like_another_gets_its_own_ids(identity):
+    """The synthesizer remembers each turn's trie walk (speed only); a turn of another trace with the
+    same namespace, session id and index but other hash ids gets its own identities, before and
+    after the first one is asked for again."""
+    synth = TokenSynthesizer(identity=identity)
+    first = Session("s", (Turn(64, 1, (1, 2, 3, 4)),), 16, "ns")
+    other = Session("s", (Turn(64, 1, (1, 2, 7, 8)),), 16, "ns")
+    a1 = list(synth.block_hashes(first, 0))
+    b1 = list(synth.block_hashes(other, 0))
+    a2 = list(synth.block_hashes(first, 0))
+    b2 = list(synth.block_hashes(other, 0))
+    assert a1 == a2 and b1 == b2 and len(a1) == len(b1) == 4
+    assert a1[:2] == b1[:2] and a1[2] != b1[2] and a1[3] != b1[3]
+    if identity == "vllm":  # exact hashes: what a fresh synthesizer gives
+        assert b1 == list(TokenSynthesizer().block_hashes(other, 0))
