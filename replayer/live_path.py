@@ -6,11 +6,13 @@ Why a function of the in-flight count: on live engines the path is not a constan
 pays a few milliseconds, but during a run the client, the gateway and every engine's API server
 relay several streams at once on cores the engines' workers also use, and each hop (client ->
 gateway -> API server -> engine core and back) waits for a core where they are busy.
-``gpuhit profile fit`` measures it the way a run meets it (``measure_path_in_flight`` in
-:mod:`replayer.calibrate_path`): probes through a gateway while ``k`` other requests stream through it,
-client TTFT minus vLLM's own TTFT (which starts when its API server takes the request), for several
-``k``; the profile stores the medians in ``fit.live_path.by_in_flight``. The model interpolates
-linearly between the measured counts and stays flat beyond the last (no extrapolation past what was
+``gpuhit profile fit`` measures it the way a run meets it (``measure_path_loaded`` in
+:mod:`replayer.calibrate_path`): closed loops of ``k + 1`` clients sending cold prompts of the trace's
+sizes through a gateway in front of every engine, so that each request meets about ``k`` others in
+flight, mostly in long prefills that keep the engines busy, as in a run; per ``k``, the requests'
+mean client TTFT minus vLLM's own mean TTFT (which starts when its API server takes the request),
+against the mean count each met, in ``fit.live_path.by_in_flight``. The model interpolates linearly
+between the measured counts and stays flat beyond the last (no extrapolation past what was
 measured). A profile that measured only lone pairs gives the constant model: its one point, the
 gateway's addition at no other request in flight.
 
@@ -35,18 +37,19 @@ from gpuhit.errors import ConfigError
 @dataclass(frozen=True, slots=True)
 class LivePathModel:
     """Extra seconds on a request's path given the requests in flight at the gateway as it arrives:
-    linear between ``points`` (``(in_flight, seconds)``, increasing counts), flat outside them."""
+    linear between ``points`` (``(in_flight, seconds)``, increasing counts: means measured under load
+    need not be whole), flat outside them."""
 
-    points: tuple[tuple[int, float], ...]
+    points: tuple[tuple[float, float], ...]
 
     def __post_init__(self) -> None:
         ks = [k for k, _ in self.points]
-        if not ks or ks != sorted(set(ks)) or ks[0] < 0:
+        if not ks or ks != sorted(set(ks)) or ks[0] < 0 or not all(math.isfinite(k) for k in ks):
             raise ConfigError(f"a live-path model needs distinct, increasing, non-negative in-flight counts: {ks}")
         if any(not math.isfinite(s) or s < 0 for _, s in self.points):
             raise ConfigError(f"a live-path model's delays must be finite and non-negative: {self.points}")
 
-    def __call__(self, in_flight: int) -> float:
+    def __call__(self, in_flight: float) -> float:
         ks = [k for k, _ in self.points]
         i = bisect.bisect_right(ks, in_flight)
         if i == 0:
@@ -61,7 +64,7 @@ class LivePathModel:
         return len(self.points) == 1
 
     def describe(self) -> str:
-        return ", ".join(f"{k}: {s * 1e3:.1f} ms" for k, s in self.points)
+        return ", ".join(f"{k:g}: {s * 1e3:.1f} ms" for k, s in self.points)
 
 
 def from_fit(live_path: Mapping[str, Any] | None, by_in_flight: bool = True) -> LivePathModel | None:
@@ -73,7 +76,8 @@ def from_fit(live_path: Mapping[str, Any] | None, by_in_flight: bool = True) -> 
     direct = float(lp.get("direct_path_s", math.nan))
     rows = lp.get("by_in_flight") or []
     if by_in_flight and rows and math.isfinite(direct):
-        return LivePathModel(tuple((int(r["in_flight"]), max(float(r["path_s"]) - direct, 0.0)) for r in rows))
+        return LivePathModel(tuple(sorted((float(r["in_flight"]), max(float(r["path_s"]) - direct, 0.0))
+                                          for r in rows)))
     gw = float(lp.get("gateway_ttft_s", math.nan))
     if math.isfinite(gw):
         return LivePathModel(((0, max(gw, 0.0)),))

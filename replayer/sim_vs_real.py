@@ -333,7 +333,7 @@ def main(args: argparse.Namespace) -> int:
           f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}; "
           f"emulated live path: direct client {path['direct_s'] * 1e3:.1f} ms (the frontend delay) + at the gateway "
           f"({path['mode']}, ms by requests in flight) "
-          f"{', '.join(f'{k}: {v * 1e3:.1f}' for k, v in path['points']) or 'nothing'}"), ""]
+          f"{', '.join(f'{k:.2f}: {v * 1e3:.1f}' for k, v in path['points']) or 'nothing'}"), ""]
     for rate in exp["rates"]:
         folder = live / rate_label(rate)
         if not (folder / "runs").exists():

@@ -43,9 +43,23 @@ POLICIES = "round_robin,least_request,lmetric,linear,lpwl,lpwl_resident,lpwl_res
 REFERENCE = "lpwl_auto"
 TRACE = ["--max-sessions", "8", "--max-turns", "4", "--max-prompt", "1800", "--max-output", "16", "--max-think", "2",
          "--time-scale", "0.05"]
-# the live path is probed alone and with 1-8 other requests streaming through a gateway (replayer/live_path.py)
+# the live path is probed alone and under load: closed loops of 1-9 clients sending cold prompts of the
+# trace's sizes through a gateway, so that each meets 0-8 others in flight (replayer/calibrate_path.py)
 FIT = ["--name", "cpu-prefill-model", "--max-num-batched-tokens", "2048", "--max-num-seqs", "128",
-       "--kv-bytes-per-token", "4096", "--path-in-flight", "0,1,2,4,8"]
+       "--kv-bytes-per-token", "4096", "--path-in-flight", "0,1,2,4,8", "--path-requests", "32",
+       "--path-output-tokens", "16"]
+
+
+def trace_prompt_sizes() -> str:
+    """The prompt sizes of the experiment's trace (every turn's, as ``--path-prompts``): the live path's
+    load during the fit is made of requests like the run's, sent cold."""
+    from replayer.ab_live import experiment_trace
+
+    flags = dict(zip(TRACE[::2], TRACE[1::2]))
+    trace = experiment_trace({"paths": [], "max_sessions": int(flags["--max-sessions"]),
+                              "max_turns": int(flags["--max-turns"]), "max_prompt": int(flags["--max-prompt"]),
+                              "max_output": int(flags["--max-output"])})
+    return ",".join(str(t.input_length) for s in trace.sessions for t in s.turns)
 GPUHIT = [str(pathlib.Path(sys.executable).with_name("gpuhit"))]
 
 
@@ -238,10 +252,51 @@ def repeat_report(out: pathlib.Path) -> str:
     return "\n".join(rows)
 
 
+def compare_report(docs: dict[str, dict]) -> str:
+    """Before/after tables of ``gpuhit experiment sim-vs-real`` on the same live folder, one column per
+    labelled result (profile or ``--live-path`` model): per policy the simulated-vs-real errors of mean
+    latency and TTFT p90, the APC difference and the modeled path; per label the rankings' agreement."""
+    labels = list(docs)
+    out = []
+    first = docs[labels[0]]
+    for rate in first["rates"]:
+        pols = list(first["rates"][rate]["policies"])
+        cols = ["mean err", "TTFT p90 err", "APC pp", "path ms"]
+        out += [f"### {rate}", "", "| policy | real lat mean s | real TTFT p90 s | real APC % | real path ms | "
+                + " | ".join(f"{c} {lb}" for c in cols for lb in labels) + " |", "|" + "---|" * (5 + len(cols) * len(labels))]
+        for pol in pols:
+            vs = {lb: docs[lb]["rates"][rate]["policies"][pol] for lb in labels}
+            v0 = vs[labels[0]]
+            cells = [f"{v['rel_error']['latency_mean'] * 100:+.0f}%" for v in vs.values()]
+            cells += [f"{v['rel_error']['ttft_p90'] * 100:+.0f}%" for v in vs.values()]
+            cells += [f"{v['apc_diff'] * 100:+.1f}" for v in vs.values()]
+            cells += [f"{v['attribution'].get('path_model_s', float('nan')) * 1e3:.0f}" for v in vs.values()]
+            out.append(f"| {pol} | {v0['real']['latency_mean']:.3f} | {v0['real']['ttft_p90']:.3f} | "
+                       f"{v0['real']['apc_realized'] * 100:.1f} | {v0['attribution'].get('path_real_s', float('nan')) * 1e3:.0f} | "
+                       + " | ".join(cells) + " |")
+        out.append("")
+        for lb in labels:
+            d = docs[lb]["rates"][rate]
+            errs = [v["rel_error"]["latency_mean"] for v in d["policies"].values()]
+            t90 = [v["rel_error"]["ttft_p90"] for v in d["policies"].values()]
+            apc = [v["apc_diff"] for v in d["policies"].values()]
+            r = d["rankings"]["latency_mean"]
+            out.append(f"- {lb}: mean latency {min(errs) * 100:+.0f}% .. {max(errs) * 100:+.0f}% (mean |err| "
+                       f"{sum(map(abs, errs)) / len(errs) * 100:.0f}%, within 10%: {sum(abs(e) <= 0.10 for e in errs)} of "
+                       f"{len(errs)}); TTFT p90 within 20%: {sum(abs(e) <= 0.20 for e in t90)} of {len(t90)}; APC within "
+                       f"3 pp: {sum(abs(a) <= 0.03 for a in apc)} of {len(apc)}; best by mean real {r['real'][0]} / sim "
+                       f"{r['sim'][0]}; Kendall tau " + ", ".join(
+                           f"{k} {d['rankings'][k]['kendall_tau']:.2f}" for k in d["rankings"]))
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None)
     ap.add_argument("--report", action="store_true", help="print the step and repeat tables of a finished --out")
+    ap.add_argument("--compare", nargs="+", metavar="LABEL=DIR", help="print the before/after table of "
+                    "`gpuhit experiment sim-vs-real --out DIR` results of one live folder, one column per LABEL")
     ap.add_argument("--not-before", default=None, metavar="HH:MM", help="UTC time to wait for")
     ap.add_argument("--stop-at", default=None, metavar="HH:MM[:SS]", help="UTC time the engines are stopped by")
     ap.add_argument("--nice", type=int, default=-15, help="autogroup nice of our sessions (default -15)")
@@ -254,12 +309,17 @@ def main() -> int:
                     help="seconds kept for the second fit before --stop-at (default 150)")
     ap.add_argument("--sample-every", type=float, default=5.0)
     args = ap.parse_args()
+    if args.compare:
+        docs = {lb: json.loads((pathlib.Path(d) / "sim-vs-real.json").read_text())
+                for lb, d in (a.split("=", 1) for a in args.compare)}
+        print(compare_report(docs))
+        return 0
     if args.report:
         out = pathlib.Path(args.out)
         print(sched_report(out) + "\n\n" + repeat_report(out))
         return 0
-    if not args.stop_at:
-        ap.error("--stop-at is required to run the window")
+    if not args.stop_at or not args.out:
+        ap.error("--out and --stop-at are required to run the window")
 
     from engines.vllm.launch import make_server
     from engines.vllm.venv import TINY_MODEL_DIR
@@ -305,9 +365,10 @@ def main() -> int:
                             check=False, capture_output=True, text=True).stdout
         log("our processes:\n" + ps)
         fit_s = None
+        fit = [*FIT, "--path-prompts", trace_prompt_sizes()]
         if not (out / "profile.json").exists():
             t0 = time.monotonic()
-            run_step(log, "fit", [*GPUHIT, "profile", "fit", *eng, "--out", str(out / "profile.json"), *FIT,
+            run_step(log, "fit", [*GPUHIT, "profile", "fit", *eng, "--out", str(out / "profile.json"), *fit,
                                   "--repeats", "2", "--gateway-pairs", "16"], out, stop_at)
             fit_s = time.monotonic() - t0
         else:
@@ -326,7 +387,7 @@ def main() -> int:
             run_step(log, "ab-light", [*ab, "--session-rate", args.light_rate, "--seeds", str(args.light_seeds or args.seeds),
                                        "--out", str(out / "ab-light")], out, light_deadline)
         if not (out / "profile-after.json").exists():
-            run_step(log, "fit-after", [*GPUHIT, "profile", "fit", *eng, "--out", str(out / "profile-after.json"), *FIT,
+            run_step(log, "fit-after", [*GPUHIT, "profile", "fit", *eng, "--out", str(out / "profile-after.json"), *fit,
                                         "--repeats", "1", "--gateway-pairs", "8"], out, stop_at)
     except KeyboardInterrupt:
         log("interrupted")
