@@ -224,7 +224,14 @@ def main(args: argparse.Namespace) -> int:
     out.write_text(to_json({"profiles": {args.name: entry}}, indent=1), encoding="utf-8")
     from engines.emulated.profile import load_profile
 
-    load_profile(f"{out}#{args.name}")  # the file must load as a profile (vLLM's capacity check included)
+    prof = load_profile(f"{out}#{args.name}")  # the file must load as a profile (vLLM's capacity check included)
+    if entry["fit"]["measurements"].get("path_load"):
+        from replayer.calibrate_path import modeled_engine_ttft
+
+        kw = {"num_gpu_blocks": info["num_gpu_blocks"], "max_model_len": info["max_model_len"]}
+        for row, level in zip(live_path["by_in_flight"], entry["fit"]["measurements"]["path_load"]):
+            row["engine_ttft_model_s"] = modeled_engine_ttft(level, prof, len(urls), kw, live_path["direct_path_s"])
+        out.write_text(to_json({"profiles": {args.name: entry}}, indent=1), encoding="utf-8")
     doc = {"profile": str(out), "name": args.name, "engine": info, "params": fit["params"],
            "fit_error": fit["fit_error"], "held_out_error": fit["held_out_error"], "loo_error": fit["loo_error"],
            "probes": fit["probes"], "live_path": live_path}
@@ -247,6 +254,9 @@ def main(args: argparse.Namespace) -> int:
     if live_path.get("by_in_flight"):
         print("  live path by requests in flight at the gateway: " + ", ".join(
             f"{r['in_flight']:.2f}: {r['path_s'] * 1e3:.1f} ms" for r in live_path["by_in_flight"]))
+        print("  engines' mean TTFT under that load, measured / step model: " + ", ".join(
+            f"{r['in_flight']:.2f}: {r['engine_ttft_s'] * 1e3:.0f} / {r['engine_ttft_model_s'] * 1e3:.0f} ms"
+            for r in live_path["by_in_flight"]))
     return 0
 
 

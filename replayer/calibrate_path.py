@@ -92,7 +92,7 @@ async def measure_path_loaded(http: Any, urls: Sequence[str], info: dict[str, An
             before = await scrape_all(http, urls)
             sent = await _closed_loop(via, k + 1, requests, sizes, output_tokens, rng)
             after = await _counted_to(http, urls, _ttft_count(before) + requests, timeout)
-            level = {"concurrency": k + 1, "requests": sent,
+            level = {"concurrency": k + 1, "output_tokens": output_tokens, "requests": sent,
                      "engine": {n: [sum(histogram_totals(a, h)[i] - histogram_totals(b, h)[i] for a, b in zip(after, before))
                                     for i in (0, 1)] for n, h in (("ttft", TTFT_H), ("prefill", PREFILL_H), ("queue", QUEUE_H))}}
             out.append(level)
@@ -145,6 +145,28 @@ def loaded_path_row(level: dict[str, Any]) -> dict[str, Any]:
     return {"in_flight": float(k.mean()), "concurrency": int(level["concurrency"]), "path_s": client - engine,
             "n": len(reqs), "client_ttft_s": client, "engine_ttft_s": engine, "engine_prefill_s": mean("prefill"),
             "engine_queue_s": mean("queue"), "new_tokens": float(np.mean(reqs[:, 3] - reqs[:, 4]))}
+
+
+def modeled_engine_ttft(level: dict[str, Any], profile: Any, engines: int, engine_kwargs: dict[str, Any],
+                        direct_path_s: float) -> float:
+    """The step model's engine-side mean TTFT for one level's requests: the same prompts, sent at the
+    same moments, round-robin over ``engines`` emulated engines with ``profile`` (virtual time), less
+    the direct client's path the profile's frontend delay holds (as ``gpuhit experiment sim-vs-real``
+    splits a run's TTFT). Set beside the engines' measured one, it says whether the step times fitted
+    on probes hold while a run's kind of load keeps every engine busy, before any run."""
+    from replayer.simulate import simulate
+    from replayer.trace import Session, Trace, Turn
+
+    bs = int(profile.block_size)
+    sessions = tuple(Session(f"p{i}", (Turn(int(size), int(level["output_tokens"]), tuple(range(-(-int(size) // bs)))),),
+                             bs, f"p{i}", arrival=float(sent))
+                     for i, (sent, _, _, size, _) in enumerate(level["requests"]))
+    res = simulate(Trace("live-path-load", "native", sessions), "round_robin", instances=engines, profile=profile,
+                   block_size=bs, progress=False, engine_kwargs=engine_kwargs)
+    ttft = [r.first_token - r.arrival for r in res.records if not r.error]
+    if len(ttft) != len(level["requests"]):
+        raise EngineError(f"the emulator refused {len(level['requests']) - len(ttft)} of a live-path level's requests")
+    return float(np.mean(ttft)) - direct_path_s
 
 
 def _ttft_count(samples: Sequence[dict[str, Any]]) -> float:

@@ -97,3 +97,22 @@ def test_the_closed_loop_keeps_its_clients_busy_and_sends_exactly_the_requests_a
     assert len(got) == 10 and set(via.sizes) <= {100, 1800} and sorted(r[3] for r in got) == sorted(via.sizes)
     assert via.seen[:3] == [0, 1, 2] and max(via.seen) == 2  # three clients, never more in flight
     assert all(r[0] <= r[1] <= r[2] for r in got) and [r[0] for r in got] == sorted(r[0] for r in got)
+
+
+def test_the_step_model_replays_a_level_and_queues_requests_sent_together():
+    from engines.emulated.profile import load_profile
+    from replayer.calibrate_path import modeled_engine_ttft
+
+    prof = load_profile("analysis/results/live-path-2026-11-27.profile.json")
+    kw = {"num_gpu_blocks": 256, "max_model_len": 2048}
+
+    def level(sent):
+        return {"concurrency": 4, "output_tokens": 16,
+                "requests": [[t, math.nan, math.nan, 1500, 0] for t in sent]}
+
+    apart = modeled_engine_ttft(level([0.0, 10.0, 20.0, 30.0]), prof, 2, kw, 0.0)
+    together = modeled_engine_ttft(level([0.0, 0.0, 0.0, 0.0]), prof, 2, kw, 0.0)
+    lone = modeled_engine_ttft(level([0.0]), prof, 2, kw, 0.0)
+    assert apart == pytest.approx(lone) and together > 1.2 * lone  # two per engine: the second waits
+    # less the direct path the frontend delay holds, as sim-vs-real splits a run's TTFT
+    assert modeled_engine_ttft(level([0.0]), prof, 2, kw, 0.004) == pytest.approx(lone - 0.004)
