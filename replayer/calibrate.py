@@ -226,11 +226,12 @@ def main(args: argparse.Namespace) -> int:
 
     prof = load_profile(f"{out}#{args.name}")  # the file must load as a profile (vLLM's capacity check included)
     if entry["fit"]["measurements"].get("path_load"):
-        from replayer.calibrate_path import modeled_engine_ttft
+        from replayer.calibrate_path import modeled_level
 
+        # the step model on the live path's load needs the profile just written (then written again with it)
         kw = {"num_gpu_blocks": info["num_gpu_blocks"], "max_model_len": info["max_model_len"]}
         for row, level in zip(live_path["by_in_flight"], entry["fit"]["measurements"]["path_load"]):
-            row["engine_ttft_model_s"] = modeled_engine_ttft(level, prof, len(urls), kw, live_path["direct_path_s"])
+            row.update(modeled_level(level, prof, len(urls), kw, live_path["direct_path_s"]))
         out.write_text(to_json({"profiles": {args.name: entry}}, indent=1), encoding="utf-8")
     doc = {"profile": str(out), "name": args.name, "engine": info, "params": fit["params"],
            "fit_error": fit["fit_error"], "held_out_error": fit["held_out_error"], "loo_error": fit["loo_error"],
@@ -254,9 +255,10 @@ def main(args: argparse.Namespace) -> int:
     if live_path.get("by_in_flight"):
         print("  live path by requests in flight at the gateway: " + ", ".join(
             f"{r['in_flight']:.2f}: {r['path_s'] * 1e3:.1f} ms" for r in live_path["by_in_flight"]))
-        print("  engines' mean TTFT under that load, measured / step model: " + ", ".join(
+        print("  under that load, measured / step model: engines' mean TTFT " + ", ".join(
             f"{r['in_flight']:.2f}: {r['engine_ttft_s'] * 1e3:.0f} / {r['engine_ttft_model_s'] * 1e3:.0f} ms"
-            for r in live_path["by_in_flight"]))
+            for r in live_path["by_in_flight"]) + "; TPOT " + ", ".join(
+            f"{r['tpot_s'] * 1e3:.1f} / {r['tpot_model_s'] * 1e3:.1f} ms" for r in live_path["by_in_flight"]))
     return 0
 
 

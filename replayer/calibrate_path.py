@@ -142,31 +142,37 @@ def loaded_path_row(level: dict[str, Any]) -> dict[str, Any]:
         s, n = level["engine"][name]
         return s / n if n else math.nan
 
+    out_tokens = int(level.get("output_tokens", 0))
     return {"in_flight": float(k.mean()), "concurrency": int(level["concurrency"]), "path_s": client - engine,
             "n": len(reqs), "client_ttft_s": client, "engine_ttft_s": engine, "engine_prefill_s": mean("prefill"),
-            "engine_queue_s": mean("queue"), "new_tokens": float(np.mean(reqs[:, 3] - reqs[:, 4]))}
+            "engine_queue_s": mean("queue"), "new_tokens": float(np.mean(reqs[:, 3] - reqs[:, 4])),
+            "tpot_s": float(np.mean((reqs[:, 2] - reqs[:, 1]) / (out_tokens - 1))) if out_tokens > 1 else math.nan}
 
 
-def modeled_engine_ttft(level: dict[str, Any], profile: Any, engines: int, engine_kwargs: dict[str, Any],
-                        direct_path_s: float) -> float:
-    """The step model's engine-side mean TTFT for one level's requests: the same prompts, sent at the
-    same moments, round-robin over ``engines`` emulated engines with ``profile`` (virtual time), less
-    the direct client's path the profile's frontend delay holds (as ``gpuhit experiment sim-vs-real``
-    splits a run's TTFT). Set beside the engines' measured one, it says whether the step times fitted
-    on probes hold while a run's kind of load keeps every engine busy, before any run."""
+def modeled_level(level: dict[str, Any], profile: Any, engines: int, engine_kwargs: dict[str, Any],
+                  direct_path_s: float) -> dict[str, float]:
+    """The step model on one level's requests: the same prompts, sent at the same moments, round-robin
+    over ``engines`` emulated engines with ``profile`` (virtual time). ``engine_ttft_model_s``: the
+    mean TTFT less the direct client's path the profile's frontend delay holds (as ``gpuhit experiment
+    sim-vs-real`` splits a run's TTFT); ``tpot_model_s``: the mean time per output token after the
+    first. Set beside the engines' measured ones, they say whether the step times fitted on probes
+    hold while a run's kind of load keeps every engine busy, before any run."""
     from replayer.simulate import simulate
     from replayer.trace import Session, Trace, Turn
 
     bs = int(profile.block_size)
-    sessions = tuple(Session(f"p{i}", (Turn(int(size), int(level["output_tokens"]), tuple(range(-(-int(size) // bs)))),),
-                             bs, f"p{i}", arrival=float(sent))
+    out_tokens = int(level["output_tokens"])
+    sessions = tuple(Session(f"p{i}", (Turn(int(size), out_tokens, tuple(range(-(-int(size) // bs)))),), bs, f"p{i}",
+                             arrival=float(sent))
                      for i, (sent, _, _, size, _) in enumerate(level["requests"]))
     res = simulate(Trace("live-path-load", "native", sessions), "round_robin", instances=engines, profile=profile,
                    block_size=bs, progress=False, engine_kwargs=engine_kwargs)
-    ttft = [r.first_token - r.arrival for r in res.records if not r.error]
-    if len(ttft) != len(level["requests"]):
-        raise EngineError(f"the emulator refused {len(level['requests']) - len(ttft)} of a live-path level's requests")
-    return float(np.mean(ttft)) - direct_path_s
+    ok = [r for r in res.records if not r.error]
+    if len(ok) != len(level["requests"]):
+        raise EngineError(f"the emulator refused {len(level['requests']) - len(ok)} of a live-path level's requests")
+    return {"engine_ttft_model_s": float(np.mean([r.first_token - r.arrival for r in ok])) - direct_path_s,
+            "tpot_model_s": float(np.mean([(r.finish - r.first_token) / (out_tokens - 1) for r in ok]))
+            if out_tokens > 1 else math.nan}
 
 
 def _ttft_count(samples: Sequence[dict[str, Any]]) -> float:

@@ -62,13 +62,13 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
         assert r["path_s"] == pytest.approx(r["client_ttft_s"] - r["engine_ttft_s"]) and r["engine_ttft_s"] > 0
         assert r["engine_prefill_s"] > 0 and r["new_tokens"] > 0
         # the step model's engine TTFT for the same requests at the same moments, beside the engines' own
-        assert math.isfinite(r["engine_ttft_model_s"])
+        assert math.isfinite(r["engine_ttft_model_s"]) and r["tpot_model_s"] > 0 and r["tpot_s"] >= 0
     assert prof.fit["live_path"]["by_in_flight"] == rows
     assert {k: v for k, v in prof.fit["live_path"].items() if k != "by_in_flight"} == pytest.approx(
         {k: v for k, v in lp.items() if k != "by_in_flight"})
     # the raw timings are kept, and reduce to the same rows
     assert [loaded_path_row(lv) for lv in prof.fit["measurements"]["path_load"]] == [
-        {k: v for k, v in r.items() if k != "engine_ttft_model_s"} for r in rows]
+        {k: v for k, v in r.items() if k not in ("engine_ttft_model_s", "tpot_model_s")} for r in rows]
     # one fitted shape per (new, context) / (batch, context): the median of its probes on both engines
     assert 0 < sum(fit["probes"].values()) <= len(prof.fit["measurements"]["prefill"]) + len(
         prof.fit["measurements"]["decode"])

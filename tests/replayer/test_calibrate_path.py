@@ -16,11 +16,11 @@ from replayer.live_path import from_fit
 # them on the tests' real vLLM pair (fit.measurements.path_load): per request [sent, first token, finish]
 # in s from the level's start, its prompt tokens and the cached ones; the engines' histogram deltas
 # [sum, count] over the level.
-ONE_CLIENT = {"concurrency": 1, "requests": [
+ONE_CLIENT = {"concurrency": 1, "output_tokens": 4, "requests": [
     [8.1843e-05, 0.022618009, 0.022708946, 32, 0], [0.022773602, 0.050479054, 0.050558584, 362, 0],
     [0.050690162, 0.111906457, 0.111996122, 32, 0], [0.112050153, 0.145578273, 0.145663961, 32, 0]],
     "engine": {"ttft": [0.09566617, 4.0], "prefill": [0.087571461, 4.0], "queue": [9.9239e-05, 4.0]}}
-THREE_CLIENTS = {"concurrency": 3, "requests": [
+THREE_CLIENTS = {"concurrency": 3, "output_tokens": 4, "requests": [
     [7.949e-05, 0.030026229, 0.030105639, 32, 0], [0.000369245, 0.317434423, 0.317520713, 4088, 0],
     [0.006113715, 0.215886929, 0.215975952, 362, 0], [0.030160951, 0.322468596, 0.322507385, 32, 0]],
     "engine": {"ttft": [0.62460041, 4.0], "prefill": [0.590945169, 4.0], "queue": [8.8363e-05, 4.0]}}
@@ -35,6 +35,8 @@ def test_one_client_meets_no_other_request_and_its_path_is_client_less_engine_tt
     assert row["engine_ttft_s"] == pytest.approx(0.09566617 / 4)
     assert row["path_s"] == pytest.approx(client - 0.09566617 / 4)
     assert row["engine_prefill_s"] == pytest.approx(0.087571461 / 4) and row["new_tokens"] == (32 * 3 + 362) / 4
+    assert row["tpot_s"] == pytest.approx((0.022708946 - 0.022618009 + 0.050558584 - 0.050479054 + 0.111996122
+                                           - 0.111906457 + 0.145663961 - 0.145578273) / 4 / 3)
 
 
 def test_three_clients_count_the_others_each_request_met_ramp_up_included():
@@ -101,7 +103,10 @@ def test_the_closed_loop_keeps_its_clients_busy_and_sends_exactly_the_requests_a
 
 def test_the_step_model_replays_a_level_and_queues_requests_sent_together():
     from engines.emulated.profile import load_profile
-    from replayer.calibrate_path import modeled_engine_ttft
+    from replayer.calibrate_path import modeled_level
+
+    def modeled_engine_ttft(*a):
+        return modeled_level(*a)["engine_ttft_model_s"]
 
     prof = load_profile("analysis/results/live-path-2026-11-27.profile.json")
     kw = {"num_gpu_blocks": 256, "max_model_len": 2048}
@@ -116,3 +121,6 @@ def test_the_step_model_replays_a_level_and_queues_requests_sent_together():
     assert apart == pytest.approx(lone) and together > 1.2 * lone  # two per engine: the second waits
     # less the direct path the frontend delay holds, as sim-vs-real splits a run's TTFT
     assert modeled_engine_ttft(level([0.0]), prof, 2, kw, 0.004) == pytest.approx(lone - 0.004)
+    # a lone request's 15 decode steps after its first token, each a one-sequence step of the profile
+    tpot = modeled_level(level([0.0]), prof, 2, kw, 0.0)["tpot_model_s"]
+    assert tpot == pytest.approx(prof.step_time(1, 0.0, 1500 + 8), rel=0.05)
