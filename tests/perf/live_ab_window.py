@@ -379,8 +379,9 @@ def main() -> int:
         if args.repeat_seeds:
             run_step(log, "repeat", [*ab, "--session-rate", args.rate, "--seeds", str(args.repeat_seeds), "--out",
                                      str(out / "repeat")], out, stop_at)
-        # the second fit probes each shape once and half the gateway pairs: ~0.6 of the first's time
-        reserve = args.fit_after_reserve if fit_s is None else min(max(0.6 * fit_s + 20, 60.0), 240.0)
+        # the second fit probes each shape once and half the gateway pairs, but the live path's load as
+        # the first (the same levels, last): ~0.8 of the first's time, more on a busier host
+        reserve = args.fit_after_reserve if fit_s is None else min(max(0.8 * fit_s + 30, 60.0), 240.0)
         light_deadline = stop_at - dt.timedelta(seconds=reserve)
         log(f"light load until {light_deadline:%H:%M:%S} (second fit reserve {reserve:.0f} s)")
         if float(args.light_rate):
