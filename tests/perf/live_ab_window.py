@@ -22,14 +22,14 @@ and samples every ``--sample-every`` seconds the scheduler's run-queue delay of 
 Run again with the same ``--out`` to resume: a finished fit is kept, ``ab-live`` skips finished runs.
 Needs root (negative nice) and the vLLM venv (``GPUHIT_VLLM_PYTHON``). ``--report`` prints, from a
 finished folder, each step's CPU and run-queue delay (ours and the rest of the host's CPU) and the
-repeated seed's spread, as markdown.
+repeated seed's spread, as markdown; ``--compare LABEL=DIR ...`` the before/after tables of
+``gpuhit experiment sim-vs-real`` results of one live folder (``tests/perf/live_ab_report.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import itertools
 import json
 import os
 import pathlib
@@ -126,12 +126,6 @@ def schedstat(sids: dict[str, int]) -> dict[str, dict[str, list[float]]]:
     return out
 
 
-def _delta(a: dict[str, dict[str, list[float]]], b: dict[str, dict[str, list[float]]]) -> dict[str, list[float]]:
-    """Per session: [cpu s, delay s] between two samples, over the processes alive at both (a process
-    whose threads exited in between loses their counters: its interval counts 0, not a negative)."""
-    return {k: [sum(max(0.0, b[k][p][i] - a.get(k, {}).get(p, b[k][p])[i]) for p in b[k]) for i in (0, 1)] for k in b}
-
-
 def cpu_totals() -> list[int]:
     """/proc/stat's aggregate cpu line: user nice system idle iowait irq softirq steal."""
     return [int(x) for x in pathlib.Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
@@ -181,116 +175,6 @@ def run_step(log: Log, name: str, argv: list[str], out: pathlib.Path, deadline: 
     return rc
 
 
-def steps_of(log_path: pathlib.Path) -> list[tuple[str, dt.datetime, dt.datetime]]:
-    """(step, start, end) from the window log ("HH:MM:SS load a b c NAME start: ..." / "NAME exit RC")."""
-    day = utc().date()
-    open_: dict[str, dt.datetime] = {}
-    out = []
-    for line in log_path.read_text().splitlines():
-        parts = line.split()
-        if len(parts) < 7 or ":" not in parts[0]:
-            continue
-        t = dt.datetime.combine(day, dt.time.fromisoformat(parts[0]), dt.UTC)
-        name, what = parts[5], parts[6].rstrip(":")
-        if what == "start":
-            open_[name] = t
-        elif what == "exit" and name in open_:
-            out.append((name, open_.pop(name), t))
-    return out
-
-
-def sched_report(out: pathlib.Path) -> str:
-    """Per step: wall time, our sessions' CPU and run-queue delay, the host's CPU busy and others' part."""
-    samples = [json.loads(x) for x in (out / "sched.jsonl").read_text().splitlines() if x.strip()]
-    for s in samples:
-        s["t"] = dt.datetime.fromisoformat(s["utc"])
-    rows = [("| step | UTC | wall s | load 1-min | our CPU s (driver / vllm0 / vllm1) | our run-queue delay s | "
-             "delay per our CPU s | host CPU busy % of 2 cores | others' CPU s |"), "|" + "---|" * 9]
-    for name, t0, t1 in steps_of(out / "window.log"):
-        win = [s for s in samples if t0 - dt.timedelta(seconds=5) <= s["t"] <= t1 + dt.timedelta(seconds=5)]
-        if len(win) < 2:
-            continue
-        a, b = win[0], win[-1]
-        wall = (b["t"] - a["t"]).total_seconds()
-        cpu: dict[str, float] = {}
-        delay = 0.0
-        for x, y in itertools.pairwise(win):
-            for k, (c, dl) in _delta(x["ours"], y["ours"]).items():
-                cpu[k] = cpu.get(k, 0.0) + c
-                delay += dl
-        ticks = [y - x for x, y in zip(a["cpu"], b["cpu"])]
-        hz = os.sysconf("SC_CLK_TCK")
-        busy = (sum(ticks) - ticks[3] - ticks[4]) / hz
-        loads = [s["load"][0] for s in win]
-        ours = sum(cpu.values())
-        rows.append(f"| {name} | {t0:%H:%M:%S}-{t1:%H:%M:%S} | {wall:.0f} | {min(loads):.1f}-{max(loads):.1f} | "
-                    f"{ours:.0f} ({' / '.join(f'{cpu.get(k, 0):.0f}' for k in ('driver', 'vllm0', 'vllm1'))}) | "
-                    f"{delay:.1f} | {delay / ours if ours else float('nan'):.3f} | "
-                    f"{busy / (2 * wall) * 100:.0f} | {busy - ours:.0f} |")
-    return "\n".join(rows)
-
-
-def repeat_report(out: pathlib.Path) -> str:
-    """The repeated seed against its first run, per policy."""
-    keys = ("latency_mean", "latency_p90", "ttft_p90", "tpot_p50", "apc_realized")
-    rows = ["| policy | seed | UTC run / repeat | " + " | ".join(f"{k} run / repeat (diff)" for k in keys) + " |",
-            "|" + "---|" * (3 + len(keys))]
-    for rep in sorted((out / "repeat" / "rate-3" / "runs").glob("*.json")):
-        first = out / "ab" / "rate-3" / "runs" / rep.name
-        if not first.exists():
-            continue
-        r0, r1 = (json.loads(p.read_text()) for p in (first, rep))
-        cells = []
-        for k in keys:
-            if k == "apc_realized":
-                cells.append(f"{r0[k] * 100:.1f} / {r1[k] * 100:.1f} ({(r1[k] - r0[k]) * 100:+.1f} pp)")
-            else:
-                sc = 1000.0 if k == "tpot_p50" else 1.0
-                cells.append(f"{r0[k] * sc:.3f} / {r1[k] * sc:.3f} ({(r1[k] / r0[k] - 1) * 100:+.0f}%)")
-        when = f"{r0.get('utc', ['?'])[0][11:19]} / {r1.get('utc', ['?'])[0][11:19]}"
-        rows.append(f"| {r0['policy']} | {r0['seed']} | {when} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
-
-
-def compare_report(docs: dict[str, dict]) -> str:
-    """Before/after tables of ``gpuhit experiment sim-vs-real`` on the same live folder, one column per
-    labelled result (profile or ``--live-path`` model): per policy the simulated-vs-real errors of mean
-    latency and TTFT p90, the APC difference and the modeled path; per label the rankings' agreement."""
-    labels = list(docs)
-    out = []
-    first = docs[labels[0]]
-    for rate in first["rates"]:
-        pols = list(first["rates"][rate]["policies"])
-        cols = ["mean err", "TTFT p90 err", "APC pp", "path ms"]
-        out += [f"### {rate}", "", "| policy | real lat mean s | real TTFT p90 s | real APC % | real path ms | "
-                + " | ".join(f"{c} {lb}" for c in cols for lb in labels) + " |", "|" + "---|" * (5 + len(cols) * len(labels))]
-        for pol in pols:
-            vs = {lb: docs[lb]["rates"][rate]["policies"][pol] for lb in labels}
-            v0 = vs[labels[0]]
-            cells = [f"{v['rel_error']['latency_mean'] * 100:+.0f}%" for v in vs.values()]
-            cells += [f"{v['rel_error']['ttft_p90'] * 100:+.0f}%" for v in vs.values()]
-            cells += [f"{v['apc_diff'] * 100:+.1f}" for v in vs.values()]
-            cells += [f"{v['attribution'].get('path_model_s', float('nan')) * 1e3:.0f}" for v in vs.values()]
-            out.append(f"| {pol} | {v0['real']['latency_mean']:.3f} | {v0['real']['ttft_p90']:.3f} | "
-                       f"{v0['real']['apc_realized'] * 100:.1f} | {v0['attribution'].get('path_real_s', float('nan')) * 1e3:.0f} | "
-                       + " | ".join(cells) + " |")
-        out.append("")
-        for lb in labels:
-            d = docs[lb]["rates"][rate]
-            errs = [v["rel_error"]["latency_mean"] for v in d["policies"].values()]
-            t90 = [v["rel_error"]["ttft_p90"] for v in d["policies"].values()]
-            apc = [v["apc_diff"] for v in d["policies"].values()]
-            r = d["rankings"]["latency_mean"]
-            out.append(f"- {lb}: mean latency {min(errs) * 100:+.0f}% .. {max(errs) * 100:+.0f}% (mean |err| "
-                       f"{sum(map(abs, errs)) / len(errs) * 100:.0f}%, within 10%: {sum(abs(e) <= 0.10 for e in errs)} of "
-                       f"{len(errs)}); TTFT p90 within 20%: {sum(abs(e) <= 0.20 for e in t90)} of {len(t90)}; APC within "
-                       f"3 pp: {sum(abs(a) <= 0.03 for a in apc)} of {len(apc)}; best by mean real {r['real'][0]} / sim "
-                       f"{r['sim'][0]}; Kendall tau " + ", ".join(
-                           f"{k} {d['rankings'][k]['kendall_tau']:.2f}" for k in d["rankings"]))
-        out.append("")
-    return "\n".join(out)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
@@ -309,6 +193,8 @@ def main() -> int:
                     help="seconds kept for the second fit before --stop-at (default 150)")
     ap.add_argument("--sample-every", type=float, default=5.0)
     args = ap.parse_args()
+    if args.compare or args.report:
+        from live_ab_report import compare_report, repeat_report, sched_report
     if args.compare:
         docs = {lb: json.loads((pathlib.Path(d) / "sim-vs-real.json").read_text())
                 for lb, d in (a.split("=", 1) for a in args.compare)}
