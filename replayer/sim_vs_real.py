@@ -213,7 +213,10 @@ def kendall(a: Sequence[str], b: Sequence[str]) -> float:
 
 def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapping[str, Any]],
                  policies: Sequence[str], attributions: Mapping[str, Sequence[Mapping[str, float]]]) -> dict[str, Any]:
-    """Per policy: sim and real means over seeds, relative errors, loads, attribution; rankings and tau."""
+    """Per policy: sim and real means over seeds, relative errors, the real side's 95% t interval over
+    its seeds, loads, attribution; rankings and tau."""
+    from analysis.compare import t_interval
+
     per_policy: dict[str, Any] = {}
     for pol in policies:
         lr = [r for r in live_runs if r["policy"] == pol]
@@ -221,6 +224,9 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
         if not lr or not sr:
             continue
         real = {m: _mean(lr, m) for m in METRICS}
+        # the real side's own run-to-run spread over the seeds: an error inside it is not distinguishable
+        # from the noise of the live runs (NaN with one seed)
+        ci = {m: t_interval([r.get(m) for r in lr]) for m in METRICS}
         sim = {m: _mean(sr, m) for m in METRICS}
         rel = {m: (sim[m] - real[m]) / real[m] if real[m] else math.nan for m in METRICS if m != "apc_realized"}
         apc_diff = sim["apc_realized"] - real["apc_realized"]
@@ -234,6 +240,8 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
             att["paired"] = sum(a.get("paired", 0) for a in att_runs)
         loads = [x for r in lr for x in r.get("host_load", [])]
         per_policy[pol] = {"n_seeds": len(lr), "real": real, "sim": sim, "rel_error": rel, "apc_diff": apc_diff,
+                           "real_half_width": {m: (c["hi"] - c["lo"]) / 2 for m, c in ci.items()},
+                           "sim_in_real_interval": {m: bool(c["lo"] <= sim[m] <= c["hi"]) for m, c in ci.items()},
                            "host_load_real": float(np.mean(loads)) if loads else math.nan,
                            "load_real": _load_share(lr), "load_sim": _load_share(sr),
                            "rejected_failed_real": [sum(r["n_rejected"] for r in lr), sum(r["n_failed"] for r in lr)],

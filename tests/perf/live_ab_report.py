@@ -71,6 +71,7 @@ def repeat_report(out: pathlib.Path) -> str:
     keys = ("latency_mean", "latency_p90", "ttft_p90", "tpot_p50", "apc_realized")
     rows = ["| policy | seed | UTC run / repeat | " + " | ".join(f"{k} run / repeat (diff)" for k in keys) + " |",
             "|" + "---|" * (3 + len(keys))]
+    pairs = []
     for rep in sorted((out / "repeat" / "rate-3" / "runs").glob("*.json")):
         first = out / "ab" / "rate-3" / "runs" / rep.name
         if not first.exists():
@@ -85,6 +86,15 @@ def repeat_report(out: pathlib.Path) -> str:
                 cells.append(f"{r0[k] * sc:.3f} / {r1[k] * sc:.3f} ({(r1[k] / r0[k] - 1) * 100:+.0f}%)")
         when = f"{r0.get('utc', ['?'])[0][11:19]} / {r1.get('utc', ['?'])[0][11:19]}"
         rows.append(f"| {r0['policy']} | {r0['seed']} | {when} | " + " | ".join(cells) + " |")
+        pairs.append((r0, r1))
+    if len(pairs) >= 2:
+        from replayer.sim_vs_real import kendall
+
+        # the same seed twice on the same engines: the ranking agreement the noise alone allows
+        rows.append("")
+        rows.append("- Kendall tau of the policies' ranking, run against its repeat: " + ", ".join(
+            f"{k} {kendall(*[sorted(range(len(pairs)), key=lambda i, j=j: pairs[i][j][k]) for j in (0, 1)]):.2f}"
+            for k in ("latency_mean", "latency_p50", "latency_p90", "ttft_p50", "ttft_p90")))
     return "\n".join(rows)
 
 
@@ -98,7 +108,8 @@ def compare_report(docs: dict[str, dict]) -> str:
     for rate in first["rates"]:
         pols = list(first["rates"][rate]["policies"])
         cols = ["mean err", "TTFT p90 err", "APC pp", "path ms"]
-        out += [f"### {rate}", "", "| policy | real lat mean s | real TTFT p90 s | real APC % | real path ms | "
+        out += [f"### {rate}", "", "| policy | real lat mean s (± 95% over seeds) | real TTFT p90 s (±) | real APC % | "
+                "real path ms | "
                 + " | ".join(f"{c} {lb}" for c in cols for lb in labels) + " |", "|" + "---|" * (5 + len(cols) * len(labels))]
         for pol in pols:
             vs = {lb: docs[lb]["rates"][rate]["policies"][pol] for lb in labels}
@@ -107,7 +118,9 @@ def compare_report(docs: dict[str, dict]) -> str:
             cells += [f"{v['rel_error']['ttft_p90'] * 100:+.0f}%" for v in vs.values()]
             cells += [f"{v['apc_diff'] * 100:+.1f}" for v in vs.values()]
             cells += [f"{v['attribution'].get('path_model_s', float('nan')) * 1e3:.0f}" for v in vs.values()]
-            out.append(f"| {pol} | {v0['real']['latency_mean']:.3f} | {v0['real']['ttft_p90']:.3f} | "
+            hw = v0.get("real_half_width", {})
+            out.append(f"| {pol} | {v0['real']['latency_mean']:.3f} ± {hw.get('latency_mean', float('nan')):.3f} | "
+                       f"{v0['real']['ttft_p90']:.3f} ± {hw.get('ttft_p90', float('nan')):.3f} | "
                        f"{v0['real']['apc_realized'] * 100:.1f} | {v0['attribution'].get('path_real_s', float('nan')) * 1e3:.0f} | "
                        + " | ".join(cells) + " |")
         out.append("")
@@ -117,10 +130,13 @@ def compare_report(docs: dict[str, dict]) -> str:
             t90 = [v["rel_error"]["ttft_p90"] for v in d["policies"].values()]
             apc = [v["apc_diff"] for v in d["policies"].values()]
             r = d["rankings"]["latency_mean"]
+            inside = {m: sum(bool(v.get("sim_in_real_interval", {}).get(m)) for v in d["policies"].values())
+                      for m in ("latency_mean", "ttft_p90")}
             out.append(f"- {lb}: mean latency {min(errs) * 100:+.0f}% .. {max(errs) * 100:+.0f}% (mean |err| "
                        f"{sum(map(abs, errs)) / len(errs) * 100:.0f}%, within 10%: {sum(abs(e) <= 0.10 for e in errs)} of "
                        f"{len(errs)}); TTFT p90 within 20%: {sum(abs(e) <= 0.20 for e in t90)} of {len(t90)}; APC within "
-                       f"3 pp: {sum(abs(a) <= 0.03 for a in apc)} of {len(apc)}; best by mean real {r['real'][0]} / sim "
+                       f"3 pp: {sum(abs(a) <= 0.03 for a in apc)} of {len(apc)}; sim inside the real 95% interval: mean "
+                       f"{inside['latency_mean']}, TTFT p90 {inside['ttft_p90']} of {len(errs)}; best by mean real {r['real'][0]} / sim "
                        f"{r['sim'][0]}; Kendall tau " + ", ".join(
                            f"{k} {d['rankings'][k]['kendall_tau']:.2f}" for k in d["rankings"]))
         out.append("")

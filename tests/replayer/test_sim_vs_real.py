@@ -65,8 +65,21 @@ def test_compare_rate_reports_every_field_per_policy():
     assert rr["apc_diff"] == pytest.approx(-0.05) and rr["load_real"] == {"gpu0": 0.75, "gpu1": 0.25}
     assert rr["rejected_failed_real"] == [0, 2] and "KV placement" in rr["explained_by"]
     assert doc["policies"]["lpwl"]["explained_by"] == ""  # no paired requests given
+    # the same value on both seeds: no spread, and the sim's 1.8 lies outside it
+    assert rr["real_half_width"]["latency_mean"] == 0 and not rr["sim_in_real_interval"]["latency_mean"]
     for r in doc["rankings"].values():
         assert r["real"] == r["sim"] == ["lpwl", "rr"] and r["kendall_tau"] == pytest.approx(1.0) and r["same_best"]
+
+
+def test_the_real_sides_interval_over_its_seeds_tells_noise_from_error():
+    live = [run("rr", 0, 1.0, 0.5), run("rr", 1, 3.0, 0.5)]
+    doc = compare_rate(live, [run("rr", s, 2.5, 0.5) for s in (0, 1)], ["rr"], {})
+    rr = doc["policies"]["rr"]
+    # mean 2, sd sqrt(2), t(0.975, 1) = 12.706: half-width 12.706 * sqrt(2) / sqrt(2)
+    assert rr["real_half_width"]["latency_mean"] == pytest.approx(12.706, rel=1e-4)
+    assert rr["sim_in_real_interval"]["latency_mean"] and rr["rel_error"]["latency_mean"] == pytest.approx(0.25)
+    one = compare_rate(live[:1], [run("rr", 0, 2.5, 0.5)], ["rr"], {})["policies"]["rr"]
+    assert math.isnan(one["real_half_width"]["latency_mean"]) and not one["sim_in_real_interval"]["latency_mean"]
 
 
 def test_the_live_path_model_by_mode_and_the_ttft_split_into_path_and_engine():
