@@ -93,8 +93,8 @@ async def measure_path_loaded(http: Any, urls: Sequence[str], info: dict[str, An
             sent = await _closed_loop(via, k + 1, requests, sizes, output_tokens, rng)
             after = await _counted_to(http, urls, _ttft_count(before) + requests, timeout)
             level = {"concurrency": k + 1, "output_tokens": output_tokens, "requests": sent,
-                     "engine": {n: [sum(histogram_totals(a, h)[i] - histogram_totals(b, h)[i] for a, b in zip(after, before))
-                                    for i in (0, 1)] for n, h in (("ttft", TTFT_H), ("prefill", PREFILL_H), ("queue", QUEUE_H))}}
+                     "engine": {n: _histogram_delta(before, after, h)
+                                for n, h in (("ttft", TTFT_H), ("prefill", PREFILL_H), ("queue", QUEUE_H))}}
             out.append(level)
             row = loaded_path_row(level)
             say(f"live path with {k} other request(s) in flight ({row['in_flight']:.2f} measured): "
@@ -179,8 +179,10 @@ def _ttft_count(samples: Sequence[dict[str, Any]]) -> float:
     return sum(histogram_totals(m, TTFT_H)[1] for m in samples)
 
 
-def _ttft_sum(samples: Sequence[dict[str, Any]]) -> float:
-    return sum(histogram_totals(m, TTFT_H)[0] for m in samples)
+def _histogram_delta(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]], name: str) -> list[float]:
+    """[sum, count] of histogram ``name`` added between two scrapes of every engine."""
+    return [sum(histogram_totals(a, name)[i] - histogram_totals(b, name)[i] for a, b in zip(after, before))
+            for i in (0, 1)]
 
 
 async def _counted_to(http: Any, urls: Sequence[str], count: float, timeout: float) -> list[dict[str, Any]]:
