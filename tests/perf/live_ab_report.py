@@ -118,7 +118,8 @@ def compare_report(docs: dict[str, dict]) -> str:
             cells += [f"{v['rel_error']['ttft_p90'] * 100:+.0f}%" for v in vs.values()]
             cells += [f"{v['apc_diff'] * 100:+.1f}" for v in vs.values()]
             cells += [f"{v['attribution'].get('path_model_s', float('nan')) * 1e3:.0f}" for v in vs.values()]
-            hw = v0.get("real_half_width", {})
+            # an interval over one seed does not exist (null in the JSON)
+            hw = {k: float("nan") if x is None else x for k, x in v0.get("real_half_width", {}).items()}
             out.append(f"| {pol} | {v0['real']['latency_mean']:.3f} ± {hw.get('latency_mean', float('nan')):.3f} | "
                        f"{v0['real']['ttft_p90']:.3f} ± {hw.get('ttft_p90', float('nan')):.3f} | "
                        f"{v0['real']['apc_realized'] * 100:.1f} | {v0['attribution'].get('path_real_s', float('nan')) * 1e3:.0f} | "
