@@ -19,7 +19,8 @@ nothing here assumes either), and writes a profile in the ``profiles.json`` form
 then fits the profile (:mod:`engines.emulated.profile_fit`) and reports the error on probes held back
 from the fit. It also measures the **live path** a gateway deployment adds (``fit.live_path`` in the
 profile; :mod:`replayer.calibrate_path`): the direct client's HTTP path, what a gpuhit gateway in
-front adds to a lone request, and the path with other requests in flight through the gateway, which
+front adds to a lone request, and the path under a run's kind of load (cold prefills of the trace's
+prompt sizes in flight through the gateway on every engine, at several concurrencies), which
 ``gpuhit experiment sim-vs-real`` applies where a simulated request crosses the gateway
 (:mod:`replayer.live_path`). Several ``--engine`` URLs are measured together (each probe on all of them at once, as
 they run under load) and fitted as one (identical instances).
@@ -69,8 +70,9 @@ def decode_grid(batches: Sequence[int], max_model_len: int, pool_tokens: int, bl
 
 
 async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Sequence[int], decode_tokens: int,
-                  seed: int, timeout: float, say: Any, path_pairs: int = 0,
-                  path_levels: Sequence[int] = ()) -> tuple[dict[str, Any], list[PrefillProbe], list[DecodeProbe]]:
+                  seed: int, timeout: float, say: Any, path_pairs: int = 0, path_levels: Sequence[int] = (),
+                  path_requests: int = 24, path_prompts: Sequence[int] = (),
+                  path_output_tokens: int = 16) -> tuple[dict[str, Any], list[PrefillProbe], list[DecodeProbe]]:
     import aiohttp
 
     rng = random.Random(seed)
@@ -110,13 +112,16 @@ async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Se
                     f"{g.step_s * 1e3:.2f}" for g in got) + " ms")
         live_path = None
         if path_pairs:
-            from replayer.calibrate_path import measure_live_path, measure_path_in_flight
+            from replayer.calibrate_path import loaded_path_row, measure_live_path, measure_path_loaded
 
             live_path = await measure_live_path(http, probers, info, grid, path_pairs, rng, timeout, say)
             if path_levels:
-                sizes = sorted({n for n, c in grid if c == 0})
-                live_path["by_in_flight"] = await measure_path_in_flight(http, urls, info, sizes, path_levels,
-                                                                         path_pairs, rng, timeout, say)
+                # the trace's prompt sizes where given (a run's in-flight requests), else the grid's cold ones
+                sizes = list(path_prompts) or sorted({n for n, c in grid if c == 0})
+                levels = await measure_path_loaded(http, urls, info, sizes, path_levels, path_requests,
+                                                   path_output_tokens, rng, timeout, say)
+                live_path["by_in_flight"] = [loaded_path_row(lv) for lv in levels]
+                live_path["path_load"] = levels
         for p in probers:
             if p.can_reset is False:
                 say(f"note: {p.url} does not serve /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1); "
@@ -146,11 +151,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode probe (default 32)")
     p.add_argument("--hold-out-every", type=int, default=4, metavar="K", help="every K-th probe is held out (default 4)")
     p.add_argument("--gateway-pairs", type=int, default=16, metavar="N",
-                   help="probe pairs (direct, through a gateway) measuring the live path, and probes at each "
-                        "--path-in-flight count (default 16; 0: skip both)")
+                   help="probe pairs (direct, through a gateway) measuring the live path alone (default 16; 0: skip "
+                        "every live-path measurement)")
     p.add_argument("--path-in-flight", default="0,1,2,4,8", metavar="K1,K2",
                    help="counts of other requests kept in flight through the gateway while the live path is "
-                        "probed (default 0,1,2,4,8; '': only the lone pairs, the constant model)")
+                        "measured under load (default 0,1,2,4,8; '': only the lone pairs, the constant model)")
+    p.add_argument("--path-requests", type=int, default=24, metavar="N",
+                   help="requests sent at each --path-in-flight count (default 24)")
+    p.add_argument("--path-prompts", default="", metavar="N1,N2",
+                   help="prompt sizes (tokens) of the live path's load, drawn at random: the trace's prompt sizes, "
+                        "sent cold as a run's first turns are (default: the prefill grid's)")
+    p.add_argument("--path-output-tokens", type=int, default=16, metavar="N",
+                   help="tokens each request of the live path's load generates (default 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
@@ -183,9 +195,16 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--path-in-flight must be comma-separated integers, got {args.path_in_flight!r}") from None
     if levels and levels[0] < 0:
         raise ConfigError("--path-in-flight counts must be 0 or more")
+    try:
+        prompts = [int(x) for x in str(args.path_prompts).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--path-prompts must be comma-separated integers, got {args.path_prompts!r}") from None
+    if args.path_requests < 1 or args.path_output_tokens < 1:
+        raise ConfigError("--path-requests and --path-output-tokens must be 1 or more")
     info, prefill, decode = vtime.run_live(measure(
         urls, points=args.points, repeats=args.repeats, batches=batches, decode_tokens=args.decode_tokens,
-        seed=args.seed, timeout=args.timeout, say=say, path_pairs=args.gateway_pairs, path_levels=levels))
+        seed=args.seed, timeout=args.timeout, say=say, path_pairs=args.gateway_pairs, path_levels=levels,
+        path_requests=args.path_requests, path_prompts=prompts, path_output_tokens=args.path_output_tokens))
     path = info.pop("live_path")
     fit = fit_profile(prefill, decode, max_batched=args.max_num_batched_tokens, hold_out_every=args.hold_out_every)
     entry = profile_entry(
@@ -195,6 +214,8 @@ def main(args: argparse.Namespace) -> int:
         kv_bytes_per_token=args.kv_bytes_per_token,
         sources=[f"gpuhit profile fit: {len(prefill)} prefill and {len(decode)} decode probes of {', '.join(urls)}"])
     entry["fit"]["measurements"] = {"prefill": [vars_of(p) for p in prefill], "decode": [vars_of(p) for p in decode]}
+    if path and "path_load" in path:
+        entry["fit"]["measurements"]["path_load"] = path.pop("path_load")
     from replayer.calibrate_path import live_path_of
 
     entry["fit"]["live_path"] = live_path = live_path_of(prefill, path)
@@ -203,7 +224,15 @@ def main(args: argparse.Namespace) -> int:
     out.write_text(to_json({"profiles": {args.name: entry}}, indent=1), encoding="utf-8")
     from engines.emulated.profile import load_profile
 
-    load_profile(f"{out}#{args.name}")  # the file must load as a profile (vLLM's capacity check included)
+    prof = load_profile(f"{out}#{args.name}")  # the file must load as a profile (vLLM's capacity check included)
+    if entry["fit"]["measurements"].get("path_load"):
+        from replayer.calibrate_path import modeled_level
+
+        # the step model on the live path's load needs the profile just written (then written again with it)
+        kw = {"num_gpu_blocks": info["num_gpu_blocks"], "max_model_len": info["max_model_len"]}
+        for row, level in zip(live_path["by_in_flight"], entry["fit"]["measurements"]["path_load"]):
+            row.update(modeled_level(level, prof, len(urls), kw, live_path["direct_path_s"]))
+        out.write_text(to_json({"profiles": {args.name: entry}}, indent=1), encoding="utf-8")
     doc = {"profile": str(out), "name": args.name, "engine": info, "params": fit["params"],
            "fit_error": fit["fit_error"], "held_out_error": fit["held_out_error"], "loo_error": fit["loo_error"],
            "probes": fit["probes"], "live_path": live_path}
@@ -225,7 +254,11 @@ def main(args: argparse.Namespace) -> int:
         f"end to end"))
     if live_path.get("by_in_flight"):
         print("  live path by requests in flight at the gateway: " + ", ".join(
-            f"{r['in_flight']}: {r['path_s'] * 1e3:.1f} ms" for r in live_path["by_in_flight"]))
+            f"{r['in_flight']:.2f}: {r['path_s'] * 1e3:.1f} ms" for r in live_path["by_in_flight"]))
+        print("  under that load, measured / step model: engines' mean TTFT " + ", ".join(
+            f"{r['in_flight']:.2f}: {r['engine_ttft_s'] * 1e3:.0f} / {r['engine_ttft_model_s'] * 1e3:.0f} ms"
+            for r in live_path["by_in_flight"]) + "; TPOT " + ", ".join(
+            f"{r['tpot_s'] * 1e3:.1f} / {r['tpot_model_s'] * 1e3:.1f} ms" for r in live_path["by_in_flight"]))
     return 0
 
 

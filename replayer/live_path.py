@@ -6,17 +6,31 @@ Why a function of the in-flight count: on live engines the path is not a constan
 pays a few milliseconds, but during a run the client, the gateway and every engine's API server
 relay several streams at once on cores the engines' workers also use, and each hop (client ->
 gateway -> API server -> engine core and back) waits for a core where they are busy.
-``gpuhit profile fit`` measures it the way a run meets it (``measure_path_in_flight`` in
-:mod:`replayer.calibrate_path`): probes through a gateway while ``k`` other requests stream through it,
-client TTFT minus vLLM's own TTFT (which starts when its API server takes the request), for several
-``k``; the profile stores the medians in ``fit.live_path.by_in_flight``. The model interpolates
-linearly between the measured counts and stays flat beyond the last (no extrapolation past what was
+``gpuhit profile fit`` measures it the way a run meets it (``measure_path_loaded`` in
+:mod:`replayer.calibrate_path`): closed loops of ``k + 1`` clients sending cold prompts of the trace's
+sizes through a gateway in front of every engine, so that each request meets about ``k`` others in
+flight, mostly in long prefills that keep the engines busy, as in a run; per ``k``, the requests'
+mean client TTFT minus vLLM's own mean TTFT (which starts when its API server takes the request),
+against the mean count each met, in ``fit.live_path.by_in_flight``. The model interpolates linearly
+between the measured counts and stays flat beyond the last (no extrapolation past what was
 measured). A profile that measured only lone pairs gives the constant model: its one point, the
 gateway's addition at no other request in flight.
 
+Where the path's growth under load is paid: at the **first chunk**, not on the way in. Measured on
+the real pair (``analysis/results/live-path-loaded-2026-11-27.md``): a lone prompt answered with one
+token pays a 3 ms path, the same prompt asked for 16 tokens, one at a time through the gateway, ~30
+ms, and its finish no later than the engine's own timings allow (client end-to-end minus vLLM's TTFT
+is its 15 decode steps). vLLM's API server relays a request's outputs as a stream of deltas, merged
+while it lags behind the engine; while the engine keeps decoding, the API server waits for a core
+and the first chunk leaves late, and the later ones catch up. So the simulator takes the lone pairs'
+gateway addition as a delay where the request crosses the gateway (:class:`replayer.simulate.SimTarget`),
+and the measured path under load beyond the lone one (:func:`first_chunk_lag`) as a delay of each
+request's first token as the client sees it, never past its finish (:func:`delay_first_chunks`):
+the engines see the request when they would have, and the client's next turn waits for the finish,
+as live.
+
 The profile's frontend delay (``frontend_overhead_s``, fitted on lone probes sent straight to the
-engine) already holds the direct client's path; this model adds the difference, path at ``k`` minus
-that lone direct path, where the request crosses the gateway (:class:`replayer.simulate.SimTarget`).
+engine) already holds the direct client's path; both delays are what the path adds beyond it.
 """
 
 from __future__ import annotations
@@ -35,18 +49,19 @@ from gpuhit.errors import ConfigError
 @dataclass(frozen=True, slots=True)
 class LivePathModel:
     """Extra seconds on a request's path given the requests in flight at the gateway as it arrives:
-    linear between ``points`` (``(in_flight, seconds)``, increasing counts), flat outside them."""
+    linear between ``points`` (``(in_flight, seconds)``, increasing counts: means measured under load
+    need not be whole), flat outside them."""
 
-    points: tuple[tuple[int, float], ...]
+    points: tuple[tuple[float, float], ...]
 
     def __post_init__(self) -> None:
         ks = [k for k, _ in self.points]
-        if not ks or ks != sorted(set(ks)) or ks[0] < 0:
+        if not ks or ks != sorted(set(ks)) or ks[0] < 0 or not all(math.isfinite(k) for k in ks):
             raise ConfigError(f"a live-path model needs distinct, increasing, non-negative in-flight counts: {ks}")
         if any(not math.isfinite(s) or s < 0 for _, s in self.points):
             raise ConfigError(f"a live-path model's delays must be finite and non-negative: {self.points}")
 
-    def __call__(self, in_flight: int) -> float:
+    def __call__(self, in_flight: float) -> float:
         ks = [k for k, _ in self.points]
         i = bisect.bisect_right(ks, in_flight)
         if i == 0:
@@ -61,7 +76,7 @@ class LivePathModel:
         return len(self.points) == 1
 
     def describe(self) -> str:
-        return ", ".join(f"{k}: {s * 1e3:.1f} ms" for k, s in self.points)
+        return ", ".join(f"{k:g}: {s * 1e3:.1f} ms" for k, s in self.points)
 
 
 def from_fit(live_path: Mapping[str, Any] | None, by_in_flight: bool = True) -> LivePathModel | None:
@@ -73,11 +88,41 @@ def from_fit(live_path: Mapping[str, Any] | None, by_in_flight: bool = True) -> 
     direct = float(lp.get("direct_path_s", math.nan))
     rows = lp.get("by_in_flight") or []
     if by_in_flight and rows and math.isfinite(direct):
-        return LivePathModel(tuple((int(r["in_flight"]), max(float(r["path_s"]) - direct, 0.0)) for r in rows))
+        return LivePathModel(tuple(sorted((float(r["in_flight"]), max(float(r["path_s"]) - direct, 0.0))
+                                          for r in rows)))
     gw = float(lp.get("gateway_ttft_s", math.nan))
     if math.isfinite(gw):
         return LivePathModel(((0, max(gw, 0.0)),))
     return None
+
+
+def first_chunk_lag(live_path: Mapping[str, Any] | None) -> LivePathModel | None:
+    """The first chunk's lag per in-flight count: the path measured under load
+    (``fit.live_path.by_in_flight``) beyond the lone direct path and the lone gateway addition (which
+    the frontend delay and the crossing of the gateway already hold); below them (noise) counts as 0.
+    None when the fit did not measure the path under load."""
+    lp = live_path or {}
+    direct = float(lp.get("direct_path_s", math.nan))
+    rows = lp.get("by_in_flight") or []
+    if not rows or not math.isfinite(direct):
+        return None
+    gw = float(lp.get("gateway_ttft_s", 0.0))
+    base = direct + (max(gw, 0.0) if math.isfinite(gw) else 0.0)
+    return LivePathModel(tuple(sorted((float(r["in_flight"]), max(float(r["path_s"]) - base, 0.0)) for r in rows)))
+
+
+def delay_first_chunks(records: Sequence[Any], lag: LivePathModel) -> np.ndarray:
+    """Delay each answered request's first token (as the client sees it) by ``lag`` at the count of
+    others in flight when it arrived, never past its finish; in place. The delays applied, per
+    answered request in ``records``' order."""
+    ok = [r for r in records if not r.error and math.isfinite(r.first_token)]
+    k = in_flight_at_arrival([r.arrival for r in ok], [r.finish for r in ok])
+    applied = np.empty(len(ok))
+    for i, (r, n) in enumerate(zip(ok, k)):
+        new = min(r.first_token + lag(int(n)), r.finish)
+        applied[i] = new - r.first_token
+        r.first_token = new
+    return applied
 
 
 def in_flight_at_arrival(arrival: Sequence[float], finish: Sequence[float]) -> np.ndarray:

@@ -26,9 +26,11 @@ sides) to say which part of the model the gap comes from:
   engines' (vLLM's TTFT starts when its API server receives the request) is what the replayer, the
   gateway and HTTP add; the emulated path is the profile's measured direct-client path (held by its
   frontend delay) plus the live-path model of :mod:`replayer.live_path` (``--live-path``): by default
-  the path measured by ``gpuhit profile fit`` at several counts of requests in flight at the gateway,
-  applied to each simulated request at the count it meets; ``constant``: the lone pairs' gateway
-  addition for every request; ``none``: no gateway. Their difference, as a share of the real TTFT,
+  the lone pairs' gateway addition where a request crosses the gateway and, beyond it, the path
+  ``gpuhit profile fit`` measured under load at several counts of requests in flight, as a delay of
+  each request's first chunk at the count it met (never past its finish: the API server's first
+  chunk leaves late while the engine keeps decoding); ``constant``: the lone pairs' gateway addition
+  only; ``none``: no gateway. Their difference, as a share of the real TTFT,
   and the engine-side TTFT sim/real (the sim's TTFT less its modeled path) split the TTFT error; the
   mean in-flight count each side's requests met is reported beside them.
 
@@ -62,29 +64,35 @@ GAP_KEYS = ("median_gap_s", "mean_gap_s", "tail_gap_share")
 LIVE_PATH_MODES = ("in-flight", "constant", "none")
 
 
-def live_path(profile: Any, mode: str = "in-flight") -> tuple[Any, dict[str, Any]]:
-    """The live-path model the sim applies at the gateway (None for ``none`` or a profile that never
-    measured it) and its summary: ``{"mode", "direct_s", "points": [[in_flight, extra_s], ...]}``
-    (``direct_s`` nan where the fit did not measure it)."""
-    from replayer.live_path import from_fit
+def live_path(profile: Any, mode: str = "in-flight") -> tuple[Any, Any, dict[str, Any]]:
+    """The live-path models the sim applies (:mod:`replayer.live_path`): the delay where a request
+    crosses the gateway (the lone pairs' addition; None for ``none`` or a profile that never measured
+    it), the first chunk's lag per in-flight count (``in-flight`` only; None where the fit did not
+    measure the path under load), and their summary: ``{"mode", "direct_s", "gateway_s", "points":
+    [[in_flight, extra_s], ...]}`` (the two delays together; ``direct_s`` nan where not measured)."""
+    from replayer.live_path import first_chunk_lag, from_fit
 
     if mode not in LIVE_PATH_MODES:
         raise ConfigError(f"--live-path must be one of {', '.join(LIVE_PATH_MODES)}, got {mode!r}")
     lp = (profile.fit or {}).get("live_path") or {}
-    model = None if mode == "none" else from_fit(lp, by_in_flight=mode == "in-flight")
-    return model, {"mode": mode if model is not None or mode == "none" else "none",
-                   "direct_s": float(lp.get("direct_path_s", math.nan)),
-                   "points": [list(p) for p in model.points] if model is not None else []}
+    ingress = None if mode == "none" else from_fit(lp, by_in_flight=False)
+    lag = first_chunk_lag(lp) if mode == "in-flight" else None
+    gw = ingress(0) if ingress is not None else 0.0
+    points = [[k, gw + s] for k, s in lag.points] if lag is not None else ([[0, gw]] if ingress is not None else [])
+    return ingress, lag, {"mode": "in-flight" if lag is not None else ("constant" if ingress is not None else "none"),
+                          "direct_s": float(lp.get("direct_path_s", math.nan)), "gateway_s": gw, "points": points}
 
 
-def modeled_path(model: Any, direct_s: float, sim: Any) -> tuple[float, float]:
-    """(mean modeled path, mean in-flight count at arrival) over a simulated run's requests: the direct
-    path plus the model's delay at the count each request met."""
+def modeled_path(ingress: Any, direct_s: float, sim: Any, lag_applied: Any = ()) -> tuple[float, float]:
+    """(mean modeled path, mean in-flight count at arrival) over a simulated run's answered requests:
+    the direct path, plus the gateway's delay at the count each request met, plus the first-chunk
+    delays :func:`replayer.live_path.delay_first_chunks` applied."""
     from replayer.live_path import in_flight_at_arrival
 
     s = sim[sim["error"].astype(str) == ""]
     k = in_flight_at_arrival(s["arrival"].to_numpy(), s["finish"].to_numpy())
-    extra = float(np.mean([model(int(x)) for x in k])) if model is not None and len(k) else 0.0
+    extra = float(np.mean([ingress(int(x)) for x in k])) if ingress is not None and len(k) else 0.0
+    extra += float(np.mean(lag_applied)) if len(lag_applied) else 0.0
     return direct_s + extra, float(k.mean()) if len(k) else math.nan
 
 
@@ -213,7 +221,10 @@ def kendall(a: Sequence[str], b: Sequence[str]) -> float:
 
 def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapping[str, Any]],
                  policies: Sequence[str], attributions: Mapping[str, Sequence[Mapping[str, float]]]) -> dict[str, Any]:
-    """Per policy: sim and real means over seeds, relative errors, loads, attribution; rankings and tau."""
+    """Per policy: sim and real means over seeds, relative errors, the real side's 95% t interval over
+    its seeds, loads, attribution; rankings and tau."""
+    from analysis.compare import t_interval
+
     per_policy: dict[str, Any] = {}
     for pol in policies:
         lr = [r for r in live_runs if r["policy"] == pol]
@@ -221,6 +232,9 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
         if not lr or not sr:
             continue
         real = {m: _mean(lr, m) for m in METRICS}
+        # the real side's own run-to-run spread over the seeds: an error inside it is not distinguishable
+        # from the noise of the live runs (NaN with one seed)
+        ci = {m: t_interval([r.get(m) for r in lr]) for m in METRICS}
         sim = {m: _mean(sr, m) for m in METRICS}
         rel = {m: (sim[m] - real[m]) / real[m] if real[m] else math.nan for m in METRICS if m != "apc_realized"}
         apc_diff = sim["apc_realized"] - real["apc_realized"]
@@ -234,6 +248,8 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
             att["paired"] = sum(a.get("paired", 0) for a in att_runs)
         loads = [x for r in lr for x in r.get("host_load", [])]
         per_policy[pol] = {"n_seeds": len(lr), "real": real, "sim": sim, "rel_error": rel, "apc_diff": apc_diff,
+                           "real_half_width": {m: (c["hi"] - c["lo"]) / 2 for m, c in ci.items()},
+                           "sim_in_real_interval": {m: bool(c["lo"] <= sim[m] <= c["hi"]) for m, c in ci.items()},
                            "host_load_real": float(np.mean(loads)) if loads else math.nan,
                            "load_real": _load_share(lr), "load_sim": _load_share(sr),
                            "rejected_failed_real": [sum(r["n_rejected"] for r in lr), sum(r["n_failed"] for r in lr)],
@@ -301,9 +317,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--profile", required=True, metavar="FILE.json[#NAME]", help="the fitted profile (gpuhit profile fit)")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default DIR/sim-vs-real)")
     p.add_argument("--live-path", choices=LIVE_PATH_MODES, default="in-flight",
-                   help="the live path's delay at the gateway (the profile's fit.live_path): in-flight (default: "
-                        "measured per count of requests in flight, constant where the fit has only lone pairs), "
-                        "constant (the lone pairs' gateway addition), none")
+                   help="the live path (the profile's fit.live_path): in-flight (default: the lone pairs' gateway "
+                        "addition, and the path measured under load per count of requests in flight as a delay of "
+                        "each first chunk; constant where the fit has only lone pairs), constant (the gateway's "
+                        "addition only), none")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)
@@ -313,6 +330,7 @@ def main(args: argparse.Namespace) -> int:
     from analysis.compare import to_json
     from engines.emulated.profile import load_profile
     from replayer.ab_live import experiment_trace, load_runs, rate_label
+    from replayer.live_path import delay_first_chunks
     from replayer.records import read_records, records_to_frame
 
     live = pathlib.Path(args.live)
@@ -321,7 +339,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"{live} is not a `gpuhit experiment ab-live` folder (no experiment.json)")
     exp = json.loads(exp_path.read_text(encoding="utf-8"))
     profile = load_profile(args.profile)
-    path_model, path = live_path(profile, args.live_path)
+    ingress, lag, path = live_path(profile, args.live_path)
     spec, engines, policies = exp["trace"], exp["engines"], exp["policies"]
     if profile.block_size != int(spec["block_size"]):
         raise ConfigError(f"the profile's block size {profile.block_size} is not the engines' {spec['block_size']}")
@@ -332,8 +350,9 @@ def main(args: argparse.Namespace) -> int:
     md = [f"# Simulated vs real: {live}", "", (f"profile `{args.profile}`; engines {engines['count']} x "
           f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}; "
           f"emulated live path: direct client {path['direct_s'] * 1e3:.1f} ms (the frontend delay) + at the gateway "
-          f"({path['mode']}, ms by requests in flight) "
-          f"{', '.join(f'{k}: {v * 1e3:.1f}' for k, v in path['points']) or 'nothing'}"), ""]
+          f"{path['gateway_s'] * 1e3:.1f} ms + at the first chunk ({path['mode']}; gateway and first chunk together, "
+          f"ms by requests in flight) "
+          f"{', '.join(f'{k:.2f}: {v * 1e3:.1f}' for k, v in path['points']) or 'nothing'}"), ""]
     for rate in exp["rates"]:
         folder = live / rate_label(rate)
         if not (folder / "runs").exists():
@@ -345,12 +364,13 @@ def main(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"gpuhit experiment sim-vs-real: simulating {rate:g}/s {pol} seed {seed}", file=sys.stderr,
                       flush=True)
-            res = simulate_run(spec, engines, trace, profile, pol, seed, rate, live_path=path_model)
+            res = simulate_run(spec, engines, trace, profile, pol, seed, rate, live_path=ingress)
+            applied = delay_first_chunks(res.records, lag) if lag is not None else ()
             sim_runs.append(res.summary())
             real_df, sim_df = read_records(lr["records"]), records_to_frame(res.records)
             att = attribution(real_df, sim_df, int(spec["block_size"]))
             att.update(path_attribution(real_df, sim_df, lr.get("engine_side"),
-                                        *modeled_path(path_model, path["direct_s"], sim_df)))
+                                        *modeled_path(ingress, path["direct_s"], sim_df, applied)))
             atts.setdefault(pol, []).append(att)
             for df, side in ((real_df, "real"), (sim_df, "sim")):
                 ok = df[df["error"].astype(str) == ""]

@@ -1,7 +1,7 @@
 """The live A/B path end to end on the real vLLM pair (``real_vllm_pair``), small:
 
 1. ``gpuhit profile fit`` measures both engines and writes a profile with their real capacity and the
-   live path (lone pairs, and probes with other requests in flight through a gateway);
+   live path (lone pairs, and under load: closed loops of cold prompts through a gateway);
 2. ``gpuhit experiment ab-live`` runs two policies x two seeds through an in-process gateway, each run
    from cold caches (the pair runs with ``VLLM_SERVER_DEV_MODE=1``), and resumes without rerunning;
 3. ``gpuhit experiment sim-vs-real`` replays the same runs in virtual time with the fitted profile and
@@ -19,6 +19,7 @@ import pytest
 
 from engines.emulated.profile import load_profile
 from replayer.ab_live import experiment_trace
+from replayer.calibrate_path import loaded_path_row
 from replayer.cli import main
 from replayer.sim_vs_real import METRICS, RANK_BY
 
@@ -39,7 +40,7 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     fit = _json(capsys, ["profile", "fit", *engines, "--out", str(prof_path), "--max-num-batched-tokens", "2048",
                          "--max-num-seqs", "128", "--points", "3", "--repeats", "1", "--batches", "1,2",
                          "--decode-tokens", "4", "--hold-out-every", "2", "--gateway-pairs", "4",
-                         "--path-in-flight", "0,2", "--json"])
+                         "--path-in-flight", "0,2", "--path-requests", "4", "--path-output-tokens", "4", "--json"])
     info = fit["engine"]
     assert (info["block_size"], info["max_model_len"]) == (real_vllm_pair.block_size, real_vllm_pair.max_model_len)
     prof = load_profile(f"{prof_path}#fitted")
@@ -52,12 +53,22 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     # the live path: a direct client's HTTP path, and a gateway's addition measured in pairs
     lp = fit["live_path"]
     assert lp["pairs"] == 4 and all(math.isfinite(lp[k]) for k in ("direct_path_s", "gateway_ttft_s", "gateway_e2e_s"))
-    # and with other requests streaming through the gateway: 4 probes at each count asked for
-    assert [(r["in_flight"], r["n"]) for r in lp["by_in_flight"]] == [(0, 4), (2, 4)]
-    assert all(math.isfinite(r["path_s"]) for r in lp["by_in_flight"])
-    assert prof.fit["live_path"]["by_in_flight"] == lp["by_in_flight"]
+    # and under load: closed loops of 1 and 3 clients through the gateway, 4 cold requests each; one
+    # client's requests never overlap, three clients' meet up to two others
+    rows = lp["by_in_flight"]
+    assert [(r["concurrency"], r["n"]) for r in rows] == [(1, 4), (3, 4)]
+    assert rows[0]["in_flight"] == 0 and 0 < rows[1]["in_flight"] <= 2
+    for r in rows:
+        assert r["path_s"] == pytest.approx(r["client_ttft_s"] - r["engine_ttft_s"]) and r["engine_ttft_s"] > 0
+        assert r["engine_prefill_s"] > 0 and r["new_tokens"] > 0
+        # the step model's engine TTFT for the same requests at the same moments, beside the engines' own
+        assert math.isfinite(r["engine_ttft_model_s"]) and r["tpot_model_s"] > 0 and r["tpot_s"] >= 0
+    assert prof.fit["live_path"]["by_in_flight"] == rows
     assert {k: v for k, v in prof.fit["live_path"].items() if k != "by_in_flight"} == pytest.approx(
         {k: v for k, v in lp.items() if k != "by_in_flight"})
+    # the raw timings are kept, and reduce to the same rows
+    assert [loaded_path_row(lv) for lv in prof.fit["measurements"]["path_load"]] == [
+        {k: v for k, v in r.items() if k not in ("engine_ttft_model_s", "tpot_model_s")} for r in rows]
     # one fitted shape per (new, context) / (batch, context): the median of its probes on both engines
     assert 0 < sum(fit["probes"].values()) <= len(prof.fit["measurements"]["prefill"]) + len(
         prof.fit["measurements"]["decode"])
@@ -104,11 +115,13 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
         assert set(v["load_real"]) <= {"gpu0", "gpu1"} and sum(v["load_sim"].values()) == pytest.approx(1.0)
         assert 0 <= v["attribution"]["hit_mismatch_share"] <= 1 and v["explained_by"]
         att = v["attribution"]
-        # the modeled path: the direct one plus the in-flight model's delay at the counts the sim's requests met
-        assert svr["live_path"]["mode"] == "in-flight" and [k for k, _ in svr["live_path"]["points"]] == [0, 2]
-        extra = [x for _, x in svr["live_path"]["points"]]
-        assert (svr["live_path"]["direct_s"] + min(extra) - 1e-9 <= att["path_model_s"]
-                <= svr["live_path"]["direct_s"] + max(extra) + 1e-9) and att["engine_ttft_real_s"] > 0
+        # the modeled path: the direct one, the gateway's lone addition, and the first chunk's lag at the counts
+        # the sim's requests met (never past a request's finish: at most the table's largest)
+        lp_sim = svr["live_path"]
+        assert lp_sim["mode"] == "in-flight" and [k for k, _ in lp_sim["points"]] == pytest.approx(
+            [r["in_flight"] for r in rows])
+        assert (lp_sim["direct_s"] + lp_sim["gateway_s"] - 1e-9 <= att["path_model_s"]
+                <= lp_sim["direct_s"] + max(x for _, x in lp_sim["points"]) + 1e-9) and att["engine_ttft_real_s"] > 0
         assert att["in_flight_real"] >= 0 and att["in_flight_sim"] >= 0
         assert att["ttft_real_s"] == pytest.approx(att["path_real_s"] + att["engine_ttft_real_s"])
         assert (out / "sim-vs-real" / f"cdf-{label}-{pol}.png").stat().st_size > 0

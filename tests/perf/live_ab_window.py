@@ -22,14 +22,14 @@ and samples every ``--sample-every`` seconds the scheduler's run-queue delay of 
 Run again with the same ``--out`` to resume: a finished fit is kept, ``ab-live`` skips finished runs.
 Needs root (negative nice) and the vLLM venv (``GPUHIT_VLLM_PYTHON``). ``--report`` prints, from a
 finished folder, each step's CPU and run-queue delay (ours and the rest of the host's CPU) and the
-repeated seed's spread, as markdown.
+repeated seed's spread, as markdown; ``--compare LABEL=DIR ...`` the before/after tables of
+``gpuhit experiment sim-vs-real`` results of one live folder (``tests/perf/live_ab_report.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import itertools
 import json
 import os
 import pathlib
@@ -43,9 +43,23 @@ POLICIES = "round_robin,least_request,lmetric,linear,lpwl,lpwl_resident,lpwl_res
 REFERENCE = "lpwl_auto"
 TRACE = ["--max-sessions", "8", "--max-turns", "4", "--max-prompt", "1800", "--max-output", "16", "--max-think", "2",
          "--time-scale", "0.05"]
-# the live path is probed alone and with 1-8 other requests streaming through a gateway (replayer/live_path.py)
+# the live path is probed alone and under load: closed loops of 1-9 clients sending cold prompts of the
+# trace's sizes through a gateway, so that each meets 0-8 others in flight (replayer/calibrate_path.py)
 FIT = ["--name", "cpu-prefill-model", "--max-num-batched-tokens", "2048", "--max-num-seqs", "128",
-       "--kv-bytes-per-token", "4096", "--path-in-flight", "0,1,2,4,8"]
+       "--kv-bytes-per-token", "4096", "--path-in-flight", "0,1,2,4,8", "--path-requests", "32",
+       "--path-output-tokens", "16"]
+
+
+def trace_prompt_sizes() -> str:
+    """The prompt sizes of the experiment's trace (every turn's, as ``--path-prompts``): the live path's
+    load during the fit is made of requests like the run's, sent cold."""
+    from replayer.ab_live import experiment_trace
+
+    flags = dict(zip(TRACE[::2], TRACE[1::2]))
+    trace = experiment_trace({"paths": [], "max_sessions": int(flags["--max-sessions"]),
+                              "max_turns": int(flags["--max-turns"]), "max_prompt": int(flags["--max-prompt"]),
+                              "max_output": int(flags["--max-output"])})
+    return ",".join(str(t.input_length) for s in trace.sessions for t in s.turns)
 GPUHIT = [str(pathlib.Path(sys.executable).with_name("gpuhit"))]
 
 
@@ -112,12 +126,6 @@ def schedstat(sids: dict[str, int]) -> dict[str, dict[str, list[float]]]:
     return out
 
 
-def _delta(a: dict[str, dict[str, list[float]]], b: dict[str, dict[str, list[float]]]) -> dict[str, list[float]]:
-    """Per session: [cpu s, delay s] between two samples, over the processes alive at both (a process
-    whose threads exited in between loses their counters: its interval counts 0, not a negative)."""
-    return {k: [sum(max(0.0, b[k][p][i] - a.get(k, {}).get(p, b[k][p])[i]) for p in b[k]) for i in (0, 1)] for k in b}
-
-
 def cpu_totals() -> list[int]:
     """/proc/stat's aggregate cpu line: user nice system idle iowait irq softirq steal."""
     return [int(x) for x in pathlib.Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
@@ -167,81 +175,12 @@ def run_step(log: Log, name: str, argv: list[str], out: pathlib.Path, deadline: 
     return rc
 
 
-def steps_of(log_path: pathlib.Path) -> list[tuple[str, dt.datetime, dt.datetime]]:
-    """(step, start, end) from the window log ("HH:MM:SS load a b c NAME start: ..." / "NAME exit RC")."""
-    day = utc().date()
-    open_: dict[str, dt.datetime] = {}
-    out = []
-    for line in log_path.read_text().splitlines():
-        parts = line.split()
-        if len(parts) < 7 or ":" not in parts[0]:
-            continue
-        t = dt.datetime.combine(day, dt.time.fromisoformat(parts[0]), dt.UTC)
-        name, what = parts[5], parts[6].rstrip(":")
-        if what == "start":
-            open_[name] = t
-        elif what == "exit" and name in open_:
-            out.append((name, open_.pop(name), t))
-    return out
-
-
-def sched_report(out: pathlib.Path) -> str:
-    """Per step: wall time, our sessions' CPU and run-queue delay, the host's CPU busy and others' part."""
-    samples = [json.loads(x) for x in (out / "sched.jsonl").read_text().splitlines() if x.strip()]
-    for s in samples:
-        s["t"] = dt.datetime.fromisoformat(s["utc"])
-    rows = [("| step | UTC | wall s | load 1-min | our CPU s (driver / vllm0 / vllm1) | our run-queue delay s | "
-             "delay per our CPU s | host CPU busy % of 2 cores | others' CPU s |"), "|" + "---|" * 9]
-    for name, t0, t1 in steps_of(out / "window.log"):
-        win = [s for s in samples if t0 - dt.timedelta(seconds=5) <= s["t"] <= t1 + dt.timedelta(seconds=5)]
-        if len(win) < 2:
-            continue
-        a, b = win[0], win[-1]
-        wall = (b["t"] - a["t"]).total_seconds()
-        cpu: dict[str, float] = {}
-        delay = 0.0
-        for x, y in itertools.pairwise(win):
-            for k, (c, dl) in _delta(x["ours"], y["ours"]).items():
-                cpu[k] = cpu.get(k, 0.0) + c
-                delay += dl
-        ticks = [y - x for x, y in zip(a["cpu"], b["cpu"])]
-        hz = os.sysconf("SC_CLK_TCK")
-        busy = (sum(ticks) - ticks[3] - ticks[4]) / hz
-        loads = [s["load"][0] for s in win]
-        ours = sum(cpu.values())
-        rows.append(f"| {name} | {t0:%H:%M:%S}-{t1:%H:%M:%S} | {wall:.0f} | {min(loads):.1f}-{max(loads):.1f} | "
-                    f"{ours:.0f} ({' / '.join(f'{cpu.get(k, 0):.0f}' for k in ('driver', 'vllm0', 'vllm1'))}) | "
-                    f"{delay:.1f} | {delay / ours if ours else float('nan'):.3f} | "
-                    f"{busy / (2 * wall) * 100:.0f} | {busy - ours:.0f} |")
-    return "\n".join(rows)
-
-
-def repeat_report(out: pathlib.Path) -> str:
-    """The repeated seed against its first run, per policy."""
-    keys = ("latency_mean", "latency_p90", "ttft_p90", "tpot_p50", "apc_realized")
-    rows = ["| policy | seed | UTC run / repeat | " + " | ".join(f"{k} run / repeat (diff)" for k in keys) + " |",
-            "|" + "---|" * (3 + len(keys))]
-    for rep in sorted((out / "repeat" / "rate-3" / "runs").glob("*.json")):
-        first = out / "ab" / "rate-3" / "runs" / rep.name
-        if not first.exists():
-            continue
-        r0, r1 = (json.loads(p.read_text()) for p in (first, rep))
-        cells = []
-        for k in keys:
-            if k == "apc_realized":
-                cells.append(f"{r0[k] * 100:.1f} / {r1[k] * 100:.1f} ({(r1[k] - r0[k]) * 100:+.1f} pp)")
-            else:
-                sc = 1000.0 if k == "tpot_p50" else 1.0
-                cells.append(f"{r0[k] * sc:.3f} / {r1[k] * sc:.3f} ({(r1[k] / r0[k] - 1) * 100:+.0f}%)")
-        when = f"{r0.get('utc', ['?'])[0][11:19]} / {r1.get('utc', ['?'])[0][11:19]}"
-        rows.append(f"| {r0['policy']} | {r0['seed']} | {when} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None)
     ap.add_argument("--report", action="store_true", help="print the step and repeat tables of a finished --out")
+    ap.add_argument("--compare", nargs="+", metavar="LABEL=DIR", help="print the before/after table of "
+                    "`gpuhit experiment sim-vs-real --out DIR` results of one live folder, one column per LABEL")
     ap.add_argument("--not-before", default=None, metavar="HH:MM", help="UTC time to wait for")
     ap.add_argument("--stop-at", default=None, metavar="HH:MM[:SS]", help="UTC time the engines are stopped by")
     ap.add_argument("--nice", type=int, default=-15, help="autogroup nice of our sessions (default -15)")
@@ -254,12 +193,19 @@ def main() -> int:
                     help="seconds kept for the second fit before --stop-at (default 150)")
     ap.add_argument("--sample-every", type=float, default=5.0)
     args = ap.parse_args()
+    if args.compare or args.report:
+        from live_ab_report import compare_report, repeat_report, sched_report
+    if args.compare:
+        docs = {lb: json.loads((pathlib.Path(d) / "sim-vs-real.json").read_text())
+                for lb, d in (a.split("=", 1) for a in args.compare)}
+        print(compare_report(docs))
+        return 0
     if args.report:
         out = pathlib.Path(args.out)
         print(sched_report(out) + "\n\n" + repeat_report(out))
         return 0
-    if not args.stop_at:
-        ap.error("--stop-at is required to run the window")
+    if not args.stop_at or not args.out:
+        ap.error("--out and --stop-at are required to run the window")
 
     from engines.vllm.launch import make_server
     from engines.vllm.venv import TINY_MODEL_DIR
@@ -305,9 +251,10 @@ def main() -> int:
                             check=False, capture_output=True, text=True).stdout
         log("our processes:\n" + ps)
         fit_s = None
+        fit = [*FIT, "--path-prompts", trace_prompt_sizes()]
         if not (out / "profile.json").exists():
             t0 = time.monotonic()
-            run_step(log, "fit", [*GPUHIT, "profile", "fit", *eng, "--out", str(out / "profile.json"), *FIT,
+            run_step(log, "fit", [*GPUHIT, "profile", "fit", *eng, "--out", str(out / "profile.json"), *fit,
                                   "--repeats", "2", "--gateway-pairs", "16"], out, stop_at)
             fit_s = time.monotonic() - t0
         else:
@@ -318,15 +265,16 @@ def main() -> int:
         if args.repeat_seeds:
             run_step(log, "repeat", [*ab, "--session-rate", args.rate, "--seeds", str(args.repeat_seeds), "--out",
                                      str(out / "repeat")], out, stop_at)
-        # the second fit probes each shape once and half the gateway pairs: ~0.6 of the first's time
-        reserve = args.fit_after_reserve if fit_s is None else min(max(0.6 * fit_s + 20, 60.0), 240.0)
+        # the second fit probes each shape once and half the gateway pairs, but the live path's load as
+        # the first (the same levels, last): ~0.8 of the first's time, more on a busier host
+        reserve = args.fit_after_reserve if fit_s is None else min(max(0.8 * fit_s + 30, 60.0), 240.0)
         light_deadline = stop_at - dt.timedelta(seconds=reserve)
         log(f"light load until {light_deadline:%H:%M:%S} (second fit reserve {reserve:.0f} s)")
         if float(args.light_rate):
             run_step(log, "ab-light", [*ab, "--session-rate", args.light_rate, "--seeds", str(args.light_seeds or args.seeds),
                                        "--out", str(out / "ab-light")], out, light_deadline)
         if not (out / "profile-after.json").exists():
-            run_step(log, "fit-after", [*GPUHIT, "profile", "fit", *eng, "--out", str(out / "profile-after.json"), *FIT,
+            run_step(log, "fit-after", [*GPUHIT, "profile", "fit", *eng, "--out", str(out / "profile-after.json"), *fit,
                                         "--repeats", "1", "--gateway-pairs", "8"], out, stop_at)
     except KeyboardInterrupt:
         log("interrupted")

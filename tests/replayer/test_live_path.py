@@ -6,7 +6,14 @@ import pytest
 
 from engines.fake import FakeEngine
 from gpuhit.errors import ConfigError
-from replayer.live_path import LivePathModel, from_fit, in_flight_at_arrival
+from replayer.live_path import (
+    LivePathModel,
+    delay_first_chunks,
+    first_chunk_lag,
+    from_fit,
+    in_flight_at_arrival,
+)
+from replayer.records import RequestRecord
 from replayer.simulate import simulate
 from replayer.trace import Session, Trace, Turn
 
@@ -29,6 +36,27 @@ def test_the_profile_gives_the_in_flight_model_or_the_constant_one():
     assert from_fit(fit, by_in_flight=False).points == ((0, 0.002),)  # the lone pairs' gateway addition
     assert from_fit({"direct_path_s": 0.004, "gateway_ttft_s": -0.003}).points == ((0, 0.0),)
     assert from_fit({"direct_path_s": 0.004}) is None and from_fit(None) is None
+
+
+def test_the_first_chunks_lag_is_the_path_under_load_beyond_the_lone_one():
+    fit = {"direct_path_s": 0.003, "gateway_ttft_s": 0.002,
+           "by_in_flight": [{"in_flight": 1.9, "path_s": 0.035}, {"in_flight": 0.0, "path_s": 0.004}]}
+    assert [x for pt in first_chunk_lag(fit).points for x in pt] == pytest.approx([0.0, 0.0, 1.9, 0.030])
+    # a negative lone gateway addition is noise around none: the lag is taken beyond the direct path only
+    assert [x for pt in first_chunk_lag({**fit, "gateway_ttft_s": -0.001}).points for x in pt] == pytest.approx(
+        [0.0, 0.001, 1.9, 0.032])
+    assert first_chunk_lag({"direct_path_s": 0.003, "gateway_ttft_s": 0.0}) is None and first_chunk_lag(None) is None
+
+
+def test_first_chunks_are_delayed_by_the_count_met_never_past_the_finish():
+    lag = LivePathModel(((0, 0.0), (1, 0.05)))
+    recs = [RequestRecord(session="a", turn=0, arrival=0.0, first_token=0.10, finish=0.30),
+            RequestRecord(session="b", turn=0, arrival=0.05, first_token=0.15, finish=0.16),  # a in flight
+            RequestRecord(session="c", turn=0, arrival=0.06, first_token=0.20, finish=0.40),  # a and b
+            RequestRecord(session="d", turn=0, arrival=0.07, finish=0.07, error="refused")]
+    applied = delay_first_chunks(recs, lag)
+    assert [r.first_token for r in recs[:3]] == pytest.approx([0.10, 0.16, 0.25])  # b's capped at its finish
+    assert applied == pytest.approx([0.0, 0.01, 0.05]) and [r.finish for r in recs] == [0.30, 0.16, 0.40, 0.07]
 
 
 def test_in_flight_at_arrival_counts_the_others_not_yet_finished():

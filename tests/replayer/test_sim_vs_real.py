@@ -65,8 +65,21 @@ def test_compare_rate_reports_every_field_per_policy():
     assert rr["apc_diff"] == pytest.approx(-0.05) and rr["load_real"] == {"gpu0": 0.75, "gpu1": 0.25}
     assert rr["rejected_failed_real"] == [0, 2] and "KV placement" in rr["explained_by"]
     assert doc["policies"]["lpwl"]["explained_by"] == ""  # no paired requests given
+    # the same value on both seeds: no spread, and the sim's 1.8 lies outside it
+    assert rr["real_half_width"]["latency_mean"] == 0 and not rr["sim_in_real_interval"]["latency_mean"]
     for r in doc["rankings"].values():
         assert r["real"] == r["sim"] == ["lpwl", "rr"] and r["kendall_tau"] == pytest.approx(1.0) and r["same_best"]
+
+
+def test_the_real_sides_interval_over_its_seeds_tells_noise_from_error():
+    live = [run("rr", 0, 1.0, 0.5), run("rr", 1, 3.0, 0.5)]
+    doc = compare_rate(live, [run("rr", s, 2.5, 0.5) for s in (0, 1)], ["rr"], {})
+    rr = doc["policies"]["rr"]
+    # mean 2, sd sqrt(2), t(0.975, 1) = 12.706: half-width 12.706 * sqrt(2) / sqrt(2)
+    assert rr["real_half_width"]["latency_mean"] == pytest.approx(12.706, rel=1e-4)
+    assert rr["sim_in_real_interval"]["latency_mean"] and rr["rel_error"]["latency_mean"] == pytest.approx(0.25)
+    one = compare_rate(live[:1], [run("rr", 0, 2.5, 0.5)], ["rr"], {})["policies"]["rr"]
+    assert math.isnan(one["real_half_width"]["latency_mean"]) and not one["sim_in_real_interval"]["latency_mean"]
 
 
 def test_the_live_path_model_by_mode_and_the_ttft_split_into_path_and_engine():
@@ -76,20 +89,23 @@ def test_the_live_path_model_by_mode_and_the_ttft_split_into_path_and_engine():
            "by_in_flight": [{"in_flight": 0, "path_s": 0.010, "n": 3}, {"in_flight": 4, "path_s": 0.044, "n": 3}]}
     prof = dataclasses.replace(load_profile("qwen3-coder-30b-a3b@h20"), frontend_overhead_s=0.01,
                                fit={"live_path": fit})
-    model, path = live_path(prof)
-    assert path["mode"] == "in-flight" and path["direct_s"] == 0.004
+    ingress, lag, path = live_path(prof)
+    assert path["mode"] == "in-flight" and path["direct_s"] == 0.004 and path["gateway_s"] == 0.006
+    # the gateway's lone addition where a request crosses it, the rest of the path under load at the first chunk
+    assert ingress.points == ((0, 0.006),) and [x for pt in lag.points for x in pt] == pytest.approx([0, 0.0, 4, 0.034])
     assert [k for k, _ in path["points"]] == [0, 4] and [v for _, v in path["points"]] == pytest.approx([0.006, 0.040])
-    const, path_c = live_path(prof, "constant")
-    assert const.points == ((0, 0.006),) and path_c["mode"] == "constant"
-    assert live_path(prof, "none") == (None, {"mode": "none", "direct_s": 0.004, "points": []})
-    unmeasured, path_u = live_path(load_profile("qwen3-coder-30b-a3b@h20"))
-    assert unmeasured is None and path_u["mode"] == "none" and math.isnan(path_u["direct_s"])
+    const, no_lag, path_c = live_path(prof, "constant")
+    assert const.points == ((0, 0.006),) and no_lag is None and path_c["mode"] == "constant"
+    assert live_path(prof, "none") == (None, None, {"mode": "none", "direct_s": 0.004, "gateway_s": 0.0, "points": []})
+    unmeasured, lag_u, path_u = live_path(load_profile("qwen3-coder-30b-a3b@h20"))
+    assert unmeasured is None and lag_u is None and path_u["mode"] == "none" and math.isnan(path_u["direct_s"])
     with pytest.raises(ConfigError):
         live_path(prof, "sometimes")
     # two simulated requests: the second arrives while the first is in flight
     sim = records_to_frame([RequestRecord(session="s", turn=i, arrival=a, first_token=a + 0.1, finish=a + 0.2)
                             for i, a in enumerate((0.0, 0.05))])
-    assert modeled_path(model, 0.004, sim) == pytest.approx((0.004 + (0.006 + 0.0145) / 2, 0.5))
+    assert modeled_path(ingress, 0.004, sim) == pytest.approx((0.004 + 0.006, 0.5))
+    assert modeled_path(ingress, 0.004, sim, [0.0, 0.0085]) == pytest.approx((0.004 + 0.006 + 0.00425, 0.5))
     assert modeled_path(None, 0.004, sim) == pytest.approx((0.004, 0.5))
     real = recs([0, 0], [0.2, 0.4], [0.01, 0.01])
     sim = recs([0, 0], [0.1, 0.3], [0.01, 0.01])
