@@ -124,8 +124,8 @@ a new prefill there would wait), and routes it by the rule above when one drains
 (``gateway/hold.py``). No threshold: "would wait" is the only line that needs none. Off by
 default: a held request starts its trip through the engine's frontend (HTTP, tokenization) only when
 released, and ``pending_prefill_work`` counts a request in that frontend as queued, so on the Azure
-trace, where a prefill is shorter than the frontend, instances stood idle between releases (1.3x
-knee, 3 seeds: TTFT p90 +2.9 s, mean +0.29 s; ``analysis/results/policy-least-queued-2026-11-27.md``).
+trace, where a prefill is shorter than the frontend, instances stood idle between releases and
+first tokens came seconds later (``analysis/results/policy-least-queued-2026-11-27.md``).
 """
 
 from __future__ import annotations
