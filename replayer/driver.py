@@ -176,7 +176,7 @@ class _Replay:
         # Set once nothing more may be sent (request budget spent, or the duration is over), so
         # sessions waiting for their start or a think time stop at once instead of sleeping on:
         # in live mode a trace's later arrivals would otherwise hold the replay for its whole span.
-        self._stop = asyncio.Event()
+        self._stopped = False
         self._sleeping: set[asyncio.Future[None]] = set()  # the pauses in progress (_halt ends them)
         self._deadline_timer = (
             self.loop.call_at(self.deadline, self._halt) if math.isfinite(self.deadline) else None
@@ -184,7 +184,7 @@ class _Replay:
 
     # -- bounds ---------------------------------------------------------------------------------
     def _may_send(self) -> bool:
-        if self._stop.is_set():
+        if self._stopped:
             return False
         if self.cfg.max_requests is not None and self.sent >= self.cfg.max_requests:
             return False
@@ -263,8 +263,8 @@ class _Replay:
 
     # -- sessions -------------------------------------------------------------------------------
     def _halt(self) -> None:
-        """Nothing more may be sent: set ``_stop`` and end every pause now."""
-        self._stop.set()
+        """Nothing more may be sent: mark it and end every pause now."""
+        self._stopped = True
         for fut in self._sleeping:
             _wake(fut)
 
@@ -275,7 +275,7 @@ class _Replay:
         turn, and ``asyncio.wait_for`` on the stop event made a task, a waiter and a cancellation
         per pause, about three times the CPU.
         """
-        if delay <= 0 or self._stop.is_set():
+        if delay <= 0 or self._stopped:
             return
         fut = self.loop.create_future()
         timer = self.loop.call_later(delay, _wake, fut)
