@@ -88,8 +88,7 @@ def from_fit(live_path: Mapping[str, Any] | None, by_in_flight: bool = True) -> 
     direct = float(lp.get("direct_path_s", math.nan))
     rows = lp.get("by_in_flight") or []
     if by_in_flight and rows and math.isfinite(direct):
-        return LivePathModel(tuple(sorted((float(r["in_flight"]), max(float(r["path_s"]) - direct, 0.0))
-                                          for r in rows)))
+        return _beyond(rows, direct)
     gw = float(lp.get("gateway_ttft_s", math.nan))
     if math.isfinite(gw):
         return LivePathModel(((0, max(gw, 0.0)),))
@@ -108,6 +107,11 @@ def first_chunk_lag(live_path: Mapping[str, Any] | None) -> LivePathModel | None
         return None
     gw = float(lp.get("gateway_ttft_s", 0.0))
     base = direct + (max(gw, 0.0) if math.isfinite(gw) else 0.0)
+    return _beyond(rows, base)
+
+
+def _beyond(rows: Sequence[Mapping[str, Any]], base: float) -> LivePathModel:
+    """The model of the measured ``by_in_flight`` rows less ``base`` seconds (below it counts as 0)."""
     return LivePathModel(tuple(sorted((float(r["in_flight"]), max(float(r["path_s"]) - base, 0.0)) for r in rows)))
 
 
