@@ -228,10 +228,10 @@ class _ServerConn(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._heads += 1
-        url = b"".join(self._url)
-        q = url.find(b"?")
-        self._path = path = (url if q < 0 else url[:q]).decode("latin-1")
-        self._query = "" if q < 0 else url[q:].decode("latin-1")
+        # partition, not find: bytes.find parses its arguments as a tuple (~600 instructions a call)
+        target, q, query = b"".join(self._url).partition(b"?")
+        self._path = path = target.decode("latin-1")
+        self._query = (q + query).decode("latin-1") if q else ""
         h = self._headers
         denied = self.gw.auth_error(h, path)
         if denied is not None:  # before any byte of the body is read

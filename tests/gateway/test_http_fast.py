@@ -314,3 +314,31 @@ def test_http11_streams_are_chunked_whatever_the_connection_field():
     for status, headers, body in asyncio.run(main()):
         assert status == 200 and headers["transfer-encoding"] == "chunked"
         assert body.rstrip().endswith(b"data: [DONE]")
+
+
+def test_the_request_target_splits_into_path_and_query():
+    """A request's target, however its bytes arrive, is its path (routing) and its query, ``?``
+    included (what a forwarded route sends on); no ``?``, no query."""
+    from gateway.http import fast
+
+    class _Gateway:
+        def auth_error(self, headers, path):
+            return None
+
+    loop = asyncio.new_event_loop()
+    try:
+        server = type("Server", (), {})()
+        server.gw, server.loop, server.max_body_bytes = _Gateway(), loop, 1 << 20
+        server.header_timeout = server.body_timeout = server.keepalive_timeout = 10.0
+        conn = fast._ServerConn(server)
+        conn._task = object()  # queued requests stay in the queue (no task answers them)
+        for target, path, query in ((b"/v1/models", "/v1/models", ""), (b"/a?b=1&c=%3F?", "/a", "?b=1&c=%3F?"),
+                                    (b"/x?", "/x", "?"), (b"/?q", "/", "?q")):
+            raw = b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+            for cut in (len(raw), 6, 9):  # whole, and the target split across two reads
+                conn.data_received(raw[:cut])
+                conn.data_received(raw[cut:])
+                req = conn._queue.pop()
+                assert (req.path, req.query) == (path, query), (target, cut)
+    finally:
+        loop.close()
