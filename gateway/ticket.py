@@ -162,7 +162,9 @@ class Ticket(msgspec.Struct, eq=False):
         hold. :meth:`producer_done`, :meth:`first_token` and :meth:`finish` take them back."""
         r, req, tgt = self.router, self.request, self.target
         cap = max_cached_tokens(req.prompt_len, block_size)
-        self.predicted_hit_tokens = min(hit_blocks * block_size, cap)
+        hit = hit_blocks * block_size
+        # min() without its call (see engines.base.max_cached_tokens)
+        self.predicted_hit_tokens = hit if hit < cap else cap  # noqa: FURB136
         self._pending = req.prompt_len - self.predicted_hit_tokens
         self._blocks = -(-(req.prompt_len + req.max_tokens) // block_size)
         r._in_flight[tgt] += 1

@@ -173,4 +173,5 @@ def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int | 
             f"The decoder prompt (length {prompt_len}) plus the number of requested output tokens (at least 1) "
             f"is longer than the maximum model length of {max_model_len}. Make sure that `max_model_len` is no "
             "smaller than the number of text tokens (prompt + requested output tokens).")
-    return min(max_tokens, max_model_len - prompt_len)
+    left = max_model_len - prompt_len
+    return max_tokens if max_tokens < left else left  # noqa: FURB136 - min() without its call (engines.base.max_cached_tokens)

@@ -29,13 +29,14 @@ class FastUpstreamResponse:
     class, not a msgspec Struct: its state is stored to again and again as the answer arrives, and
     an attribute store on a Struct takes the generic path (about twice a slot's)."""
 
-    __slots__ = ("_chunks", "_conn", "_error", "_released", "_size", "_waiter", "complete", "content_type",
+    __slots__ = ("_chunks", "_conn", "_content_type", "_error", "_head", "_released", "_size", "_waiter", "complete",
                  "head_done", "keep_alive", "received", "status", "streaming")
 
     def __init__(self, conn: _UpConn):
         self._conn = conn
         self.status = 0
-        self.content_type = "application/json"
+        self._head = b""  # the answer's head (and what followed it in the same read), once parsed
+        self._content_type: str | None = None
         self.keep_alive = True
         self.head_done = False
         self.complete = False
@@ -46,6 +47,25 @@ class FastUpstreamResponse:
         self._error: UpstreamClosedError | None = None
         self._waiter: asyncio.Future | None = None
         self._released = False
+
+    @property
+    def content_type(self) -> str:
+        """The answer's Content-Type (the last one, if repeated; application/json without one), read
+        from its head when first asked: the gateway relays it only with an error answer (a 200 goes
+        out as JSON or an SSE stream), so a routed request's answer is not searched for it."""
+        ct = self._content_type
+        if ct is None:
+            head = self._head
+            end = head.find(b"\r\n\r\n")
+            low = head[:end].lower()
+            at = low.rfind(b"\r\ncontent-type:")  # the last one, if repeated
+            if at < 0:
+                ct = "application/json"
+            else:
+                stop = low.find(b"\r\n", at + 2)
+                ct = head[at + 15 : stop if stop >= 0 else end].strip(b" \t").decode("latin-1")
+            self._content_type = ct
+        return ct
 
     def _wake(self) -> None:
         w = self._waiter
@@ -153,19 +173,13 @@ class _UpConn(asyncio.Protocol):
             r._wake()
             self.close()
 
-    # No on_header callback: the one header read (content-type) is found in the head's bytes at
-    # its end, one search instead of a Python call per header field.
+    # No on_header callback: the one header read (content-type) is found in the head's bytes when
+    # asked for (FastUpstreamResponse.content_type), not a Python call per header field.
 
     def on_headers_complete(self) -> None:
         r = self.resp
         assert r is not None
-        head, self._head = self._head, b""
-        end = head.find(b"\r\n\r\n")
-        low = head[:end].lower()
-        at = low.rfind(b"\r\ncontent-type:")  # the last one, if repeated
-        if at >= 0:
-            stop = low.find(b"\r\n", at + 2)
-            r.content_type = head[at + 15 : stop if stop >= 0 else end].strip(b" \t").decode("latin-1")
+        r._head, self._head = self._head, b""
         r.status = self.parser.get_status_code()
         r.keep_alive = self.parser.should_keep_alive()
         r.head_done = True

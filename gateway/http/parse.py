@@ -165,7 +165,12 @@ class Prompts:
     def text(self, text: str) -> tuple[int, tuple[int, ...]]:
         """(estimated tokens, approximate hashes) of text the gateway cannot tokenize exactly."""
         hashes = self._text_hashes(text, self.text_chunk_chars)
-        return max(len(text) // CHARS_PER_TOKEN, len(hashes) * self.block_size, 1), tuple(hashes)
+        # at least the hashed chunks' blocks, and 1 (max(), without its call: see
+        # engines.base.max_cached_tokens)
+        n = len(text) // CHARS_PER_TOKEN
+        full = len(hashes) * self.block_size
+        n = n if n > full else full  # noqa: FURB136
+        return (n if n > 0 else 1), tuple(hashes)
 
     def exact(self, ids: list[int], session: str | None) -> Sequence[int]:
         """Block hashes of a token-id list (the tokenizer's, or the client's)."""

@@ -129,7 +129,12 @@ def header_block(headers: Mapping[str, str]) -> bytes:
     of :class:`HeaderLines` as they are."""
     if type(headers) is HeaderLines:
         return headers.lines
-    return "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode("latin-1", "replace")
+    # A loop, not a list comprehension: the comprehension runs in a frame of its own, half the
+    # cost of the one or two headers a routed request sends upstream.
+    lines = ""
+    for k, v in headers.items():
+        lines += f"{k}: {v}\r\n"
+    return lines.encode("latin-1", "replace")
 
 
 def nodelay(transport: asyncio.BaseTransport) -> None:

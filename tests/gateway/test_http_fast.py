@@ -294,3 +294,51 @@ def test_http10_client_gets_an_unchunked_stream_ended_by_close():
         assert all(e.startswith(b"data: ") for e in events), body
         assert events[-1] == b"data: [DONE]"
         assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 3
+
+
+def test_http11_streams_are_chunked_whatever_the_connection_field():
+    """The transfer coding follows the request's HTTP version, not its Connection field: an HTTP/1.1
+    stream is chunked with no Connection field, with ``keep-alive`` and with ``close`` (the server
+    reads the version only when keep-alive does not already say 1.1)."""
+    async def main():
+        async with servers([FakeEngine("a")]) as srvs, gateway(urls(srvs), transport="fast") as (_gw, url):
+            port = int(url.rsplit(":", 1)[1])
+            got = []
+            for conn in ("", "Connection: keep-alive\r\n", "Connection: close\r\n", "Connection: Keep-Alive, foo\r\n"):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(request(completion([1] * 20, max_tokens=3, stream=True), extra=conn))
+                got.append(await asyncio.wait_for(read_response(reader), 30))
+                writer.close()
+            return got
+
+    for status, headers, body in asyncio.run(main()):
+        assert status == 200 and headers["transfer-encoding"] == "chunked"
+        assert body.rstrip().endswith(b"data: [DONE]")
+
+
+def test_the_request_target_splits_into_path_and_query():
+    """A request's target, however its bytes arrive, is its path (routing) and its query, ``?``
+    included (what a forwarded route sends on); no ``?``, no query."""
+    from gateway.http import fast
+
+    class _Gateway:
+        def auth_error(self, headers, path):
+            return None
+
+    loop = asyncio.new_event_loop()
+    try:
+        server = type("Server", (), {})()
+        server.gw, server.loop, server.max_body_bytes = _Gateway(), loop, 1 << 20
+        server.header_timeout = server.body_timeout = server.keepalive_timeout = 10.0
+        conn = fast._ServerConn(server)
+        conn._task = object()  # queued requests stay in the queue (no task answers them)
+        for target, path, query in ((b"/v1/models", "/v1/models", ""), (b"/a?b=1&c=%3F?", "/a", "?b=1&c=%3F?"),
+                                    (b"/x?", "/x", "?"), (b"/?q", "/", "?q")):
+            raw = b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+            for cut in (len(raw), 6, 9):  # whole, and the target split across two reads
+                conn.data_received(raw[:cut])
+                conn.data_received(raw[cut:])
+                req = conn._queue.pop()
+                assert (req.path, req.query) == (path, query), (target, cut)
+    finally:
+        loop.close()

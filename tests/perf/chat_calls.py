@@ -163,6 +163,8 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=200)
     ap.add_argument("--large", type=int, default=1000)
     ap.add_argument("--cache-sim", action="store_true", help="callgrind: simulate the caches too (misses)")
+    ap.add_argument("--branch-sim", action="store_true",
+                    help="callgrind: simulate the branch predictors too (mispredicted conditional / indirect branches)")
     ap.add_argument("--top", type=int, default=40, help="functions listed (cprofile)")
     ap.add_argument("flags", nargs="*", help="more `gpuhit serve` flags (after --)")
     a = ap.parse_args()
@@ -188,7 +190,7 @@ def main() -> None:
             boot = f"import runpy, sys; sys.path.insert(0, {checkout!r}); " \
                    f"runpy.run_module({cli!r}, run_name='__main__', alter_sys=True)"
             cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--log-file={tmp}/valgrind.log",
-                   *(["--cache-sim=yes"] if a.cache_sim else []),
+                   *(["--cache-sim=yes"] if a.cache_sim else []), *(["--branch-sim=yes"] if a.branch_sim else []),
                    f"--callgrind-out-file={tmp}/cg.%p", sys.executable, "-c", boot, *serve]
         gw = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp)
         procs.append(gw)

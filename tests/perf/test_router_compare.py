@@ -36,7 +36,8 @@ configuration (median of rounds; default 1), ``GPUHIT_BENCH_ONLY=chat,2k`` picks
 instead of one per event-loop iteration (vLLM publishes one per engine step),
 ``GPUHIT_BENCH_MOCK_BLOCKS`` sizes their caches (default 1,000,000 blocks; smaller ones evict, and the
 index churns, from the first workloads on) and ``GPUHIT_BENCH_MOCK_REMOVED=per-block`` makes them
-announce each evicted block in a ``BlockRemoved`` of its own, as vLLM 0.32 does (default: one a prompt).
+announce each evicted block in a ``BlockRemoved`` of its own, as vLLM 0.32 does (default: one a prompt);
+``GPUHIT_BENCH_RAW=<file>`` writes every round's numbers as JSON (for statistics over several runs).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ VS = os.environ.get("GPUHIT_BENCH_VS", "vllm-router")
 GPUHIT_ARGS = os.environ.get("GPUHIT_BENCH_GPUHIT_ARGS", "").split()
 # More paired comparisons, each "a/b" (target labels), printed after the main table.
 PAIRS = [p for p in os.environ.get("GPUHIT_BENCH_PAIRS", "").split(",") if p]
+# A file to write every configuration's per-round numbers to (JSON), for statistics over several runs.
+RAW = os.environ.get("GPUHIT_BENCH_RAW", "")
 SCALE = float(os.environ.get("GPUHIT_BENCH_SCALE", "1"))
 ROUNDS = int(os.environ.get("GPUHIT_BENCH_ROUNDS", "1"))
 WORKLOADS = ("chat", "2k", "2k-new", "100k", "100k+512")
@@ -347,6 +350,12 @@ def test_router_compare():
             for p in procs:
                 await p.stop()
         _print_table(rows)
+        if RAW:
+            keys = ("p50_s", "cpu_ms_per_req", "req_per_s", "mean_s", "p99_s", "p10_s", "engine_cpu_ms_per_req")
+            pathlib.Path(RAW).write_bytes(orjson.dumps([
+                {"workload": w, "stream": st, "c": c, "n": n,
+                 "rounds": {t: [dict(zip(keys, r)) for r in rs] for t, rs in got.items()}}
+                for w, st, c, n, _med, got in rows]))
         for pair in PAIRS:
             _print_pair(rows, *pair.split("/", 1))
         for line in failed:
