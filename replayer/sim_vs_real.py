@@ -17,7 +17,9 @@ sides) to say which part of the model the gap comes from:
   by a block or more (KV events arriving late, or evictions after the decision);
 * **step time and queueing**: the median sim/real TTFT ratio over requests with the same hit on both
   sides (same work; the residual is prefill step time, frontend/HTTP overhead and queueing);
-* **decode step time**: the median sim/real TPOT ratio;
+* **decode step time**: the median sim/real TPOT ratio (both step ratios under the profile's
+  ``host_contention`` where it has one: the emulated engines slow each other down as the measured
+  engines did on their shared host, :mod:`engines.emulated.shared_host`);
 * **typical request or tail**: the median of the paired latency gaps (real - sim) against their mean,
   and the share of the summed absolute gap that the 10% of requests furthest apart carry (a model
   right for the typical request and blind to rare stalls has a median gap near 0 and most of the
@@ -346,13 +348,15 @@ def main(args: argparse.Namespace) -> int:
     trace = experiment_trace(spec)
     out = pathlib.Path(args.out) if args.out else live / "sim-vs-real"
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"live": str(live), "profile": args.profile, "live_path": path, "rates": {}}
+    report: dict[str, Any] = {"live": str(live), "profile": args.profile, "live_path": path,
+                              "host_contention": list(profile.host_contention), "rates": {}}
     md = [f"# Simulated vs real: {live}", "", (f"profile `{args.profile}`; engines {engines['count']} x "
           f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}; "
           f"emulated live path: direct client {path['direct_s'] * 1e3:.1f} ms (the frontend delay) + at the gateway "
           f"{path['gateway_s'] * 1e3:.1f} ms + at the first chunk ({path['mode']}; gateway and first chunk together, "
           f"ms by requests in flight) "
-          f"{', '.join(f'{k:.2f}: {v * 1e3:.1f}' for k, v in path['points']) or 'nothing'}"), ""]
+          f"{', '.join(f'{k:.2f}: {v * 1e3:.1f}' for k, v in path['points']) or 'nothing'}; step time by busy engines "
+          f"on the host {', '.join(f'{i + 1}: {f:.3g}x' for i, f in enumerate(profile.host_contention)) or 'none'}"), ""]
     for rate in exp["rates"]:
         folder = live / rate_label(rate)
         if not (folder / "runs").exists():
