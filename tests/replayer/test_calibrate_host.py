@@ -41,3 +41,27 @@ def test_incomplete_levels_are_refused():
     broken["engine"]["1"]["decode"][1] = 3  # a request the engine's decode histogram did not count
     with pytest.raises(EngineError, match="counted"):
         host_contention_from([_level([0], alone), _level([1], alone), broken])
+
+
+def test_simulated_engines_of_a_profile_with_the_table_slow_each_other_only_while_both_work():
+    """Through the simulator (``modeled_level``: round-robin over two emulated engines, virtual time):
+    the fitted CPU profile with a factor of 1.5 for two busy engines, against the same without it."""
+    import dataclasses
+    import math
+
+    from engines.emulated.profile import load_profile
+    from replayer.calibrate_path import modeled_level
+
+    plain = load_profile("analysis/results/live-path-2026-11-27.profile.json")
+    shared = dataclasses.replace(plain, host_contention=(1.0, 1.5))
+    kw = {"num_gpu_blocks": 256, "max_model_len": 2048}
+
+    def ttft(prof, sent):
+        level = {"concurrency": 2, "output_tokens": 16, "requests": [[t, math.nan, math.nan, 1500, 0] for t in sent]}
+        return modeled_level(level, prof, 2, kw, 0.0)["engine_ttft_model_s"]
+
+    front = plain.frontend_delay(1500)  # the API server's part of the TTFT: not a step, never scaled
+    assert ttft(shared, [0.0]) == ttft(plain, [0.0])  # one engine busy: its steps as without the table
+    assert ttft(shared, [0.0, 30.0]) == ttft(plain, [0.0, 30.0])  # one after the other
+    # one request on each engine at once: every prefill step of both under the two-engine factor
+    assert ttft(shared, [0.0, 0.0]) - front == pytest.approx(1.5 * (ttft(plain, [0.0, 0.0]) - front))
