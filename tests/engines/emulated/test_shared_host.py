@@ -75,8 +75,9 @@ def test_the_factory_puts_consecutive_engines_on_hosts_of_the_tables_length():
     engines = [make(f"gpu{i}", i, None) for i in range(4)]
     assert engines[0].host is engines[1].host is not engines[2].host is engines[3].host
     assert not any(e.jump_decode for e in engines)  # each step reads the host: no jumps computed up front
-    plain = emulated_factory(tiny_profile())("gpu0", 0, None)
-    assert plain.host is None and plain.jump_decode
+    for plain in (tiny_profile(), tiny_profile(host_contention=(1.0, 1.0))):
+        e = emulated_factory(plain)("gpu0", 0, None)
+        assert e.host is None and e.jump_decode
 
 
 def test_a_profile_file_holds_the_table_as_busy_engines_to_factor(tmp_path):
