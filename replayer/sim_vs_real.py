@@ -63,7 +63,7 @@ PATH_KEYS = ("ttft_real_s", "path_real_s", "path_model_s", "engine_ttft_real_s",
 GAP_KEYS = ("median_gap_s", "mean_gap_s", "tail_gap_share")
 
 
-LIVE_PATH_MODES = ("in-flight", "constant", "none")
+LIVE_PATH_MODES = ("in-flight", "response", "constant", "none")
 
 
 def live_path(profile: Any, mode: str = "in-flight") -> tuple[Any, Any, dict[str, Any]]:
@@ -78,10 +78,10 @@ def live_path(profile: Any, mode: str = "in-flight") -> tuple[Any, Any, dict[str
         raise ConfigError(f"--live-path must be one of {', '.join(LIVE_PATH_MODES)}, got {mode!r}")
     lp = (profile.fit or {}).get("live_path") or {}
     ingress = None if mode == "none" else from_fit(lp, by_in_flight=False)
-    lag = first_chunk_lag(lp) if mode == "in-flight" else None
+    lag = first_chunk_lag(lp) if mode in ("in-flight", "response") else None
     gw = ingress(0) if ingress is not None else 0.0
     points = [[k, gw + s] for k, s in lag.points] if lag is not None else ([[0, gw]] if ingress is not None else [])
-    return ingress, lag, {"mode": "in-flight" if lag is not None else ("constant" if ingress is not None else "none"),
+    return ingress, lag, {"mode": mode if lag is not None else ("constant" if ingress is not None else "none"),
                           "direct_s": float(lp.get("direct_path_s", math.nan)), "gateway_s": gw, "points": points}
 
 
@@ -321,8 +321,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--live-path", choices=LIVE_PATH_MODES, default="in-flight",
                    help="the live path (the profile's fit.live_path): in-flight (default: the lone pairs' gateway "
                         "addition, and the path measured under load per count of requests in flight as a delay of "
-                        "each first chunk; constant where the fit has only lone pairs), constant (the gateway's "
-                        "addition only), none")
+                        "each first chunk; constant where the fit has only lone pairs), response (that path as a "
+                        "delay of the whole response: first chunk and finish), constant (the gateway's addition "
+                        "only), none")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)
@@ -369,7 +370,7 @@ def main(args: argparse.Namespace) -> int:
                 print(f"gpuhit experiment sim-vs-real: simulating {rate:g}/s {pol} seed {seed}", file=sys.stderr,
                       flush=True)
             res = simulate_run(spec, engines, trace, profile, pol, seed, rate, live_path=ingress)
-            applied = delay_first_chunks(res.records, lag) if lag is not None else ()
+            applied = delay_first_chunks(res.records, lag, whole=args.live_path == "response") if lag is not None else ()
             sim_runs.append(res.summary())
             real_df, sim_df = read_records(lr["records"]), records_to_frame(res.records)
             att = attribution(real_df, sim_df, int(spec["block_size"]))

@@ -14,7 +14,10 @@ copied, attention metadata for a query longer than one token): small on a GPU, s
 milliseconds on the CPU build, where a one-block prefill takes twice a batch-1 decode step. Before a request reaches
 the scheduler it spends ``frontend_overhead_s + frontend_per_token_s * prompt_len`` in the API
 server (HTTP, input processing); that time is not GPU time. Loads from lower tiers cost
-``overhead + bytes / bandwidth``. Profiles are data (``profiles.json``), each citing its sources.
+``overhead + bytes / bandwidth``. Engines that share a host's cores (the CPU build) take longer per
+step while the host's other engines work too: ``host_contention`` holds the measured factor by the
+count of busy engines (:mod:`engines.emulated.shared_host`). Profiles are data (``profiles.json``),
+each citing its sources.
 """
 
 from __future__ import annotations
