@@ -23,7 +23,9 @@ front adds to a lone request, and the path under a run's kind of load (cold pref
 prompt sizes in flight through the gateway on every engine, at several concurrencies), which
 ``gpuhit experiment sim-vs-real`` applies where a simulated request crosses the gateway
 (:mod:`replayer.live_path`). Several ``--engine`` URLs are measured together (each probe on all of them at once, as
-they run under load) and fitted as one (identical instances).
+they run under load) and fitted as one (identical instances); with several, the same cold prompts
+are also sent to each engine alone and to 2..all at once, and the slowdown of their steps is the
+profile's ``host_contention`` (:mod:`replayer.calibrate_host`: engines sharing a host's cores).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def decode_grid(batches: Sequence[int], max_model_len: int, pool_tokens: int, bl
 async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Sequence[int], decode_tokens: int,
                   seed: int, timeout: float, say: Any, path_pairs: int = 0, path_levels: Sequence[int] = (),
                   path_requests: int = 24, path_prompts: Sequence[int] = (),
-                  path_output_tokens: int = 16) -> tuple[dict[str, Any], list[PrefillProbe], list[DecodeProbe]]:
+                  path_output_tokens: int = 16, host_requests: int = 0,
+                  host_clients: int = 1) -> tuple[dict[str, Any], list[PrefillProbe], list[DecodeProbe]]:
     import aiohttp
 
     rng = random.Random(seed)
@@ -110,14 +113,20 @@ async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Se
                 done += 1
                 say(f"[{done}/{total}] decode batch {b} context {c}: step " + ", ".join(
                     f"{g.step_s * 1e3:.2f}" for g in got) + " ms")
+        # the trace's prompt sizes where given (a run's requests), else the grid's cold ones
+        sizes = list(path_prompts) or sorted({n for n, c in grid if c == 0})
+        info["host_load"] = None
+        if host_requests and len(urls) > 1:
+            from replayer.calibrate_host import measure_host_load
+
+            info["host_load"] = await measure_host_load(http, urls, info["model"], sizes, host_requests, host_clients,
+                                                        path_output_tokens, rng, timeout, say)
         live_path = None
         if path_pairs:
             from replayer.calibrate_path import loaded_path_row, measure_live_path, measure_path_loaded
 
             live_path = await measure_live_path(http, probers, info, grid, path_pairs, rng, timeout, say)
             if path_levels:
-                # the trace's prompt sizes where given (a run's in-flight requests), else the grid's cold ones
-                sizes = list(path_prompts) or sorted({n for n, c in grid if c == 0})
                 levels = await measure_path_loaded(http, urls, info, sizes, path_levels, path_requests,
                                                    path_output_tokens, rng, timeout, say)
                 live_path["by_in_flight"] = [loaded_path_row(lv) for lv in levels]
@@ -163,6 +172,13 @@ def register(subparsers: Any) -> None:
                         "sent cold as a run's first turns are (default: the prefill grid's)")
     p.add_argument("--path-output-tokens", type=int, default=16, metavar="N",
                    help="tokens each request of the live path's load generates (default 16)")
+    p.add_argument("--contention-requests", type=int, default=12, metavar="N",
+                   help="requests per engine at each level of the shared-host probe: each engine alone, then "
+                        "1..all engines together, the same cold prompts (the --path-prompts sizes); their time "
+                        "ratio is the profile's host_contention (default 12; 0 or a single engine: not measured, "
+                        "every engine has the host to itself)")
+    p.add_argument("--contention-clients", type=int, default=1, metavar="C",
+                   help="requests each engine has in flight during the shared-host probe (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
@@ -199,13 +215,17 @@ def main(args: argparse.Namespace) -> int:
         prompts = [int(x) for x in str(args.path_prompts).split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"--path-prompts must be comma-separated integers, got {args.path_prompts!r}") from None
+    if args.contention_requests < 0 or args.contention_clients < 1:
+        raise ConfigError("--contention-requests must be 0 or more and --contention-clients 1 or more")
     if args.path_requests < 1 or args.path_output_tokens < 1:
         raise ConfigError("--path-requests and --path-output-tokens must be 1 or more")
     info, prefill, decode = vtime.run_live(measure(
         urls, points=args.points, repeats=args.repeats, batches=batches, decode_tokens=args.decode_tokens,
         seed=args.seed, timeout=args.timeout, say=say, path_pairs=args.gateway_pairs, path_levels=levels,
-        path_requests=args.path_requests, path_prompts=prompts, path_output_tokens=args.path_output_tokens))
+        path_requests=args.path_requests, path_prompts=prompts, path_output_tokens=args.path_output_tokens,
+        host_requests=args.contention_requests, host_clients=args.contention_clients))
     path = info.pop("live_path")
+    host_load = info.pop("host_load")
     fit = fit_profile(prefill, decode, max_batched=args.max_num_batched_tokens, hold_out_every=args.hold_out_every)
     entry = profile_entry(
         fit, model=f"{info['model']} (measured at {', '.join(urls)})", gpu=args.gpu,
@@ -214,6 +234,12 @@ def main(args: argparse.Namespace) -> int:
         kv_bytes_per_token=args.kv_bytes_per_token,
         sources=[f"gpuhit profile fit: {len(prefill)} prefill and {len(decode)} decode probes of {', '.join(urls)}"])
     entry["fit"]["measurements"] = {"prefill": [vars_of(p) for p in prefill], "decode": [vars_of(p) for p in decode]}
+    if host_load:
+        from replayer.calibrate_host import host_contention_from
+
+        factors, entry["fit"]["host_contention"] = host_contention_from(host_load)
+        entry["host_contention"] = {str(k + 1): float(f"{f:.4g}") for k, f in enumerate(factors)}
+        entry["fit"]["measurements"]["host_load"] = host_load
     if path and "path_load" in path:
         entry["fit"]["measurements"]["path_load"] = path.pop("path_load")
     from replayer.calibrate_path import live_path_of
@@ -232,10 +258,17 @@ def main(args: argparse.Namespace) -> int:
         kw = {"num_gpu_blocks": info["num_gpu_blocks"], "max_model_len": info["max_model_len"]}
         for row, level in zip(live_path["by_in_flight"], entry["fit"]["measurements"]["path_load"]):
             row.update(modeled_level(level, prof, len(urls), kw, live_path["direct_path_s"]))
+            if prof.host_contention:  # and without the host's contention: what the measured factors change
+                import dataclasses
+
+                alone = modeled_level(level, dataclasses.replace(prof, host_contention=()), len(urls), kw,
+                                      live_path["direct_path_s"])
+                row.update({f"{k}_alone": v for k, v in alone.items()})
         out.write_text(to_json({"profiles": {args.name: entry}}, indent=1), encoding="utf-8")
     doc = {"profile": str(out), "name": args.name, "engine": info, "params": fit["params"],
            "fit_error": fit["fit_error"], "held_out_error": fit["held_out_error"], "loo_error": fit["loo_error"],
-           "probes": fit["probes"], "live_path": live_path}
+           "probes": fit["probes"], "live_path": live_path,
+           "host_contention": entry["fit"].get("host_contention", [])}
     if args.json:
         print(to_json(doc))
         return 0
@@ -248,6 +281,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"  {which.replace('_', ' ')}: " + "; ".join(
             f"{k} mean {v['mean_abs_rel'] * 100:.1f}% max {v['max_abs_rel'] * 100:.1f}% (n={v['n']})"
             for k, v in e.items()))
+    for r in entry["fit"].get("host_contention", []):
+        print(f"  with {r['busy_engines']} engines busy a step takes {r['factor']:.3g}x its time alone (prefill "
+              f"{r['prefill_factor']:.3g}x, decode {r['decode_factor']:.3g}x)")
     print("  live path: direct client's HTTP path {:.1f} ms{}".format(
         live_path["direct_path_s"] * 1e3, "" if "gateway_ttft_s" not in live_path else
         f"; a gateway adds {live_path['gateway_ttft_s'] * 1e3:.1f} ms to TTFT, {live_path['gateway_e2e_s'] * 1e3:.1f} ms "
@@ -259,6 +295,10 @@ def main(args: argparse.Namespace) -> int:
             f"{r['in_flight']:.2f}: {r['engine_ttft_s'] * 1e3:.0f} / {r['engine_ttft_model_s'] * 1e3:.0f} ms"
             for r in live_path["by_in_flight"]) + "; TPOT " + ", ".join(
             f"{r['tpot_s'] * 1e3:.1f} / {r['tpot_model_s'] * 1e3:.1f} ms" for r in live_path["by_in_flight"]))
+        if "engine_ttft_model_s_alone" in live_path["by_in_flight"][0]:
+            print("  the step model without the host's contention: engines' mean TTFT " + ", ".join(
+                f"{r['engine_ttft_model_s_alone'] * 1e3:.0f}" for r in live_path["by_in_flight"]) + " ms; TPOT " + ", ".join(
+                f"{r['tpot_model_s_alone'] * 1e3:.1f}" for r in live_path["by_in_flight"]) + " ms")
     return 0
 
 

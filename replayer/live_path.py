@@ -115,17 +115,25 @@ def _beyond(rows: Sequence[Mapping[str, Any]], base: float) -> LivePathModel:
     return LivePathModel(tuple(sorted((float(r["in_flight"]), max(float(r["path_s"]) - base, 0.0)) for r in rows)))
 
 
-def delay_first_chunks(records: Sequence[Any], lag: LivePathModel) -> np.ndarray:
+def delay_first_chunks(records: Sequence[Any], lag: LivePathModel, whole: bool = False) -> np.ndarray:
     """Delay each answered request's first token (as the client sees it) by ``lag`` at the count of
     others in flight when it arrived, never past its finish; in place. The delays applied, per
-    answered request in ``records``' order."""
+    answered request in ``records``' order.
+
+    ``whole``: the finish by the same delay too (the response shifted whole, first chunk uncapped).
+    Why both exist: a lone 16-token request's later chunks catch up with the engine, but during a
+    run's load, with answers of a few tokens, the client's end-to-end exceeded vLLM's own by about
+    the TTFT path (``analysis/results/live-host-2026-11-27.md``): the lag held to the last chunk."""
     ok = [r for r in records if not r.error and math.isfinite(r.first_token)]
     k = in_flight_at_arrival([r.arrival for r in ok], [r.finish for r in ok])
     applied = np.empty(len(ok))
     for i, (r, n) in enumerate(zip(ok, k)):
-        new = min(r.first_token + lag(int(n)), r.finish)
+        d = lag(int(n))
+        new = r.first_token + d if whole else min(r.first_token + d, r.finish)
         applied[i] = new - r.first_token
         r.first_token = new
+        if whole:
+            r.finish += d
     return applied
 
 

@@ -59,10 +59,19 @@ def emulated_factory(profile: str, engine_kwargs: Mapping[str, Any] | None = Non
     if block_ids != "vllm":
         kwargs.setdefault("block_ids", block_ids)
 
+    # engines of a profile measured on a shared host share one, consecutive ones as many as it held;
+    # a table of 1.0 only (engines that do not slow each other) leaves them apart, decode jumps and all
+    hosts: dict[int, Any] = {}
+    per_host = len(prof.host_contention) if any(f != 1.0 for f in prof.host_contention) else 0
+
     def make(name: str, index: int, registry: Any) -> EngineClient:
         kw = dict(kwargs)
         if registry is not None and "transfer_registry" in params:
             kw["transfer_registry"] = registry
+        if per_host and "host" in params:
+            from engines.emulated.shared_host import SharedHost
+
+            kw.setdefault("host", hosts.setdefault(index // per_host, SharedHost(prof.host_contention)))
         return Engine(name, prof, **kw)
 
     return make

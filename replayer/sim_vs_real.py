@@ -17,7 +17,9 @@ sides) to say which part of the model the gap comes from:
   by a block or more (KV events arriving late, or evictions after the decision);
 * **step time and queueing**: the median sim/real TTFT ratio over requests with the same hit on both
   sides (same work; the residual is prefill step time, frontend/HTTP overhead and queueing);
-* **decode step time**: the median sim/real TPOT ratio;
+* **decode step time**: the median sim/real TPOT ratio (both step ratios under the profile's
+  ``host_contention`` where it has one: the emulated engines slow each other down as the measured
+  engines did on their shared host, :mod:`engines.emulated.shared_host`);
 * **typical request or tail**: the median of the paired latency gaps (real - sim) against their mean,
   and the share of the summed absolute gap that the 10% of requests furthest apart carry (a model
   right for the typical request and blind to rare stalls has a median gap near 0 and most of the
@@ -61,7 +63,7 @@ PATH_KEYS = ("ttft_real_s", "path_real_s", "path_model_s", "engine_ttft_real_s",
 GAP_KEYS = ("median_gap_s", "mean_gap_s", "tail_gap_share")
 
 
-LIVE_PATH_MODES = ("in-flight", "constant", "none")
+LIVE_PATH_MODES = ("in-flight", "response", "constant", "none")
 
 
 def live_path(profile: Any, mode: str = "in-flight") -> tuple[Any, Any, dict[str, Any]]:
@@ -76,10 +78,10 @@ def live_path(profile: Any, mode: str = "in-flight") -> tuple[Any, Any, dict[str
         raise ConfigError(f"--live-path must be one of {', '.join(LIVE_PATH_MODES)}, got {mode!r}")
     lp = (profile.fit or {}).get("live_path") or {}
     ingress = None if mode == "none" else from_fit(lp, by_in_flight=False)
-    lag = first_chunk_lag(lp) if mode == "in-flight" else None
+    lag = first_chunk_lag(lp) if mode in ("in-flight", "response") else None
     gw = ingress(0) if ingress is not None else 0.0
     points = [[k, gw + s] for k, s in lag.points] if lag is not None else ([[0, gw]] if ingress is not None else [])
-    return ingress, lag, {"mode": "in-flight" if lag is not None else ("constant" if ingress is not None else "none"),
+    return ingress, lag, {"mode": mode if lag is not None else ("constant" if ingress is not None else "none"),
                           "direct_s": float(lp.get("direct_path_s", math.nan)), "gateway_s": gw, "points": points}
 
 
@@ -319,8 +321,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--live-path", choices=LIVE_PATH_MODES, default="in-flight",
                    help="the live path (the profile's fit.live_path): in-flight (default: the lone pairs' gateway "
                         "addition, and the path measured under load per count of requests in flight as a delay of "
-                        "each first chunk; constant where the fit has only lone pairs), constant (the gateway's "
-                        "addition only), none")
+                        "each first chunk; constant where the fit has only lone pairs), response (that path as a "
+                        "delay of the whole response: first chunk and finish), constant (the gateway's addition "
+                        "only), none")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)
@@ -346,13 +349,15 @@ def main(args: argparse.Namespace) -> int:
     trace = experiment_trace(spec)
     out = pathlib.Path(args.out) if args.out else live / "sim-vs-real"
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"live": str(live), "profile": args.profile, "live_path": path, "rates": {}}
+    report: dict[str, Any] = {"live": str(live), "profile": args.profile, "live_path": path,
+                              "host_contention": list(profile.host_contention), "rates": {}}
     md = [f"# Simulated vs real: {live}", "", (f"profile `{args.profile}`; engines {engines['count']} x "
           f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}; "
           f"emulated live path: direct client {path['direct_s'] * 1e3:.1f} ms (the frontend delay) + at the gateway "
           f"{path['gateway_s'] * 1e3:.1f} ms + at the first chunk ({path['mode']}; gateway and first chunk together, "
           f"ms by requests in flight) "
-          f"{', '.join(f'{k:.2f}: {v * 1e3:.1f}' for k, v in path['points']) or 'nothing'}"), ""]
+          f"{', '.join(f'{k:.2f}: {v * 1e3:.1f}' for k, v in path['points']) or 'nothing'}; step time by busy engines "
+          f"on the host {', '.join(f'{i + 1}: {f:.3g}x' for i, f in enumerate(profile.host_contention)) or 'none'}"), ""]
     for rate in exp["rates"]:
         folder = live / rate_label(rate)
         if not (folder / "runs").exists():
@@ -365,7 +370,7 @@ def main(args: argparse.Namespace) -> int:
                 print(f"gpuhit experiment sim-vs-real: simulating {rate:g}/s {pol} seed {seed}", file=sys.stderr,
                       flush=True)
             res = simulate_run(spec, engines, trace, profile, pol, seed, rate, live_path=ingress)
-            applied = delay_first_chunks(res.records, lag) if lag is not None else ()
+            applied = delay_first_chunks(res.records, lag, whole=args.live_path == "response") if lag is not None else ()
             sim_runs.append(res.summary())
             real_df, sim_df = read_records(lr["records"]), records_to_frame(res.records)
             att = attribution(real_df, sim_df, int(spec["block_size"]))

@@ -29,6 +29,7 @@ from engines.emulated.metrics import EngineMetrics
 from engines.emulated.profile import Profile, check_enough_kv_cache, load_profile
 from engines.emulated.request import FINISHED, EmuRequest
 from engines.emulated.scheduler import Scheduler
+from engines.emulated.shared_host import SharedHost
 from engines.emulated.step_loop import StepLoopMixin
 from engines.emulated.tiers import CPUTier, RemoteStore
 from engines.hashing import BlockHasher
@@ -78,6 +79,7 @@ class EmulatedEngine(StepLoopMixin, DecodeJumpMixin):
         enable_prefix_caching: bool = True,
         reserve_full_isl: bool = True,
         block_ids: str = "vllm",
+        host: SharedHost | None = None,
     ):
         self.name = name
         # what the requests' block hashes are: vLLM's hashes, or the replayer's chain ids (virtual
@@ -110,7 +112,12 @@ class EmulatedEngine(StepLoopMixin, DecodeJumpMixin):
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.block_bytes = p.block_bytes(self.block_size)
         self.emit_token_ids = emit_token_ids
-        self.jump_decode = jump_decode
+        # a step's time depends on the other engines of a shared host while it runs: each step reads
+        # their state, so a decode stretch cannot be advanced in one jump computed up front
+        self.host = host
+        if host is not None:
+            host.join(self)
+        self.jump_decode = jump_decode and host is None
         self.model_name = model_name or p.model.split(" ")[0]
         self.bootstrap_addr = bootstrap_addr or name
         self.hasher = BlockHasher(self.block_size, hash_name)

@@ -14,7 +14,10 @@ copied, attention metadata for a query longer than one token): small on a GPU, s
 milliseconds on the CPU build, where a one-block prefill takes twice a batch-1 decode step. Before a request reaches
 the scheduler it spends ``frontend_overhead_s + frontend_per_token_s * prompt_len`` in the API
 server (HTTP, input processing); that time is not GPU time. Loads from lower tiers cost
-``overhead + bytes / bandwidth``. Profiles are data (``profiles.json``), each citing its sources.
+``overhead + bytes / bandwidth``. Engines that share a host's cores (the CPU build) take longer per
+step while the host's other engines work too: ``host_contention`` holds the measured factor by the
+count of busy engines (:mod:`engines.emulated.shared_host`). Profiles are data (``profiles.json``),
+each citing its sources.
 """
 
 from __future__ import annotations
@@ -69,6 +72,10 @@ class Profile:
     # optional measured effective remote-store throughput by transfer size: ((bytes, GB/s), ...),
     # interpolated linearly in bytes and clamped at the ends; replaces remote_gbps when given
     remote_gbps_by_bytes: tuple[tuple[float, float], ...] = ()
+    # optional measured slowdown of a step by the number of engines busy on the same host: entry i is
+    # the factor with i + 1 busy (the first is 1.0), and its length is how many engines share a host
+    # (engines.emulated.shared_host); empty: every engine has the host to itself
+    host_contention: tuple[float, ...] = ()
     sources: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = ()
     fit: dict[str, Any] = field(default_factory=dict)
@@ -162,6 +169,8 @@ def _from_dict(name: str, d: dict[str, Any], where: str) -> Profile:
     for k in ("sources", "assumptions"):
         if k in kw:
             kw[k] = tuple(kw[k])
+    if "host_contention" in kw:
+        kw["host_contention"] = host_contention_of(kw["host_contention"], f"{where}: profile {name!r}")
     if "remote_gbps_by_bytes" in kw:
         kw["remote_gbps_by_bytes"] = tuple((float(a), float(b)) for a, b in kw["remote_gbps_by_bytes"])
     try:
@@ -175,6 +184,30 @@ def _from_dict(name: str, d: dict[str, Any], where: str) -> Profile:
     except ConfigError as exc:
         raise ConfigError(f"{where}: profile {name!r}: {exc}") from None
     return p
+
+
+def host_contention_of(table: Any, where: str) -> tuple[float, ...]:
+    """``host_contention`` as the profile file writes it, ``{"1": 1.0, "2": 1.6}`` (busy engines ->
+    step-time factor; a list in that order is taken too), as the tuple the emulator reads. The counts
+    must run from 1 without a gap (the largest is how many engines share a host) and the factors be
+    positive, 1.0 for one busy engine: the factors are relative to an engine working alone."""
+    if isinstance(table, dict):
+        try:
+            items = sorted((int(k), float(v)) for k, v in table.items())
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: host_contention must map busy-engine counts to factors, got {table!r}") from None
+    elif isinstance(table, (list, tuple)):
+        items = [(i + 1, float(v)) for i, v in enumerate(table)]
+    else:
+        raise ConfigError(f"{where}: host_contention must be an object {{busy engines: factor}}, got {table!r}")
+    if not items:
+        return ()
+    if [k for k, _ in items] != list(range(1, len(items) + 1)):
+        raise ConfigError(f"{where}: host_contention's counts must be 1, 2, ... without a gap, got {[k for k, _ in items]}")
+    if items[0][1] != 1.0 or any(not 0 < v < float("inf") for _, v in items):
+        raise ConfigError(f"{where}: host_contention's factors must be positive and finite, 1.0 for one busy engine, "
+                          f"got {[v for _, v in items]}")
+    return tuple(v for _, v in items)
 
 
 def _gib(b: float) -> str:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from engines.emulated.metrics import EngineMetrics
     from engines.emulated.profile import Profile
     from engines.emulated.scheduler import Scheduler
+    from engines.emulated.shared_host import SharedHost
     from engines.emulated.tiers import CPUTier
 
 
@@ -46,6 +47,7 @@ class StepLoopMixin:
         external: ExternalKV
         cpu: CPUTier | None
         jump_decode: bool
+        host: SharedHost | None
         last_error: BaseException | None
         _requests: dict[str, EmuRequest]
         _pending_aborts: list[EmuRequest]
@@ -138,7 +140,10 @@ class StepLoopMixin:
                         dsum += c
                     else:
                         prefill += prof.prefill_cost(n, c)
-                end = now + prof.step_time(len(out.reqs), prefill, dsum)
+                step = prof.step_time(len(out.reqs), prefill, dsum)
+                if self.host is not None:  # engines sharing a host's cores slow each other down
+                    step *= self.host.factor(self)
+                end = now + step
                 await self._sleep_until(end)
                 self._apply(out, now, end)
             except asyncio.CancelledError:

@@ -1,7 +1,8 @@
 """The live A/B path end to end on the real vLLM pair (``real_vllm_pair``), small:
 
-1. ``gpuhit profile fit`` measures both engines and writes a profile with their real capacity and the
-   live path (lone pairs, and under load: closed loops of cold prompts through a gateway);
+1. ``gpuhit profile fit`` measures both engines and writes a profile with their real capacity, how much
+   they slow each other down on the shared host (each alone, then both at once) and the live path
+   (lone pairs, and under load: closed loops of cold prompts through a gateway);
 2. ``gpuhit experiment ab-live`` runs two policies x two seeds through an in-process gateway, each run
    from cold caches (the pair runs with ``VLLM_SERVER_DEV_MODE=1``), and resumes without rerunning;
 3. ``gpuhit experiment sim-vs-real`` replays the same runs in virtual time with the fitted profile and
@@ -19,6 +20,7 @@ import pytest
 
 from engines.emulated.profile import load_profile
 from replayer.ab_live import experiment_trace
+from replayer.calibrate_host import host_contention_from
 from replayer.calibrate_path import loaded_path_row
 from replayer.cli import main
 from replayer.sim_vs_real import METRICS, RANK_BY
@@ -40,7 +42,8 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     fit = _json(capsys, ["profile", "fit", *engines, "--out", str(prof_path), "--max-num-batched-tokens", "2048",
                          "--max-num-seqs", "128", "--points", "3", "--repeats", "1", "--batches", "1,2",
                          "--decode-tokens", "4", "--hold-out-every", "2", "--gateway-pairs", "4",
-                         "--path-in-flight", "0,2", "--path-requests", "4", "--path-output-tokens", "4", "--json"])
+                         "--path-in-flight", "0,2", "--path-requests", "4", "--path-output-tokens", "4",
+                         "--contention-requests", "2", "--json"])
     info = fit["engine"]
     assert (info["block_size"], info["max_model_len"]) == (real_vllm_pair.block_size, real_vllm_pair.max_model_len)
     prof = load_profile(f"{prof_path}#fitted")
@@ -50,6 +53,13 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     for which in ("fit_error", "held_out_error", "loo_error"):
         for kind in ("prefill", "ttft", "decode_step"):
             assert fit[which][kind]["n"] >= 1 and math.isfinite(fit[which][kind]["mean_abs_rel"]), (which, kind)
+    # the shared host: each engine alone, then both, two requests each; the factor for two busy engines
+    # is their time together over their time alone (no value asserted: it is the host's)
+    (row,) = fit["host_contention"]
+    assert row["busy_engines"] == 2 and all(0 < row[k] < math.inf for k in ("factor", "prefill_factor", "decode_factor"))
+    assert prof.host_contention == pytest.approx((1.0, row["factor"]), rel=1e-3)
+    levels = prof.fit["measurements"]["host_load"]
+    assert [lv["busy"] for lv in levels] == [[0], [1], [0, 1]] and host_contention_from(levels)[1] == [row]
     # the live path: a direct client's HTTP path, and a gateway's addition measured in pairs
     lp = fit["live_path"]
     assert lp["pairs"] == 4 and all(math.isfinite(lp[k]) for k in ("direct_path_s", "gateway_ttft_s", "gateway_e2e_s"))
@@ -63,12 +73,14 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
         assert r["engine_prefill_s"] > 0 and r["new_tokens"] > 0
         # the step model's engine TTFT for the same requests at the same moments, beside the engines' own
         assert math.isfinite(r["engine_ttft_model_s"]) and r["tpot_model_s"] > 0 and r["tpot_s"] >= 0
+        # and without the measured contention, beside it (the factors only lengthen steps where >= 1)
+        assert math.isfinite(r["engine_ttft_model_s_alone"]) and r["tpot_model_s_alone"] > 0
     assert prof.fit["live_path"]["by_in_flight"] == rows
     assert {k: v for k, v in prof.fit["live_path"].items() if k != "by_in_flight"} == pytest.approx(
         {k: v for k, v in lp.items() if k != "by_in_flight"})
     # the raw timings are kept, and reduce to the same rows
     assert [loaded_path_row(lv) for lv in prof.fit["measurements"]["path_load"]] == [
-        {k: v for k, v in r.items() if k not in ("engine_ttft_model_s", "tpot_model_s")} for r in rows]
+        {k: v for k, v in r.items() if not k.startswith(("engine_ttft_model_s", "tpot_model_s"))} for r in rows]
     # one fitted shape per (new, context) / (batch, context): the median of its probes on both engines
     assert 0 < sum(fit["probes"].values()) <= len(prof.fit["measurements"]["prefill"]) + len(
         prof.fit["measurements"]["decode"])

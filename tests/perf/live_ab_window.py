@@ -44,10 +44,12 @@ REFERENCE = "lpwl_auto"
 TRACE = ["--max-sessions", "8", "--max-turns", "4", "--max-prompt", "1800", "--max-output", "16", "--max-think", "2",
          "--time-scale", "0.05"]
 # the live path is probed alone and under load: closed loops of 1-9 clients sending cold prompts of the
-# trace's sizes through a gateway, so that each meets 0-8 others in flight (replayer/calibrate_path.py)
+# trace's sizes through a gateway, so that each meets 0-8 others in flight (replayer/calibrate_path.py);
+# and how much the two engines slow each other down: the same cold prompts on each alone, then on both
+# (replayer/calibrate_host.py), 16 per engine and level
 FIT = ["--name", "cpu-prefill-model", "--max-num-batched-tokens", "2048", "--max-num-seqs", "128",
        "--kv-bytes-per-token", "4096", "--path-in-flight", "0,1,2,4,8", "--path-requests", "32",
-       "--path-output-tokens", "16"]
+       "--path-output-tokens", "16", "--contention-requests", "16"]
 
 
 def trace_prompt_sizes() -> str:

@@ -59,6 +59,19 @@ def test_first_chunks_are_delayed_by_the_count_met_never_past_the_finish():
     assert applied == pytest.approx([0.0, 0.01, 0.05]) and [r.finish for r in recs] == [0.30, 0.16, 0.40, 0.07]
 
 
+def test_whole_responses_are_shifted_first_chunk_and_finish_alike():
+    lag = LivePathModel(((0, 0.0), (1, 0.05)))
+    recs = [RequestRecord(session="a", turn=0, arrival=0.0, first_token=0.10, finish=0.30),
+            RequestRecord(session="b", turn=0, arrival=0.05, first_token=0.15, finish=0.16),  # a in flight
+            RequestRecord(session="c", turn=0, arrival=0.06, first_token=0.20, finish=0.40),  # a and b
+            RequestRecord(session="d", turn=0, arrival=0.07, finish=0.07, error="refused")]
+    applied = delay_first_chunks(recs, lag, whole=True)
+    # the counts met are read before any shift: b met one other, c two (flat past the last point)
+    assert applied == pytest.approx([0.0, 0.05, 0.05])
+    assert [r.first_token for r in recs[:3]] == pytest.approx([0.10, 0.20, 0.25])
+    assert [r.finish for r in recs] == pytest.approx([0.30, 0.21, 0.45, 0.07])
+
+
 def test_in_flight_at_arrival_counts_the_others_not_yet_finished():
     #            a: 0-5   b: 1-2   c: 2-6   d: 3-4   e: 7-8
     arrival = [0.0, 1.0, 2.0, 3.0, 7.0]
