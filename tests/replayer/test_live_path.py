@@ -48,23 +48,24 @@ def test_the_first_chunks_lag_is_the_path_under_load_beyond_the_lone_one():
     assert first_chunk_lag({"direct_path_s": 0.003, "gateway_ttft_s": 0.0}) is None and first_chunk_lag(None) is None
 
 
-def test_first_chunks_are_delayed_by_the_count_met_never_past_the_finish():
+def _lag_and_four_requests():
+    """A lag of 50 ms from one other in flight on, and requests meeting 0, 1, 2 others (and a refusal)."""
     lag = LivePathModel(((0, 0.0), (1, 0.05)))
-    recs = [RequestRecord(session="a", turn=0, arrival=0.0, first_token=0.10, finish=0.30),
-            RequestRecord(session="b", turn=0, arrival=0.05, first_token=0.15, finish=0.16),  # a in flight
-            RequestRecord(session="c", turn=0, arrival=0.06, first_token=0.20, finish=0.40),  # a and b
-            RequestRecord(session="d", turn=0, arrival=0.07, finish=0.07, error="refused")]
+    return lag, [RequestRecord(session="a", turn=0, arrival=0.0, first_token=0.10, finish=0.30),
+                 RequestRecord(session="b", turn=0, arrival=0.05, first_token=0.15, finish=0.16),  # a in flight
+                 RequestRecord(session="c", turn=0, arrival=0.06, first_token=0.20, finish=0.40),  # a and b
+                 RequestRecord(session="d", turn=0, arrival=0.07, finish=0.07, error="refused")]
+
+
+def test_first_chunks_are_delayed_by_the_count_met_never_past_the_finish():
+    lag, recs = _lag_and_four_requests()
     applied = delay_first_chunks(recs, lag)
     assert [r.first_token for r in recs[:3]] == pytest.approx([0.10, 0.16, 0.25])  # b's capped at its finish
     assert applied == pytest.approx([0.0, 0.01, 0.05]) and [r.finish for r in recs] == [0.30, 0.16, 0.40, 0.07]
 
 
 def test_whole_responses_are_shifted_first_chunk_and_finish_alike():
-    lag = LivePathModel(((0, 0.0), (1, 0.05)))
-    recs = [RequestRecord(session="a", turn=0, arrival=0.0, first_token=0.10, finish=0.30),
-            RequestRecord(session="b", turn=0, arrival=0.05, first_token=0.15, finish=0.16),  # a in flight
-            RequestRecord(session="c", turn=0, arrival=0.06, first_token=0.20, finish=0.40),  # a and b
-            RequestRecord(session="d", turn=0, arrival=0.07, finish=0.07, error="refused")]
+    lag, recs = _lag_and_four_requests()
     applied = delay_first_chunks(recs, lag, whole=True)
     # the counts met are read before any shift: b met one other, c two (flat past the last point)
     assert applied == pytest.approx([0.0, 0.05, 0.05])
