@@ -148,3 +148,24 @@ def in_flight_at_arrival(arrival: Sequence[float], finish: Sequence[float]) -> n
     out = np.empty(len(a), dtype=int)
     out[order] = started - ended
     return np.maximum(out, 0)
+
+
+LIVE_PATH_MODES = ("in-flight", "response", "constant", "none")
+
+
+def path_models(profile: Any, mode: str = "in-flight") -> tuple[Any, Any, dict[str, Any]]:
+    """The live-path models a simulation applies, from a profile's ``fit.live_path`` and a
+    ``--live-path`` mode: the delay where a request crosses the gateway (the lone pairs' addition;
+    None for ``none`` or a profile that never measured it), the lag per in-flight count
+    (``in-flight``: of the first chunk, ``response``: of the whole response, :func:`delay_first_chunks`;
+    None otherwise or where the fit did not measure the path under load), and their summary: ``{"mode", "direct_s", "gateway_s", "points":
+    [[in_flight, extra_s], ...]}`` (the two delays together; ``direct_s`` nan where not measured)."""
+    if mode not in LIVE_PATH_MODES:
+        raise ConfigError(f"--live-path must be one of {', '.join(LIVE_PATH_MODES)}, got {mode!r}")
+    lp = (profile.fit or {}).get("live_path") or {}
+    ingress = None if mode == "none" else from_fit(lp, by_in_flight=False)
+    lag = first_chunk_lag(lp) if mode in ("in-flight", "response") else None
+    gw = ingress(0) if ingress is not None else 0.0
+    points = [[k, gw + s] for k, s in lag.points] if lag is not None else ([[0, gw]] if ingress is not None else [])
+    return ingress, lag, {"mode": mode if lag is not None else ("constant" if ingress is not None else "none"),
+                          "direct_s": float(lp.get("direct_path_s", math.nan)), "gateway_s": gw, "points": points}

@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from gpuhit.errors import ConfigError
+from replayer.live_path import LIVE_PATH_MODES, delay_first_chunks, in_flight_at_arrival, path_models
 
 METRICS = ("latency_mean", "latency_p50", "latency_p90", "latency_p99", "ttft_p50", "ttft_p90", "tpot_p50",
            "apc_realized")
@@ -63,34 +64,10 @@ PATH_KEYS = ("ttft_real_s", "path_real_s", "path_model_s", "engine_ttft_real_s",
 GAP_KEYS = ("median_gap_s", "mean_gap_s", "tail_gap_share")
 
 
-LIVE_PATH_MODES = ("in-flight", "response", "constant", "none")
-
-
-def live_path(profile: Any, mode: str = "in-flight") -> tuple[Any, Any, dict[str, Any]]:
-    """The live-path models the sim applies (:mod:`replayer.live_path`): the delay where a request
-    crosses the gateway (the lone pairs' addition; None for ``none`` or a profile that never measured
-    it), the first chunk's lag per in-flight count (``in-flight`` only; None where the fit did not
-    measure the path under load), and their summary: ``{"mode", "direct_s", "gateway_s", "points":
-    [[in_flight, extra_s], ...]}`` (the two delays together; ``direct_s`` nan where not measured)."""
-    from replayer.live_path import first_chunk_lag, from_fit
-
-    if mode not in LIVE_PATH_MODES:
-        raise ConfigError(f"--live-path must be one of {', '.join(LIVE_PATH_MODES)}, got {mode!r}")
-    lp = (profile.fit or {}).get("live_path") or {}
-    ingress = None if mode == "none" else from_fit(lp, by_in_flight=False)
-    lag = first_chunk_lag(lp) if mode in ("in-flight", "response") else None
-    gw = ingress(0) if ingress is not None else 0.0
-    points = [[k, gw + s] for k, s in lag.points] if lag is not None else ([[0, gw]] if ingress is not None else [])
-    return ingress, lag, {"mode": mode if lag is not None else ("constant" if ingress is not None else "none"),
-                          "direct_s": float(lp.get("direct_path_s", math.nan)), "gateway_s": gw, "points": points}
-
-
 def modeled_path(ingress: Any, direct_s: float, sim: Any, lag_applied: Any = ()) -> tuple[float, float]:
     """(mean modeled path, mean in-flight count at arrival) over a simulated run's answered requests:
     the direct path, plus the gateway's delay at the count each request met, plus the first-chunk
     delays :func:`replayer.live_path.delay_first_chunks` applied."""
-    from replayer.live_path import in_flight_at_arrival
-
     s = sim[sim["error"].astype(str) == ""]
     k = in_flight_at_arrival(s["arrival"].to_numpy(), s["finish"].to_numpy())
     extra = float(np.mean([ingress(int(x)) for x in k])) if ingress is not None and len(k) else 0.0
@@ -103,8 +80,6 @@ def path_attribution(real: Any, sim: Any, engine_side: Mapping[str, float] | Non
     """One run's TTFT split: the real live path (client mean TTFT minus the engines'), the modeled one,
     the engine-side TTFT on each side (the sim's is its TTFT less the modeled path) and the mean
     in-flight count at arrival on each side."""
-    from replayer.live_path import in_flight_at_arrival
-
     if not engine_side or not engine_side.get("n") or math.isnan(modeled_path):
         return {}
     r, s = _frame_key(real), _frame_key(sim)
@@ -333,7 +308,6 @@ def main(args: argparse.Namespace) -> int:
     from analysis.compare import to_json
     from engines.emulated.profile import load_profile
     from replayer.ab_live import experiment_trace, load_runs, rate_label
-    from replayer.live_path import delay_first_chunks
     from replayer.records import read_records, records_to_frame
 
     live = pathlib.Path(args.live)
@@ -342,7 +316,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"{live} is not a `gpuhit experiment ab-live` folder (no experiment.json)")
     exp = json.loads(exp_path.read_text(encoding="utf-8"))
     profile = load_profile(args.profile)
-    ingress, lag, path = live_path(profile, args.live_path)
+    ingress, lag, path = path_models(profile, args.live_path)
     spec, engines, policies = exp["trace"], exp["engines"], exp["policies"]
     if profile.block_size != int(spec["block_size"]):
         raise ConfigError(f"the profile's block size {profile.block_size} is not the engines' {spec['block_size']}")

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from typing import Any
 
 import httptools
 
@@ -58,9 +57,6 @@ MAX_HEADERS = 100
 # is fed must be bounded before it parses, not only checked after.
 _HEAD_MAX = MAX_LINE + MAX_HEADER_BYTES + 4 * MAX_HEADERS + 4
 _LINGER_S = 2.0  # how long a refused connection's remaining bytes are read and discarded
-
-
-# ------------------------------------------------------------------------------------ server
 
 
 class _ServerConn(asyncio.Protocol):
@@ -388,10 +384,7 @@ class FastServer:
         loop = self.loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _ServerConn(self), host, port, backlog=1024,
                                                 reuse_address=True)
-        # `sockets` is typed a tuple and is a list under uvloop: read untyped, as a compiled build
-        # checks a declared type.
-        server: Any = self._server
-        return int(server.sockets[0].getsockname()[1])
+        return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
         if self._server is None:

@@ -8,13 +8,13 @@ import pytest
 
 from engines.emulated.profile import load_profile
 from gpuhit.errors import ConfigError
+from replayer.live_path import path_models
 from replayer.records import RequestRecord, records_to_frame
 from replayer.sim_vs_real import (
     METRICS,
     attribution,
     compare_rate,
     kendall,
-    live_path,
     modeled_path,
     path_attribution,
 )
@@ -89,18 +89,20 @@ def test_the_live_path_model_by_mode_and_the_ttft_split_into_path_and_engine():
            "by_in_flight": [{"in_flight": 0, "path_s": 0.010, "n": 3}, {"in_flight": 4, "path_s": 0.044, "n": 3}]}
     prof = dataclasses.replace(load_profile("qwen3-coder-30b-a3b@h20"), frontend_overhead_s=0.01,
                                fit={"live_path": fit})
-    ingress, lag, path = live_path(prof)
+    ingress, lag, path = path_models(prof)
     assert path["mode"] == "in-flight" and path["direct_s"] == 0.004 and path["gateway_s"] == 0.006
     # the gateway's lone addition where a request crosses it, the rest of the path under load at the first chunk
     assert ingress.points == ((0, 0.006),) and [x for pt in lag.points for x in pt] == pytest.approx([0, 0.0, 4, 0.034])
     assert [k for k, _ in path["points"]] == [0, 4] and [v for _, v in path["points"]] == pytest.approx([0.006, 0.040])
-    const, no_lag, path_c = live_path(prof, "constant")
+    _, whole_lag, path_r = path_models(prof, "response")  # the same lag, applied to the whole response
+    assert whole_lag == lag and path_r["mode"] == "response" and path_r["points"] == path["points"]
+    const, no_lag, path_c = path_models(prof, "constant")
     assert const.points == ((0, 0.006),) and no_lag is None and path_c["mode"] == "constant"
-    assert live_path(prof, "none") == (None, None, {"mode": "none", "direct_s": 0.004, "gateway_s": 0.0, "points": []})
-    unmeasured, lag_u, path_u = live_path(load_profile("qwen3-coder-30b-a3b@h20"))
+    assert path_models(prof, "none") == (None, None, {"mode": "none", "direct_s": 0.004, "gateway_s": 0.0, "points": []})
+    unmeasured, lag_u, path_u = path_models(load_profile("qwen3-coder-30b-a3b@h20"))
     assert unmeasured is None and lag_u is None and path_u["mode"] == "none" and math.isnan(path_u["direct_s"])
     with pytest.raises(ConfigError):
-        live_path(prof, "sometimes")
+        path_models(prof, "sometimes")
     # two simulated requests: the second arrives while the first is in flight
     sim = records_to_frame([RequestRecord(session="s", turn=i, arrival=a, first_token=a + 0.1, finish=a + 0.2)
                             for i, a in enumerate((0.0, 0.05))])
