@@ -174,7 +174,7 @@ def register(subparsers: Any) -> None:
                    help="tokens each request of the live path's load generates (default 16)")
     p.add_argument("--contention-requests", type=int, default=12, metavar="N",
                    help="requests per engine at each level of the shared-host probe: each engine alone, then "
-                        "1..all engines together, the same cold prompts (the --path-prompts sizes); their time "
+                        "2..all engines together, the same cold prompts (the --path-prompts sizes); their time "
                         "ratio is the profile's host_contention (default 12; 0 or a single engine: not measured, "
                         "every engine has the host to itself)")
     p.add_argument("--contention-clients", type=int, default=1, metavar="C",
