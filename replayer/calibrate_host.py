@@ -22,7 +22,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpuhit.errors import ConfigError, EngineError
-from replayer.engine_probe import DECODE_H, E2E_H, PREFILL_H, QUEUE_H, Prober, histogram_totals, scrape_all
+from replayer.engine_probe import (
+    DECODE_H,
+    E2E_H,
+    PREFILL_H,
+    QUEUE_H,
+    Prober,
+    closed_loop,
+    histogram_totals,
+    scrape_all,
+    scrape_until,
+)
 
 _HISTOGRAMS = {"prefill": PREFILL_H, "decode": DECODE_H, "queue": QUEUE_H}
 
@@ -47,7 +57,7 @@ async def measure_host_load(http: Any, urls: Sequence[str], model: str, sizes: S
     for busy in busy_sets(len(urls)):
         before = await scrape_all(http, urls)
         t0 = time.perf_counter()
-        await asyncio.gather(*(_closed_loop(probers[i], seq, clients, output_tokens) for i in busy))
+        await asyncio.gather(*(closed_loop(probers[i], clients, seq, output_tokens) for i in busy))
         wall = time.perf_counter() - t0
         after = await _counted(http, urls, before, busy, requests, timeout)
         level = {"busy": busy, "clients": clients, "output_tokens": output_tokens, "requests": requests,
@@ -60,28 +70,16 @@ async def measure_host_load(http: Any, urls: Sequence[str], model: str, sizes: S
     return out
 
 
-async def _closed_loop(p: Prober, seq: Sequence[int], clients: int, output_tokens: int) -> None:
-    todo = iter(seq)  # shared: each client takes the next size as soon as its last request is answered
-
-    async def client() -> None:
-        for size in todo:
-            await p.complete(p.ids(size), output_tokens)
-
-    await asyncio.gather(*(client() for _ in range(clients)))
-
-
 async def _counted(http: Any, urls: Sequence[str], before: Sequence[dict[str, Any]], busy: Sequence[int],
                    requests: int, timeout: float) -> list[dict[str, Any]]:
     """The engines' metrics once every busy engine's histograms count its ``requests``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        now = await scrape_all(http, urls)
-        if all(histogram_totals(now[i], E2E_H)[1] - histogram_totals(before[i], E2E_H)[1] >= requests for i in busy):
-            return now
-        if time.monotonic() > deadline:
-            raise EngineError(f"engines {list(busy)} did not count {requests} finished requests each "
-                              "during the contention probe")
-        await asyncio.sleep(0.02)  # another process's counters, polled
+    def counted(now: list[dict[str, Any]]) -> bool:
+        return all(histogram_totals(now[i], E2E_H)[1] - histogram_totals(before[i], E2E_H)[1] >= requests
+                   for i in busy)
+
+    return await scrape_until(http, urls, counted, timeout,
+                              lambda _: f"engines {list(busy)} did not count {requests} finished requests each "
+                                        "during the contention probe")
 
 
 def _per_request(level: dict[str, Any], engine: int, parts: Sequence[str] = ("prefill", "decode")) -> float:

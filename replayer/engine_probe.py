@@ -12,7 +12,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from engines.emulated.profile_fit import DecodeProbe, PrefillProbe
@@ -90,6 +90,40 @@ async def engine_side(http: Any, urls: Sequence[str], before: Sequence[dict[str,
         if n >= expect or time.monotonic() > deadline:
             return {"n": n, **{k: (sv / c if c else math.nan) for k, (sv, c) in tot.items()}}
         await asyncio.sleep(0.1)  # another process's counters, polled
+
+
+async def scrape_until(http: Any, urls: Sequence[str], ready: Callable[[list[dict[str, Any]]], bool], timeout: float,
+                       failure: Callable[[list[dict[str, Any]]], str]) -> list[dict[str, Any]]:
+    """Every engine's metrics, scraped again until ``ready`` holds for them (stats and gauges reach
+    /metrics asynchronously); after ``timeout`` seconds an EngineError saying ``failure`` of the last
+    scrapes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = await scrape_all(http, urls)
+        if ready(now):
+            return now
+        if time.monotonic() > deadline:
+            raise EngineError(failure(now))
+        await asyncio.sleep(0.02)  # another process's counters, polled
+
+
+async def closed_loop(prober: Prober, clients: int, sizes: Iterable[int], output_tokens: int) -> list[list[float]]:
+    """Cold prompts of ``sizes`` (taken in turn, each when a client is free: a lazy iterable draws as
+    the requests go out) sent by ``clients`` clients, each sending its next as soon as its last is
+    answered: ``[sent, first token, finish (s from the start), prompt tokens, cached tokens]`` per
+    request, by time sent."""
+    base = time.perf_counter()
+    todo = iter(sizes)  # shared: the clients take the requests in turn
+    out: list[list[float]] = []
+
+    async def client() -> None:
+        for size in todo:
+            t0 = time.perf_counter()
+            ttft, cached, e2e = await prober.complete(prober.ids(size), output_tokens)
+            out.append([t0 - base, t0 - base + ttft, t0 - base + e2e, size, cached])
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return sorted(out)
 
 
 class Prober:

@@ -158,8 +158,9 @@ def path_models(profile: Any, mode: str = "in-flight") -> tuple[Any, Any, dict[s
     ``--live-path`` mode: the delay where a request crosses the gateway (the lone pairs' addition;
     None for ``none`` or a profile that never measured it), the lag per in-flight count
     (``in-flight``: of the first chunk, ``response``: of the whole response, :func:`delay_first_chunks`;
-    None otherwise or where the fit did not measure the path under load), and their summary: ``{"mode", "direct_s", "gateway_s", "points":
-    [[in_flight, extra_s], ...]}`` (the two delays together; ``direct_s`` nan where not measured)."""
+    None otherwise or where the fit did not measure the path under load), and their summary:
+    ``{"mode", "direct_s", "gateway_s", "points": [[in_flight, extra_s], ...]}`` (the two delays
+    together; ``direct_s`` nan where not measured)."""
     if mode not in LIVE_PATH_MODES:
         raise ConfigError(f"--live-path must be one of {', '.join(LIVE_PATH_MODES)}, got {mode!r}")
     lp = (profile.fit or {}).get("live_path") or {}

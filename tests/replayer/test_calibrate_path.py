@@ -92,10 +92,11 @@ def test_the_closed_loop_keeps_its_clients_busy_and_sends_exactly_the_requests_a
     import asyncio
     import random
 
-    from replayer.calibrate_path import _closed_loop
+    from replayer.engine_probe import closed_loop
 
     via = CountingProber()
-    got = asyncio.run(_closed_loop(via, 3, 10, [100, 1800], 4, random.Random(0)))
+    rng = random.Random(0)
+    got = asyncio.run(closed_loop(via, 3, (rng.choice([100, 1800]) for _ in range(10)), 4))
     assert len(got) == 10 and set(via.sizes) <= {100, 1800} and sorted(r[3] for r in got) == sorted(via.sizes)
     assert via.seen[:3] == [0, 1, 2] and max(via.seen) == 2  # three clients, never more in flight
     assert all(r[0] <= r[1] <= r[2] for r in got) and [r[0] for r in got] == sorted(r[0] for r in got)
