@@ -87,30 +87,9 @@ cold placement of its context elsewhere is charged in full; where prompts are ne
 go where fewer requests decode and those of typical size where they start soonest; the observed
 return rate decides how much of the idle working set to keep.
 
-Priority (default ``saved``): vLLM's per-request ``priority`` (lower runs first under
-``--scheduling-policy priority``) is the integer milliseconds of
-
-    max(session_start, now - observed_service_s, now - T(hit))
-
-with ``T(hit)`` the cost model's time to recompute the request's predicted GPU prefix hit on its
-target (:class:`~policies.costmodel.PrefillProfile`: ~34 s for a 100k-token context, 0.1 s for 2k).
-Program-level FCFS (Continuum, arXiv 2511.02230; the session's start) keeps an older session's
-continuation turn ahead of newer work, so it runs before its prefix is evicted while it waits. The
-credit it gets over a request arriving at the same moment is capped twice. By one observed median
-service time (gateway-measured, queueing included), as Autellix (arXiv 2502.13965) promotes a
-program whose wait grows large against its service time. And by what running early can save: the
-prefix it would recompute if it were evicted, so a turn overtakes newer work by no longer than the
-recompute it avoids. A request arriving at ``t`` (a first turn's key is ``t`` itself: it holds no
-prefix) is overtaken only by requests that arrived before ``t + min(service, T(longest context the
-engine accepts))``, never without bound. Before the first observed finish the key is the arrival
-time (FCFS).
-
-Why the second cap: with the first alone (``priority: aged``), every continuation of a session older
-than one service time gets the full credit, so where the service time is long (overload: minutes)
-a first turn waits behind every continuation arriving within that window on its instance, however
-little each has cached; new sessions then carry the tail. ``priority: none`` forwards no priority
-(engines under FCFS); ``session_start`` is the uncapped program-level FCFS of
-``lpwl_resident_prio``.
+Priority (default ``saved``): vLLM's per-request ``priority``, the key of each engine's waiting
+queue; the modes (``aged``, ``saved``, ``finish``, ``session_start``, ``none``), their sources and
+how far each lets a request be overtaken are in ``policies/priority_keys.py``.
 
 Migration (``migrate: priced``; default ``none``): when the holder of the request's longest GPU
 prefix is not the cheapest target, the policy also prices moving that KV to each other instance
@@ -135,14 +114,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.common import Param, healthy, new_prefill_tokens, parse_params, tie_key
-from policies.costmodel import DEFAULT_PROFILE, prefill_work_tokens
+from policies.costmodel import prefill_work_tokens
 from policies.migration import holder, migrate_work
+from policies.priority_keys import AGING, PRIORITIES, aged_priority, finish_priority, saved_priority
 from policies.registry import register
 from policies.resident import session_priority
 from policies.snapshot import FORWARD, MIGRATE, Decision, InstanceState, Snapshot
 
-PRIORITIES = ("aged", "saved", "session_start", "none")
-AGING = ("p50", "p90")
 HOLDS = ("none", "saturated")
 MIGRATES = ("none", "priced")
 
@@ -176,26 +154,6 @@ def auto_cost(snapshot: Snapshot, s: InstanceState, typical: int = 0, least_queu
 def saturated(snapshot: Snapshot) -> bool:
     """Every healthy instance has prefill queued or running: a new prefill would wait anywhere."""
     return all(s.pending_prefill_work > 0 for s in healthy(snapshot))
-
-
-def aged_priority(snapshot: Snapshot, aging: str = "p50") -> int:
-    """``max(session_start, now - service)`` in integer milliseconds (module docstring), ``service``
-    the observed median (``aging`` p50) or 90th percentile (p90) service time."""
-    now = snapshot.now
-    start = now if snapshot.session_started_at is None else snapshot.session_started_at
-    service = snapshot.observed_service_s if aging == "p50" else snapshot.observed_service_p90_s
-    key = now if service is None else max(start, now - service)
-    return round(1000.0 * key)
-
-
-def saved_priority(snapshot: Snapshot, hit_tokens: int, aging: str = "p50") -> int:
-    """:func:`aged_priority` whose credit is also capped by the recompute time of the request's
-    predicted prefix hit on its target (``hit_tokens``): ``max(session_start, now - service,
-    now - prefill_s(hit))`` in integer milliseconds (module docstring)."""
-    now = snapshot.now
-    key = aged_priority(snapshot, aging) / 1000.0
-    saved = DEFAULT_PROFILE.time(hit_tokens) if hit_tokens > 0 else 0.0
-    return round(1000.0 * max(key, now - saved))
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +208,7 @@ class LPWLAuto:
         )
 
     def _priority(self, snapshot: Snapshot, hit_tokens: int) -> int | None:
-        """The request's vLLM priority (module docstring); ``hit_tokens``: its predicted prefix hit
+        """The request's vLLM priority (``policies/priority_keys.py``); ``hit_tokens``: its predicted prefix hit
         where it will run (for a move, the prefix the target imports)."""
         if self.priority == "none":
             return None
@@ -258,6 +216,8 @@ class LPWLAuto:
             return session_priority(snapshot)
         if self.priority == "saved":
             return saved_priority(snapshot, hit_tokens, self.aging)
+        if self.priority == "finish":
+            return finish_priority(snapshot, hit_tokens, self.aging)
         return aged_priority(snapshot, self.aging)
 
     def decide(self, snapshot: Snapshot) -> Decision:

@@ -279,6 +279,25 @@ def test_saved_priority_caps_the_credit_at_the_recompute_time_of_the_predicted_h
     assert p.decide(snap(big, input_tokens=100_016, started=95.0, service=30.0)).priority == 95_000
 
 
+def test_finish_priority_adds_the_requests_own_prefill_time_to_the_saved_key():
+    p = registry.build({"type": "lpwl_auto", "params": {"priority": "finish"}})
+    assert p.scheduling_policy == "priority"
+    cold = [inst(0), inst(1)]
+    # a first turn of 1,600 cold tokens at 100 s: T = 50 us x 1,600 + 2.94e-9 x 1,600^2 = 0.0875 s
+    assert p.decide(snap(cold)).priority == 100_088
+    # a 16,000-token one at the same instant: T = 0.8 + 0.753 = 1.553 s
+    assert p.decide(snap(cold, input_tokens=16_000)).priority == 101_553
+    # so the short prompt passes the long one if it arrives within 1.465 s after it, and no later:
+    # the long prompt is overtaken by no more than its own prefill time
+    assert p.decide(snap(cold, now=101.464)).priority < 101_553
+    assert p.decide(snap(cold, now=101.466)).priority > 101_553
+    # a continuation turn with 1,584 of its 1,600 tokens cached on its holder: the saved key
+    # (99,913, the recompute credit) plus its own 16-token prefill (~1 ms)
+    warm = [inst(0, gpu_hit_blocks=99), inst(1)]
+    d = p.decide(snap(warm, started=10.0, service=30.0))
+    assert d.target == 0 and d.priority == 99_914
+
+
 def test_priced_migration_moves_the_kv_when_the_transfer_beats_the_recompute():
     from policies.migration import transfer_work_tokens
     from policies.snapshot import MIGRATE

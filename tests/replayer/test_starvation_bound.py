@@ -71,6 +71,37 @@ def test_saved_priority_overtakes_a_first_turn_only_within_the_recompute_time_of
     assert len(over) < len(_run("aged"))
 
 
+def test_finish_priority_lets_a_short_prompt_pass_a_long_one_only_within_the_long_ones_prefill_time():
+    # the earliest-finish key (policies/priority_keys.py) is the arrival plus the request's own
+    # prefill time for a first turn. One engine admitting one sequence at a time is busy with a
+    # long decode; a 4,000-token prompt arrives at 1 s, then a 200-token one every 50 ms. Each
+    # short one whose key is below the long one's passes it: those arriving within the long
+    # prompt's own prefill time (~0.25 s) of it, and no later one. Under FCFS (``saved``: first
+    # turns hold no prefix, so the key is the arrival) nothing passes it.
+    sessions = [Session("busy", (Turn(64, 200, tuple(range(4))),), BLOCK, "busy", arrival=0.0),
+                Session("long", (Turn(4000, 8, tuple(range(100, 350))),), BLOCK, "long", arrival=1.0)]
+    sessions += [Session(f"short{k}", (Turn(200, 8, tuple(range(1000 + 20 * k, 1013 + 20 * k))),), BLOCK,
+                         f"short{k}", arrival=1.0 + 0.05 * k) for k in range(1, 11)]
+    trace = Trace("finish", "native", tuple(sessions))
+
+    def passed(priority):
+        res = simulate(trace, {"name": "p", "type": "lpwl_auto", "params": {"priority": priority}},
+                       instances=1, arrival="trace", block_size=BLOCK, progress=False,
+                       engine_kwargs={"max_num_seqs": 1, "block_size": BLOCK})
+        recs = {r.session: r for r in res.records if r.ok}
+        assert len(recs) == 12
+        long = recs["long"]
+        assert long.first_token > 1.0 + 0.05 * 10  # every short prompt arrived while it waited
+        return long, sorted(r.arrival - long.arrival for k, r in recs.items()
+                            if k.startswith("short") and r.first_token < long.first_token)
+
+    long, lags = passed("finish")
+    own = PROFILE.time(4000) - PROFILE.time(200)  # the long key minus a short one's, both at arrival
+    assert lags and all(lag < own + 1e-3 for lag in lags), (lags, own)
+    assert len(lags) == int(own / 0.05)  # and every short one that arrived within that passed it
+    assert passed("saved")[1] == []
+
+
 def test_uncapped_session_priority_overtakes_without_that_bound():
     over = _run("session_start")
     assert any(lag > bound + 1e-3 for lag, bound in over)
