@@ -33,7 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="HTTP implementation of the hot path (default fast: httptools on uvloop)")
     p.add_argument("--no-c-speedups", dest="c_speedups", action="store_false", default=None,
                    help="run the reference implementations even where the C speedups are built (make compile)")
-    p.add_argument("--policy", default=None, help="routing policy name (default lpwl)")
+    p.add_argument("--policy", default=None,
+                   help="routing policy name (default lpwl_auto, with vLLM request priorities only where every "
+                        "engine runs --scheduling-policy priority and says so on /server_info)")
     p.add_argument("--index", choices=("precise", "approximate"), default=None,
                    help="KV index: precise (engines' KV events) or approximate (routing history)")
     p.add_argument("--model", default=None, help="served model name (default: the first engine's)")
@@ -133,7 +135,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --cpu: cores per instance, ';'-separated (VLLM_CPU_OMP_THREADS_BIND, e.g. '0;1' or "
                         "'0-3;4-7'), so instances on one host do not share cores")
     v.add_argument("--gateway-port", type=int, default=8080)
-    v.add_argument("--policy", default="lpwl",
+    v.add_argument("--policy", default="lpwl_auto",
                    help="the gateway's policy; one that sets request priorities adds --scheduling-policy priority")
     v.set_defaults(func=_vllm_cmd)
 
@@ -182,7 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
     )
     cfg = replace(cfg, api_key=api_key(args.api_key, args.api_key_file, os.environ, cfg.api_key)).validate()
-    for warning in scheduling_warnings(cfg.policy, [e.url for e in cfg.engines]):
+    for warning in [] if cfg.policy is None else scheduling_warnings(cfg.policy, [e.url for e in cfg.engines]):
         print(f"gpuhit serve: warning: {warning}", file=sys.stderr)
     if cfg.api_key is None and cfg.host not in _LOOPBACK:
         print(f"gpuhit serve: warning: listening on {cfg.host} without an API key: anyone who can reach it may "
@@ -221,7 +223,7 @@ def vllm_commands(
     cpu_offload_gib: float | None = None,
     otlp_traces_endpoint: str | None = None,
     gateway_port: int = 8080,
-    policy: str = "lpwl",
+    policy: str = "lpwl_auto",
     python: str = "python",
     hash_algo: str = "sha256",
     hash_seed: str | None = None,

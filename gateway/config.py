@@ -32,9 +32,9 @@ Example::
     upstream_max_idle = 64       # idle connections kept per engine (upstream_idle_timeout = 30 s)
     transport = "fast"           # fast (httptools on uvloop, default) | aiohttp
 
-    [policy]                     # or:  policy = "lpwl"  in [gateway]
-    name = "lpwl"
-    type = "lpwl"
+    [policy]                     # or:  policy = "lpwl"  in [gateway]; omitted: lpwl_auto, with vLLM
+    name = "lpwl"                #   priorities only where every engine schedules by them
+    type = "lpwl"                #   (gateway/engine_scheduling.py: default_policy)
     params = {}
 
     [[engines]]
@@ -81,7 +81,9 @@ class EngineEntry:
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     engines: tuple[EngineEntry, ...] = ()
-    policy: str | Mapping[str, Any] = "lpwl"
+    # None: the default, lpwl_auto, its priorities decided by what the engines schedule (resolved
+    # when the gateway starts: gateway/engine_scheduling.py, default_policy)
+    policy: str | Mapping[str, Any] | None = None
     host: str = "127.0.0.1"
     port: int = 8080
     index: str = "precise"

@@ -12,6 +12,12 @@ vLLM names its scheduling policy only on its development route ``GET /server_inf
 (``VLLM_SERVER_DEV_MODE=1``, which experiments set anyway for ``/reset_prefix_cache``), in
 ``vllm_config.scheduler_config.policy``. An engine without the route, or not reachable yet, is
 *unknown*: the caller warns and serves, since a deployment may have started its engines right.
+
+The same answer picks the default policy when none is configured (:func:`default_policy`):
+``lpwl_auto``, the policy the project recommends for any trace, with its priorities (``priority:
+saved``) where every engine is known to schedule by them, else with ``priority: none``. Its placement
+is the same either way; a priority that an engine would ignore, or that nobody can confirm it
+follows, is not sent, and the gateway says which it chose and why.
 """
 
 from __future__ import annotations
@@ -54,15 +60,38 @@ async def engine_scheduling(http: Any, url: str) -> str | None:
     return policy if isinstance(policy, str) else None
 
 
-async def engines_scheduling(urls: Sequence[str]) -> dict[str, str | None]:
-    """:func:`engine_scheduling` of every engine, asked together."""
+async def engines_scheduling(urls: Sequence[str], http: Any = None) -> dict[str, str | None]:
+    """:func:`engine_scheduling` of every engine, asked together (on ``http``, else a session of
+    its own)."""
     import asyncio
 
     import aiohttp
 
-    async with aiohttp.ClientSession() as http:
-        got = await asyncio.gather(*(engine_scheduling(http, u) for u in urls))
+    if http is None:
+        async with aiohttp.ClientSession() as own:
+            return await engines_scheduling(urls, own)
+    got = await asyncio.gather(*(engine_scheduling(http, u) for u in urls))
     return dict(zip(urls, got))
+
+
+def default_policy(found: Mapping[str, str | None]) -> tuple[dict[str, Any], str]:
+    """The policy a gateway configured with none runs, and the line that says why (module
+    docstring): ``lpwl_auto`` with priorities where every engine in ``found`` (url -> its scheduling
+    policy, None if unknown) runs ``priority``, else ``lpwl_auto`` with ``priority: none``."""
+    if found and all(p == "priority" for p in found.values()):
+        note = "policy lpwl_auto (the default; priority: saved): every engine runs --scheduling-policy priority"
+        return {"name": "lpwl_auto", "type": "lpwl_auto", "params": {}}, note
+    fcfs = [f"{u} ({p})" for u, p in found.items() if p is not None and p != "priority"]
+    unknown = [u for u, p in found.items() if p is None]
+    why = []
+    if fcfs:
+        why.append(f"engines under another scheduling policy would ignore them: {', '.join(fcfs)}")
+    if unknown:
+        why.append(f"could not read the scheduling policy of {', '.join(unknown)} (GET /server_info needs "
+                   "VLLM_SERVER_DEV_MODE=1)")
+    note = (f"policy lpwl_auto (the default) without request priorities (priority: none): {'; '.join(why)}; engines started "
+            "with --scheduling-policy priority and VLLM_SERVER_DEV_MODE=1 get them (gpuhit vllm-cmd does both)")
+    return {"name": "lpwl_auto", "type": "lpwl_auto", "params": {"priority": "none"}}, note
 
 
 def check_scheduling(policy_name: str, needed: str, found: Mapping[str, str | None]) -> list[str]:

@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "emulate", help="serve one emulated vLLM engine over HTTP (+ ZMQ KV events), in real time",
         description="vLLM's OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                    "/metrics, /kv_event_sources) and ZMQ KV events, served by the emulated engine.")
+                    "/metrics, /kv_event_sources, /server_info) and ZMQ KV events, served by the emulated engine.")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--profile", default="qwen3-coder-30b-a3b@h20", help="step-time profile (name or file.json#name)")
@@ -31,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="vLLM's: priority orders the waiting queue by each request's priority (lower first)")
     p.add_argument("--cpu-offload-gb", type=float, default=0.0)
     p.add_argument("--zero-cost", action="store_true",
                    help="every step and frontend cost 0 s (gateway benchmarks: the engine is never the bottleneck)")
@@ -60,6 +62,7 @@ def build_engine(args: argparse.Namespace):
         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         cpu_offload_bytes=args.cpu_offload_gb * 1e9, model_name=args.model,
+        scheduling_policy=args.scheduling_policy,
     )
 
 

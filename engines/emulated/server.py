@@ -16,7 +16,8 @@ surface: ``generate(request, on_progress=None)``, ``subscribe_kv_events(cb)``, `
   :func:`engines.emulated.request_fields.chat_template`); vLLM's role chunk first when streaming.
 * ``GET /v1/models`` (vLLM's card), ``/health``, ``/metrics`` (vLLM-named families rendered by
   prometheus_client), ``/kv_event_sources`` (vLLM 0.32's ``{"0": {...}}``), ``POST
-  /reset_prefix_cache``, plus the ZMQ KV-event publisher with replay. Ids are ``cmpl-`` /
+  /reset_prefix_cache`` and ``GET /server_info`` (vLLM's development routes; of the latter only
+  ``vllm_config.scheduler_config.policy``, the one field the gateway reads), plus the ZMQ KV-event publisher with replay. Ids are ``cmpl-`` /
   ``chatcmpl-`` + the client's ``X-Request-ID``, else 16 random hex digits (unique across engines).
 * For an engine that can move KV (an ``EmulatedEngine``: it has a transfer ``registry``), the
   Mooncake-style bootstrap routes of :mod:`engines.emulated.remote_transfer` (``GET /query``,
@@ -143,6 +144,7 @@ class EmulatedServer:
                 web.get("/metrics", self.metrics),
                 web.get("/kv_event_sources", self.kv_event_sources),
                 web.post("/reset_prefix_cache", self.reset_prefix_cache),
+                web.get("/server_info", self.server_info),
             ]
         )
         # /v1/messages, /v1/responses (+ stored responses), over this server's chat tokenization
@@ -277,6 +279,12 @@ class EmulatedServer:
 
             return self._error(UnavailableError(f"engine {type(self.engine).__name__} cannot reset its prefix cache"))
         return web.json_response({"success": bool(reset())})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """vLLM's dev route, reduced to the engine's scheduling policy (``fcfs`` for an engine that
+        names none, as the fakes do)."""
+        policy = getattr(self.engine, "scheduling_policy", "fcfs")
+        return web.json_response({"vllm_config": {"scheduler_config": {"policy": policy}}})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:

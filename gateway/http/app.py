@@ -51,6 +51,7 @@ from engines.vllm.health import HealthMonitor
 from gateway.bindings import SessionBindings
 from gateway.config import GatewayConfig
 from gateway.dialects.history import ResponseHistory
+from gateway.engine_scheduling import default_policy, engines_scheduling
 from gateway.hash_check import HashVerifier
 from gateway.http.admin import Admin
 from gateway.http.agentic import Messages, Responses
@@ -90,8 +91,10 @@ class Gateway:
         self.cfg = cfg
         self.tracer = tracer
         self.metrics = GatewayMetrics(endpoints=PROMPT_PATHS)
-        self.policy = registry.build(cfg.policy)
-        self.policy_name = str(getattr(self.policy, "name", cfg.policy))
+        # No policy configured: the default, built in start() once the engines say how they schedule.
+        self.policy = None if cfg.policy is None else registry.build(cfg.policy)
+        self.policy_name = "lpwl_auto" if cfg.policy is None else str(getattr(self.policy, "name", cfg.policy))
+        self.policy_note: str | None = None  # why the default policy runs as it does
         # Block size: the configured one, else what the engines report (set in start()).
         self.block_size: int = cfg.block_size or 0
         # The C speedups, decided here once for every part that takes them (None: the reference
@@ -226,6 +229,10 @@ class Gateway:
         self._cut_hashes_at(agreed_block_size(self.engines, cfg.block_size))
         if self.tokenizer is None:
             self.tokenizer = discovered_tokenizer([s.root for s in seen])
+        if self.policy is None:
+            spec, self.policy_note = default_policy(await engines_scheduling(urls, self.probe_session))
+            self.policy = registry.build(spec)
+            log.info("%s", self.policy_note)
         router = self.router = self._build_router()
         names = [e.name for e in self.engines]
         metrics = self.metrics

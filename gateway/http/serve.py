@@ -30,6 +30,8 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         print(f"gpuhit serve: listening on http://{cfg.host}:{port} ({len(cfg.engines)} engines, policy "
               f"{gw.policy_name}, {cfg.index} index, {cfg.transport} transport"
               f"{', C speedups' if gw.accel is not None else ''})", flush=True)
+        if gw.policy_note is not None:
+            print(f"gpuhit serve: {gw.policy_note}", flush=True)
         if ready is not None:
             ready.set()
         await until_signalled()

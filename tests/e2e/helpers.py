@@ -54,6 +54,8 @@ async def gateway(urls: Sequence[str], tracer: Any = None, roles: Sequence[str] 
     roles = roles or ["both"] * len(urls)
     # No live test may hang on a stuck upstream: fail (or fall back) clearly after a minute.
     kw.setdefault("timeout", 60.0)
+    # lpwl unless a test names another (policy=None: the default, decided by the engines' scheduling)
+    kw.setdefault("policy", "lpwl")
     if "transport" not in kw and os.environ.get(TRANSPORT_ENV):
         kw["transport"] = os.environ[TRANSPORT_ENV]
     cfg = GatewayConfig(engines=tuple(EngineEntry(u, f"{name_prefix}{i}", role=r) for i, (u, r) in enumerate(zip(urls, roles))),

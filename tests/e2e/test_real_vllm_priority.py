@@ -11,8 +11,9 @@ turn's first chunk comes after the previous turn's last, which the same API serv
 relayed first), never from timings.
 
 Under FCFS (the pair) vLLM 0.32 accepts a non-zero priority and ignores it; ``gpuhit serve`` reads
-each engine's scheduling policy from ``/server_info`` and refuses a priority policy in front of FCFS
-engines.
+each engine's scheduling policy from ``/server_info``, refuses a priority policy in front of FCFS
+engines, and with no policy configured runs ``lpwl_auto`` with priorities only where every engine
+schedules by them.
 """
 
 from __future__ import annotations
@@ -136,15 +137,17 @@ def test_forwarded_priorities_order_vllms_queue(real_vllm_priority):
 
 
 def test_lpwl_auto_priorities_are_accepted(real_vllm_priority):
-    """The default ``lpwl_auto`` (``priority: saved``): every request completes on the priority engine."""
+    """The gateway's default policy in front of an engine under priority scheduling is ``lpwl_auto``
+    with ``priority: saved`` (read from vLLM's ``/server_info``): every request completes."""
     url = real_vllm_priority.url
 
     async def run() -> list[int]:
         rng = random.Random(11)
         out = []
         async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as http,
-                    gateway([url], policy="lpwl_auto", timeout=TIMEOUT, name_prefix="p") as (gw, gw_url)):
-            assert gw.policy_name == "lpwl_auto"
+                    gateway([url], policy=None, timeout=TIMEOUT, name_prefix="p") as (gw, gw_url)):
+            assert gw.policy_name == "lpwl_auto" and gw.policy.priority == "saved"
+            assert "every engine runs --scheduling-policy priority" in gw.policy_note
             await synced(gw)
             for s in ("a", "b"):
                 prompt = ids(rng, 64)
@@ -174,4 +177,13 @@ def test_fcfs_engines_ignore_priorities_and_serve_refuses_them(real_vllm_pair, r
     assert main(["serve", "--engine", fcfs, "--engine", real_vllm_priority.url, "--policy", "lpwl_auto"]) == 2
     err = capsys.readouterr().err
     assert "--scheduling-policy priority" in err and fcfs in err and real_vllm_priority.url not in err
+
+    async def default() -> tuple[Any, str | None]:
+        async with gateway(real_vllm_pair.urls, policy=None, timeout=TIMEOUT) as (gw, _):
+            return gw.policy, gw.policy_note
+
+    # with no policy configured the gateway runs lpwl_auto without priorities there, and says why
+    pol, note = asyncio.run(default())
+    assert pol.type == "lpwl_auto" and pol.priority == "none"
+    assert note is not None and all(u in note for u in real_vllm_pair.urls) and "would ignore them" in note
 

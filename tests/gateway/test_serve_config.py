@@ -89,9 +89,10 @@ def test_vllm_cmd_lines():
     assert "--enable-prompt-tokens-details" in first
     second = shlex.split(lines[1])
     assert second[:3] == ["CUDA_VISIBLE_DEVICES=1", "VLLM_SERVER_DEV_MODE=1", "VLLM_MOONCAKE_BOOTSTRAP_PORT=8999"]
-    assert "--scheduling-policy" not in first  # lpwl sets no priorities
+    # the default policy, lpwl_auto, sets priorities: every engine schedules by them
+    assert first[first.index("--scheduling-policy") + 1] == "priority"
     assert json.loads(second[second.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:5559"
-    assert lines[2] == ("gpuhit serve --port 8080 --policy lpwl --index precise --block-size 16 --hash sha256 "
+    assert lines[2] == ("gpuhit serve --port 8080 --policy lpwl_auto --index precise --block-size 16 --hash sha256 "
                         "--engine http://127.0.0.1:8000 --engine http://127.0.0.1:8001 "
                         "--bootstrap http://127.0.0.1:8998 --bootstrap http://127.0.0.1:8999")
 

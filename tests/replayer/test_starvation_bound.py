@@ -95,7 +95,7 @@ def test_finish_priority_lets_a_short_prompt_pass_a_long_one_only_within_the_lon
         return long, sorted(r.arrival - long.arrival for k, r in recs.items()
                             if k.startswith("short") and r.first_token < long.first_token)
 
-    long, lags = passed("finish")
+    _, lags = passed("finish")
     own = PROFILE.time(4000) - PROFILE.time(200)  # the long key minus a short one's, both at arrival
     assert lags and all(lag < own + 1e-3 for lag in lags), (lags, own)
     assert len(lags) == int(own / 0.05)  # and every short one that arrived within that passed it
