@@ -46,10 +46,11 @@ TRACE = ["--max-sessions", "8", "--max-turns", "4", "--max-prompt", "1800", "--m
 # the live path is probed alone and under load: closed loops of 1-9 clients sending cold prompts of the
 # trace's sizes through a gateway, so that each meets 0-8 others in flight (replayer/calibrate_path.py);
 # and how much the two engines slow each other down: the same cold prompts on each alone, then on both
-# (replayer/calibrate_host.py), 16 per engine and level
+# (replayer/calibrate_host.py), 16 per engine and level; and the frontends' CPU seconds per request and
+# per output token (replayer/calibrate_cpu.py): 32 requests answered with 1 and with 32 tokens
 FIT = ["--name", "cpu-prefill-model", "--max-num-batched-tokens", "2048", "--max-num-seqs", "128",
        "--kv-bytes-per-token", "4096", "--path-in-flight", "0,1,2,4,8", "--path-requests", "32",
-       "--path-output-tokens", "16", "--contention-requests", "16"]
+       "--path-output-tokens", "16", "--contention-requests", "16", "--cpu-requests", "32", "--cpu-tokens", "1,32"]
 
 
 def trace_prompt_sizes() -> str:
@@ -105,6 +106,26 @@ def session_of(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[3])  # fields after comm: state ppid pgrp session
 
 
+def roles(sids: dict[str, int]) -> dict[str, list]:
+    """Per live process of our sessions: [session name, parent pid, command name] (which process is an
+    API server, an engine core, the gpuhit command running the gateway and the replayer)."""
+    out = {}
+    by_sid = {v: k for k, v in sids.items()}
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        f = stat.rsplit(")", 1)[1].split()
+        name = by_sid.get(int(f[3]))
+        if name is not None:
+            out[d.name] = [name, int(f[1]), comm]
+    return out
+
+
 def schedstat(sids: dict[str, int]) -> dict[str, dict[str, list[float]]]:
     """Per named session, per live process: [cpu s, run-queue delay s] summed over its threads (per
     process, so that a process that exits between two samples can be left out of that interval)."""
@@ -144,7 +165,7 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         while not self.stop.is_set():
             rec = {"utc": utc().isoformat(timespec="seconds"), "load": os.getloadavg(), "cpu": cpu_totals(),
-                   "ours": schedstat(dict(self.sids))}
+                   "ours": schedstat(dict(self.sids)), "roles": roles(dict(self.sids))}
             with self.path.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
             self.stop.wait(self.every)
@@ -191,6 +212,9 @@ def main() -> int:
     ap.add_argument("--light-rate", default="0.6", help="the light load, sessions/s (default 0.6; 0 skips it)")
     ap.add_argument("--repeat-seeds", type=int, default=1, help="seeds repeated at --rate (default 1; 0 skips)")
     ap.add_argument("--light-seeds", type=int, default=None, help="paired seeds at the light load (default --seeds)")
+    ap.add_argument("--repeat-reserve", type=float, default=0.0,
+                    help="seconds kept for the repeated seed and the second fit when the light load is skipped: "
+                         "the heavy load's paired seeds stop that long before --stop-at (default 0: no limit)")
     ap.add_argument("--fit-after-reserve", type=float, default=150.0,
                     help="seconds kept for the second fit before --stop-at (default 150)")
     ap.add_argument("--sample-every", type=float, default=5.0)
@@ -263,7 +287,7 @@ def main() -> int:
             log("fit: profile.json exists (an earlier start of this window), kept")
         ab = [*GPUHIT, "experiment", "ab-live", *eng, *TRACE, "--policies", POLICIES, "--reference", REFERENCE]
         run_step(log, "ab", [*ab, "--session-rate", args.rate, "--seeds", str(args.seeds), "--out", str(out / "ab")],
-                 out, stop_at)
+                 out, stop_at - dt.timedelta(seconds=args.repeat_reserve))
         if args.repeat_seeds:
             run_step(log, "repeat", [*ab, "--session-rate", args.rate, "--seeds", str(args.repeat_seeds), "--out",
                                      str(out / "repeat")], out, stop_at)
