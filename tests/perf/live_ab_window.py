@@ -126,6 +126,27 @@ def roles(sids: dict[str, int]) -> dict[str, list]:
     return out
 
 
+def threads(pids: list[str]) -> dict[str, dict[str, list]]:
+    """Per process of ``pids``, per thread: [CPU s (utime + stime), the core it last ran on, its name]:
+    which of an engine's threads are pinned to its core and which float."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict[str, list]] = {}
+    for pid in pids:
+        try:
+            tasks = list(pathlib.Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                stat = (t / "stat").read_text()
+            except OSError:
+                continue
+            f = stat.rsplit(")", 1)[1].split()
+            out.setdefault(pid, {})[t.name] = [(int(f[11]) + int(f[12])) / hz, int(f[36]),
+                                               stat[stat.index("(") + 1:stat.rindex(")")]]
+    return out
+
+
 def schedstat(sids: dict[str, int]) -> dict[str, dict[str, list[float]]]:
     """Per named session, per live process: [cpu s, run-queue delay s] summed over its threads (per
     process, so that a process that exits between two samples can be left out of that interval)."""
@@ -164,8 +185,10 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
+            rl = roles(dict(self.sids))
             rec = {"utc": utc().isoformat(timespec="seconds"), "load": os.getloadavg(), "cpu": cpu_totals(),
-                   "ours": schedstat(dict(self.sids)), "roles": roles(dict(self.sids))}
+                   "ours": schedstat(dict(self.sids)), "roles": rl,
+                   "threads": threads([p for p, r in rl.items() if r[0].startswith("vllm")])}
             with self.path.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
             self.stop.wait(self.every)
@@ -218,9 +241,11 @@ def main() -> int:
     ap.add_argument("--fit-after-reserve", type=float, default=150.0,
                     help="seconds kept for the second fit before --stop-at (default 150)")
     ap.add_argument("--sample-every", type=float, default=5.0)
+    ap.add_argument("--idle-s", type=float, default=0.0, help="seconds the engines stay idle before the fit, "
+                    "sampled: their CPU without requests (default 0: no idle step)")
     args = ap.parse_args()
     if args.compare or args.report:
-        from live_ab_report import compare_report, repeat_report, sched_report
+        from live_ab_report import compare_report, repeat_report, roles_report, sched_report, threads_report
     if args.compare:
         docs = {lb: json.loads((pathlib.Path(d) / "sim-vs-real.json").read_text())
                 for lb, d in (a.split("=", 1) for a in args.compare)}
@@ -228,7 +253,8 @@ def main() -> int:
         return 0
     if args.report:
         out = pathlib.Path(args.out)
-        print(sched_report(out) + "\n\n" + repeat_report(out))
+        print(sched_report(out) + "\n\n" + roles_report(out) + "\n\n" + "\n\n".join(
+            threads_report(out, step) for step in ("idle", "ab")) + "\n\n" + repeat_report(out))
         return 0
     if not args.stop_at or not args.out:
         ap.error("--out and --stop-at are required to run the window")
@@ -276,6 +302,10 @@ def main() -> int:
         ps = subprocess.run(["ps", "-o", "pid,ni,psr,comm", "--sid", ",".join(str(v) for v in sids.values())],
                             check=False, capture_output=True, text=True).stdout
         log("our processes:\n" + ps)
+        if args.idle_s > 0:  # the engines' and API servers' CPU with no request at all (a spinning worker shows)
+            log("idle start: no requests")
+            time.sleep(args.idle_s)  # wall-clock interval of the window
+            log("idle exit 0")
         fit_s = None
         fit = [*FIT, "--path-prompts", trace_prompt_sizes()]
         if not (out / "profile.json").exists():
