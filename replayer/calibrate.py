@@ -25,7 +25,11 @@ prompt sizes in flight through the gateway on every engine, at several concurren
 (:mod:`replayer.live_path`). Several ``--engine`` URLs are measured together (each probe on all of them at once, as
 they run under load) and fitted as one (identical instances); with several, the same cold prompts
 are also sent to each engine alone and to 2..all at once, and the slowdown of their steps is the
-profile's ``host_contention`` (:mod:`replayer.calibrate_host`: engines sharing a host's cores).
+profile's ``host_contention`` (:mod:`replayer.calibrate_host`: engines sharing a host's cores). With
+``--cpu-requests`` it also reads the CPU seconds the engines' API servers and this process (client and
+gateway) spend per request and per output token, and writes the host's CPU demand model
+``host_cpu`` (:mod:`replayer.calibrate_cpu`, :mod:`engines.emulated.host_cpu`), which the emulator then
+uses instead of ``host_contention``.
 """
 
 from __future__ import annotations
