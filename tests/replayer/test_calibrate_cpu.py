@@ -83,3 +83,22 @@ def test_the_probe_reads_both_api_servers_and_this_process_over_three_levels():
         assert sum(e["requests"] for e in lv["engines"]) == (6 if lv["output_tokens"] else 0)
         assert all(e["cpu_s"] >= 0 for e in lv["engines"])
     assert set(frontend_costs(levels)) == {"api", "client_gateway"}
+
+
+def test_the_hosts_cores_are_this_machines_only_for_engines_on_loopback():
+    import argparse
+    import os
+
+    from replayer.calibrate import _cpu_args
+
+    def args(**kw):
+        base = {"cpu_tokens": "1,32", "cpu_requests": 8, "cpu_clients": 2, "engine_cores": 1.0, "host_cores": None}
+        return argparse.Namespace(**{**base, **kw})
+
+    assert _cpu_args(args(), ["http://127.0.0.1:8000"]) == ((1, 32), float(os.cpu_count()))
+    assert _cpu_args(args(host_cores=64.0), ["http://gpu-node:8000"]) == ((1, 32), 64.0)
+    with pytest.raises(ConfigError, match="--host-cores is needed"):
+        _cpu_args(args(), ["http://gpu-node:8000"])
+    for bad in ({"cpu_tokens": "32,1"}, {"cpu_tokens": "x"}, {"engine_cores": -1.0}, {"host_cores": 0.0}):
+        with pytest.raises(ConfigError):
+            _cpu_args(args(**bad), ["http://127.0.0.1:8000"])
