@@ -216,4 +216,5 @@ def _sep(rank: dict) -> str:
     sep = rank.get("separated")
     if not sep:
         return "n/a"
-    return f"{sep['tau']:.2f} ({sep['separated']}/{sep['pairs']})"
+    tau = float("nan") if sep["tau"] is None else sep["tau"]  # NaN (no separated pair) is null in the JSON
+    return f"{tau:.2f} ({sep['separated']}/{sep['pairs']})"
