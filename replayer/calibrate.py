@@ -25,7 +25,11 @@ prompt sizes in flight through the gateway on every engine, at several concurren
 (:mod:`replayer.live_path`). Several ``--engine`` URLs are measured together (each probe on all of them at once, as
 they run under load) and fitted as one (identical instances); with several, the same cold prompts
 are also sent to each engine alone and to 2..all at once, and the slowdown of their steps is the
-profile's ``host_contention`` (:mod:`replayer.calibrate_host`: engines sharing a host's cores).
+profile's ``host_contention`` (:mod:`replayer.calibrate_host`: engines sharing a host's cores). With
+``--cpu-requests`` it also reads the CPU seconds the engines' API servers and this process (client and
+gateway) spend per request and per output token, and writes the host's CPU demand model
+``host_cpu`` (:mod:`replayer.calibrate_cpu`, :mod:`engines.emulated.host_cpu`), which the emulator then
+uses instead of ``host_contention``.
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Se
                   seed: int, timeout: float, say: Any, path_pairs: int = 0, path_levels: Sequence[int] = (),
                   path_requests: int = 24, path_prompts: Sequence[int] = (),
                   path_output_tokens: int = 16, host_requests: int = 0,
-                  host_clients: int = 1) -> tuple[dict[str, Any], list[PrefillProbe], list[DecodeProbe]]:
+                  host_clients: int = 1, cpu_requests: int = 0, cpu_clients: int = 2,
+                  cpu_tokens: tuple[int, int] = (1, 32)) -> tuple[dict[str, Any], list[PrefillProbe], list[DecodeProbe]]:
     import aiohttp
 
     rng = random.Random(seed)
@@ -121,6 +126,12 @@ async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Se
 
             info["host_load"] = await measure_host_load(http, urls, info["model"], sizes, host_requests, host_clients,
                                                         path_output_tokens, rng, timeout, say)
+        info["cpu_load"] = None
+        if cpu_requests:
+            from replayer.calibrate_cpu import measure_frontend_cpu
+
+            info["cpu_load"] = await measure_frontend_cpu(http, urls, info, sizes, cpu_requests, cpu_clients, cpu_tokens,
+                                                          3.0, rng, timeout, say)
         live_path = None
         if path_pairs:
             from replayer.calibrate_path import loaded_path_row, measure_live_path, measure_path_loaded
@@ -179,6 +190,17 @@ def register(subparsers: Any) -> None:
                         "every engine has the host to itself)")
     p.add_argument("--contention-clients", type=int, default=1, metavar="C",
                    help="requests each engine has in flight during the shared-host probe (default 1)")
+    p.add_argument("--cpu-requests", type=int, default=0, metavar="N",
+                   help="requests at each output length of the host-CPU probe: the API servers' and this process's "
+                        "CPU seconds per request and per output token, the profile's host_cpu (default 0: not measured)")
+    p.add_argument("--cpu-clients", type=int, default=2, metavar="C", help="clients of the host-CPU probe (default 2)")
+    p.add_argument("--cpu-tokens", default="1,32", metavar="SHORT,LONG",
+                   help="the host-CPU probe's two output lengths (default 1,32)")
+    p.add_argument("--host-cores", type=float, default=None, metavar="N",
+                   help="CPUs of the engines' host (default: this machine's, when every engine URL is on loopback)")
+    p.add_argument("--engine-cores", type=float, default=1.0, metavar="C",
+                   help="cores a busy engine's steps hold: 1 for vLLM's CPU build bound to one core, 0 for engines "
+                        "whose steps run on an accelerator (their steps do not slow with the host's CPU demand)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
@@ -219,13 +241,16 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--contention-requests must be 0 or more and --contention-clients 1 or more")
     if args.path_requests < 1 or args.path_output_tokens < 1:
         raise ConfigError("--path-requests and --path-output-tokens must be 1 or more")
+    cpu_tokens, cores = _cpu_args(args, urls)
     info, prefill, decode = vtime.run_live(measure(
         urls, points=args.points, repeats=args.repeats, batches=batches, decode_tokens=args.decode_tokens,
         seed=args.seed, timeout=args.timeout, say=say, path_pairs=args.gateway_pairs, path_levels=levels,
         path_requests=args.path_requests, path_prompts=prompts, path_output_tokens=args.path_output_tokens,
-        host_requests=args.contention_requests, host_clients=args.contention_clients))
+        host_requests=args.contention_requests, host_clients=args.contention_clients, cpu_requests=args.cpu_requests,
+        cpu_clients=args.cpu_clients, cpu_tokens=cpu_tokens))
     path = info.pop("live_path")
     host_load = info.pop("host_load")
+    cpu_load = info.pop("cpu_load")
     fit = fit_profile(prefill, decode, max_batched=args.max_num_batched_tokens, hold_out_every=args.hold_out_every)
     entry = profile_entry(
         fit, model=f"{info['model']} (measured at {', '.join(urls)})", gpu=args.gpu,
@@ -240,6 +265,13 @@ def main(args: argparse.Namespace) -> int:
         factors, entry["fit"]["host_contention"] = host_contention_from(host_load)
         entry["host_contention"] = {str(k + 1): float(f"{f:.4g}") for k, f in enumerate(factors)}
         entry["fit"]["measurements"]["host_load"] = host_load
+    if cpu_load:
+        from replayer.calibrate_cpu import frontend_costs, host_cpu_from
+
+        got = host_cpu_from(frontend_costs(cpu_load), host_load, len(urls), cores, args.engine_cores)
+        entry["host_cpu"] = got.pop("host_cpu")
+        entry["fit"]["host_cpu"] = got
+        entry["fit"]["measurements"]["cpu_load"] = cpu_load
     if path and "path_load" in path:
         entry["fit"]["measurements"]["path_load"] = path.pop("path_load")
     from replayer.calibrate_path import live_path_of
@@ -258,17 +290,17 @@ def main(args: argparse.Namespace) -> int:
         kw = {"num_gpu_blocks": info["num_gpu_blocks"], "max_model_len": info["max_model_len"]}
         for row, level in zip(live_path["by_in_flight"], entry["fit"]["measurements"]["path_load"]):
             row.update(modeled_level(level, prof, len(urls), kw, live_path["direct_path_s"]))
-            if prof.host_contention:  # and without the host's contention: what the measured factors change
+            if prof.host_contention or prof.host_cpu:  # and without the host's contention: what it changes
                 import dataclasses
 
-                alone = modeled_level(level, dataclasses.replace(prof, host_contention=()), len(urls), kw,
+                alone = modeled_level(level, dataclasses.replace(prof, host_contention=(), host_cpu=None), len(urls), kw,
                                       live_path["direct_path_s"])
                 row.update({f"{k}_alone": v for k, v in alone.items()})
         out.write_text(to_json({"profiles": {args.name: entry}}, indent=1), encoding="utf-8")
     doc = {"profile": str(out), "name": args.name, "engine": info, "params": fit["params"],
            "fit_error": fit["fit_error"], "held_out_error": fit["held_out_error"], "loo_error": fit["loo_error"],
            "probes": fit["probes"], "live_path": live_path,
-           "host_contention": entry["fit"].get("host_contention", [])}
+           "host_contention": entry["fit"].get("host_contention", []), "host_cpu": entry.get("host_cpu")}
     if args.json:
         print(to_json(doc))
         return 0
@@ -284,6 +316,12 @@ def main(args: argparse.Namespace) -> int:
     for r in entry["fit"].get("host_contention", []):
         print(f"  with {r['busy_engines']} engines busy a step takes {r['factor']:.3g}x its time alone (prefill "
               f"{r['prefill_factor']:.3g}x, decode {r['decode_factor']:.3g}x)")
+    if entry.get("host_cpu"):
+        h, fr = entry["host_cpu"], entry["fit"]["host_cpu"]["frontend"]
+        print("  host CPU: " + "; ".join(f"{k} {c['per_request_s'] * 1e3:.2f} ms/request, {c['per_token_s'] * 1e3:.3f} "
+                                        f"ms/token, idle {c['idle_cores']:.3f} cores" for k, c in fr.items())
+              + f"; {h['cores']:g} cores, {h['busy_extra_cores']:.3f} more per busy engine, shares "
+              + ", ".join(f"{x:.2f}" for x in h["share"]))
     print("  live path: direct client's HTTP path {:.1f} ms{}".format(
         live_path["direct_path_s"] * 1e3, "" if "gateway_ttft_s" not in live_path else
         f"; a gateway adds {live_path['gateway_ttft_s'] * 1e3:.1f} ms to TTFT, {live_path['gateway_e2e_s'] * 1e3:.1f} ms "
@@ -300,6 +338,29 @@ def main(args: argparse.Namespace) -> int:
                 f"{r['engine_ttft_model_s_alone'] * 1e3:.0f}" for r in live_path["by_in_flight"]) + " ms; TPOT " + ", ".join(
                 f"{r['tpot_model_s_alone'] * 1e3:.1f}" for r in live_path["by_in_flight"]) + " ms")
     return 0
+
+
+def _cpu_args(args: argparse.Namespace, urls: Sequence[str]) -> tuple[tuple[int, int], float]:
+    """The host-CPU probe's output lengths and the host's cores (this machine's only for loopback engines)."""
+    import os
+    from urllib.parse import urlparse
+
+    try:
+        short, long = (int(x) for x in str(args.cpu_tokens).split(","))
+    except ValueError:
+        raise ConfigError(f"--cpu-tokens must be two integers SHORT,LONG, got {args.cpu_tokens!r}") from None
+    if args.cpu_requests < 0 or args.cpu_clients < 1 or not 0 < short < long or args.engine_cores < 0:
+        raise ConfigError("--cpu-requests >= 0, --cpu-clients >= 1, --cpu-tokens 0 < SHORT < LONG and "
+                          "--engine-cores >= 0 are needed")
+    cores = args.host_cores
+    if cores is None:
+        local = all(urlparse(u).hostname in ("127.0.0.1", "localhost", "::1") for u in urls)
+        if args.cpu_requests and not local:
+            raise ConfigError("--host-cores is needed when the engines are not on this machine")
+        cores = float(os.cpu_count() or 1)
+    if cores <= 0:
+        raise ConfigError(f"--host-cores must be positive, got {cores}")
+    return (short, long), cores
 
 
 def vars_of(p: Any) -> dict[str, Any]:

@@ -66,7 +66,7 @@ async def measure_host_load(http: Any, urls: Sequence[str], model: str, sizes: S
                                          for j in (0, 1)] for k, h in _HISTOGRAMS.items()} for i in busy}}
         out.append(level)
         say(f"host contention: engines {busy} busy, {requests} requests each: engine time per request " + ", ".join(
-            f"{_per_request(level, i) * 1e3:.0f}" for i in busy) + f" ms ({wall:.1f} s)")
+            f"{per_request_time(level, i) * 1e3:.0f}" for i in busy) + f" ms ({wall:.1f} s)")
     return out
 
 
@@ -82,7 +82,7 @@ async def _counted(http: Any, urls: Sequence[str], before: Sequence[dict[str, An
                                         "during the contention probe")
 
 
-def _per_request(level: dict[str, Any], engine: int, parts: Sequence[str] = ("prefill", "decode")) -> float:
+def per_request_time(level: dict[str, Any], engine: int, parts: Sequence[str] = ("prefill", "decode")) -> float:
     """An engine's mean step time per request at a level: the sum of the histograms ``parts``."""
     e = level["engine"][str(engine)]
     n = e["prefill"][1]
@@ -104,8 +104,8 @@ def host_contention_from(levels: Sequence[dict[str, Any]]) -> tuple[list[float],
         missing = [i for i in lv["busy"] if i not in alone]
         if missing:
             raise ConfigError(f"contention levels lack engines {missing} alone")
-        return (sum(_per_request(lv, i, parts) for i in lv["busy"])
-                / sum(_per_request(alone[i], i, parts) for i in lv["busy"]))
+        return (sum(per_request_time(lv, i, parts) for i in lv["busy"])
+                / sum(per_request_time(alone[i], i, parts) for i in lv["busy"]))
 
     rows = [{"busy_engines": len(lv["busy"]), "factor": ratio(lv, ("prefill", "decode")),
              "prefill_factor": ratio(lv, ("prefill",)), "decode_factor": ratio(lv, ("decode",))} for lv in together]

@@ -24,6 +24,7 @@ QUEUE_H = "vllm:request_queue_time_seconds"
 DECODE_H = "vllm:request_decode_time_seconds"
 TTFT_H = "vllm:time_to_first_token_seconds"
 E2E_H = "vllm:e2e_request_latency_seconds"
+STEP_TOKENS_H = "vllm:iteration_tokens_total"
 # Token ids of probe prompts: below every real vocabulary's size and above special ids.
 TOKEN_LO, TOKEN_HI = 10, 2000
 # vLLM compresses an answer for a client that accepts gzip (aiohttp's default), and a compressed stream
@@ -88,7 +89,12 @@ async def engine_side(http: Any, urls: Sequence[str], before: Sequence[dict[str,
                 tot[k][1] += c1 - c0
         n = tot["e2e"][1]
         if n >= expect or time.monotonic() > deadline:
-            return {"n": n, **{k: (sv / c if c else math.nan) for k, (sv, c) in tot.items()}}
+            # the engines' steps over the run (vLLM observes each step's token count once): a batch
+            # structure the emulator does not share shows as a different count of steps
+            steps = [sum(histogram_totals(a, STEP_TOKENS_H)[i] - histogram_totals(b, STEP_TOKENS_H)[i]
+                         for b, a in zip(before, after)) for i in (0, 1)]
+            return {"n": n, **{k: (sv / c if c else math.nan) for k, (sv, c) in tot.items()},
+                    "steps": steps[1], "tokens_per_step": steps[0] / steps[1] if steps[1] else math.nan}
         await asyncio.sleep(0.1)  # another process's counters, polled
 
 

@@ -61,8 +61,11 @@ def emulated_factory(profile: str, engine_kwargs: Mapping[str, Any] | None = Non
 
     # engines of a profile measured on a shared host share one, consecutive ones as many as it held;
     # a table of 1.0 only (engines that do not slow each other) leaves them apart, decode jumps and all
+    # (a profile with host_cpu: as many as its model's shares, timed by the host's CPU demand)
     hosts: dict[int, Any] = {}
     per_host = len(prof.host_contention) if any(f != 1.0 for f in prof.host_contention) else 0
+    if prof.host_cpu is not None:  # steps on accelerators (engine_cores 0): no host, decode jumps kept
+        per_host = prof.host_cpu.engines if prof.host_cpu.engine_cores > 0 else 0
 
     def make(name: str, index: int, registry: Any) -> EngineClient:
         kw = dict(kwargs)
@@ -71,7 +74,9 @@ def emulated_factory(profile: str, engine_kwargs: Mapping[str, Any] | None = Non
         if per_host and "host" in params:
             from engines.emulated.shared_host import SharedHost
 
-            kw.setdefault("host", hosts.setdefault(index // per_host, SharedHost(prof.host_contention)))
+            if index // per_host not in hosts:
+                hosts[index // per_host] = SharedHost(prof.host_contention, prof.host_cpu)
+            kw.setdefault("host", hosts[index // per_host])
         return Engine(name, prof, **kw)
 
     return make

@@ -53,6 +53,7 @@ import numpy as np
 
 from gpuhit.errors import ConfigError
 from replayer.live_path import LIVE_PATH_MODES, delay_first_chunks, in_flight_at_arrival, path_models
+from replayer.rank_agreement import separated_agreement
 
 METRICS = ("latency_mean", "latency_p50", "latency_p90", "latency_p99", "ttft_p50", "ttft_p90", "tpot_p50",
            "apc_realized")
@@ -236,7 +237,8 @@ def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapp
     for key in RANK_BY:
         rr = ranking({p: v["real"] for p, v in per_policy.items()}, key)
         sr_ = ranking({p: v["sim"] for p, v in per_policy.items()}, key)
-        ranks[key] = {"real": rr, "sim": sr_, "kendall_tau": kendall(rr, sr_), "same_best": rr[:1] == sr_[:1]}
+        ranks[key] = {"real": rr, "sim": sr_, "kendall_tau": kendall(rr, sr_), "same_best": rr[:1] == sr_[:1],
+                      "separated": separated_agreement(live_runs, {p: v["sim"][key] for p, v in per_policy.items()}, key)}
     return {"policies": per_policy, "rankings": ranks}
 
 
@@ -259,12 +261,26 @@ def format_rate(doc: Mapping[str, Any]) -> str:
     lines.append("")
     for key, r in doc["rankings"].items():
         lines.append(f"- ranking by {key}: real {' < '.join(r['real'])}; sim {' < '.join(r['sim'])}; "
-                     f"Kendall tau {r['kendall_tau']:.2f}; same best: {'yes' if r['same_best'] else 'no'}")
+                     f"Kendall tau {r['kendall_tau']:.2f}; same best: {'yes' if r['same_best'] else 'no'}; over the "
+                     f"{r['separated']['separated']} of {r['separated']['pairs']} pairs the real side separates "
+                     f"(paired 95% interval excludes 0): tau {r['separated']['tau']:.2f}")
     lines.append("")
     for pol, v in doc["policies"].items():
         if v["explained_by"]:
             lines.append(f"- {pol}: largest gap from {v['explained_by']}")
     return "\n".join(lines)
+
+
+def complete_seeds(runs: Sequence[Mapping[str, Any]], policies: Sequence[str]) -> list[Mapping[str, Any]]:
+    """The runs of the seeds every policy finished: a live experiment cut short mid-seed (a time-boxed
+    window) leaves a seed some policies lack, which would unpair the comparison."""
+    have: dict[int, set[str]] = {}
+    for r in runs:
+        have.setdefault(int(r["seed"]), set()).add(r["policy"])
+    full = {s for s, pols in have.items() if set(policies) <= pols}
+    if not full:
+        raise ConfigError("no seed has a finished run of every policy")
+    return [r for r in runs if int(r["seed"]) in full]
 
 
 def plot_cdfs(path: pathlib.Path, policy: str, real: np.ndarray, sim: np.ndarray, title: str) -> None:
@@ -324,19 +340,22 @@ def main(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out) if args.out else live / "sim-vs-real"
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"live": str(live), "profile": args.profile, "live_path": path,
-                              "host_contention": list(profile.host_contention), "rates": {}}
+                              "host_contention": list(profile.host_contention),
+                              "host_cpu": profile.host_cpu.to_json() if profile.host_cpu else None, "rates": {}}
     md = [f"# Simulated vs real: {live}", "", (f"profile `{args.profile}`; engines {engines['count']} x "
           f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}; "
           f"emulated live path: direct client {path['direct_s'] * 1e3:.1f} ms (the frontend delay) + at the gateway "
           f"{path['gateway_s'] * 1e3:.1f} ms + at the first chunk ({path['mode']}; gateway and first chunk together, "
           f"ms by requests in flight) "
           f"{', '.join(f'{k:.2f}: {v * 1e3:.1f}' for k, v in path['points']) or 'nothing'}; step time by busy engines "
-          f"on the host {', '.join(f'{i + 1}: {f:.3g}x' for i, f in enumerate(profile.host_contention)) or 'none'}"), ""]
+          f"on the host " + (f"by its CPU demand ({profile.host_cpu})" if profile.host_cpu else
+                               ', '.join(f'{i + 1}: {f:.3g}x' for i, f in enumerate(profile.host_contention)) or 'none')),
+          ""]
     for rate in exp["rates"]:
         folder = live / rate_label(rate)
         if not (folder / "runs").exists():
             continue
-        live_runs = load_runs(folder, policies, exp.get("seeds"))
+        live_runs = complete_seeds(load_runs(folder, policies, exp.get("seeds")), policies)
         sim_runs, atts, cdf = [], {}, {}
         for lr in live_runs:
             pol, seed = lr["policy"], int(lr["seed"])

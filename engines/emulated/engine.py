@@ -199,6 +199,8 @@ class EmulatedEngine(StepLoopMixin, DecodeJumpMixin):
             request.priority,
         )
         self._requests[req.request_id] = req
+        if self.host is not None:  # its frontend's per-request CPU work, on the host's CPU model
+            self.host.arrived(now)
         delay = self.profile.frontend_delay(request.prompt_len)
         if self.remote_transfer is not None and self.external.producer_elsewhere(request.kv_transfer_params):
             # The pull runs alongside the frontend delay, as vLLM's bootstrap query runs alongside

@@ -41,6 +41,7 @@ def model_card(model: str, root: str | None, max_model_len: int | None, created:
 def metrics_text(engine: Any, block_size: int, model: str) -> str:
     """The Prometheus text of ``/metrics``: the engine's vLLM-named families (or, for an engine
     without them, the gauges routing reads) plus vLLM's ``cache_config_info``."""
+    from prometheus_client import ProcessCollector
     from prometheus_client.core import GaugeMetricFamily
 
     from engines.emulated.metrics import render
@@ -52,16 +53,19 @@ def metrics_text(engine: Any, block_size: int, model: str) -> str:
     cache_info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                    labels=list(info))
     cache_info.add_metric(list(info.values()), 1.0)
+    # the serving process's CPU seconds, as vLLM's API server exports them (prometheus_client's process
+    # collector on its default registry): what `gpuhit profile fit` reads as the frontend's CPU
+    process = [f for f in ProcessCollector(registry=None).collect() if f.name == "process_cpu_seconds"]
     m = getattr(engine, "metrics", None)
     if m is not None:
-        return m.render_prometheus([cache_info])
+        return m.render_prometheus([cache_info, *process])
     fams = []  # an engine without vLLM metrics (e.g. engines.fake)
     for name, v in (("vllm:num_requests_running", st.running), ("vllm:num_requests_waiting", st.waiting),
                     ("vllm:kv_cache_usage_perc", st.kv_usage)):
         f = GaugeMetricFamily(name, name, labels=["engine", "model_name"])
         f.add_metric(["0", model], float(v or 0))
         fams.append(f)
-    return render([*fams, cache_info])
+    return render([*fams, cache_info, *process])
 
 
 def advertised(endpoint: str | None, host: str) -> str | None:

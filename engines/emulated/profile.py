@@ -16,7 +16,8 @@ the scheduler it spends ``frontend_overhead_s + frontend_per_token_s * prompt_le
 server (HTTP, input processing); that time is not GPU time. Loads from lower tiers cost
 ``overhead + bytes / bandwidth``. Engines that share a host's cores (the CPU build) take longer per
 step while the host's other engines work too: ``host_contention`` holds the measured factor by the
-count of busy engines (:mod:`engines.emulated.shared_host`). Profiles are data (``profiles.json``),
+count of busy engines (:mod:`engines.emulated.shared_host`), or ``host_cpu`` the CPU costs that time
+a step by the host's CPU demand (:mod:`engines.emulated.host_cpu`). Profiles are data (``profiles.json``),
 each citing its sources.
 """
 
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from engines.emulated.host_cpu import HostCPU, host_cpu_of
 from gpuhit.errors import ConfigError
 
 PROFILES_PATH = pathlib.Path(__file__).with_name("profiles.json")
@@ -76,6 +78,9 @@ class Profile:
     # the factor with i + 1 busy (the first is 1.0), and its length is how many engines share a host
     # (engines.emulated.shared_host); empty: every engine has the host to itself
     host_contention: tuple[float, ...] = ()
+    # optional measured CPU costs of the host's engines and frontends (engines.emulated.host_cpu):
+    # when given, a step is timed by the host's CPU demand at that moment instead of host_contention
+    host_cpu: HostCPU | None = None
     sources: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = ()
     fit: dict[str, Any] = field(default_factory=dict)
@@ -171,6 +176,8 @@ def _from_dict(name: str, d: dict[str, Any], where: str) -> Profile:
             kw[k] = tuple(kw[k])
     if "host_contention" in kw:
         kw["host_contention"] = host_contention_of(kw["host_contention"], f"{where}: profile {name!r}")
+    if kw.get("host_cpu") is not None:
+        kw["host_cpu"] = host_cpu_of(kw["host_cpu"], f"{where}: profile {name!r}")
     if "remote_gbps_by_bytes" in kw:
         kw["remote_gbps_by_bytes"] = tuple((float(a), float(b)) for a, b in kw["remote_gbps_by_bytes"])
     try:

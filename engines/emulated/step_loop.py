@@ -142,7 +142,9 @@ class StepLoopMixin:
                         prefill += prof.prefill_cost(n, c)
                 step = prof.step_time(len(out.reqs), prefill, dsum)
                 if self.host is not None:  # engines sharing a host's cores slow each other down
-                    step *= self.host.factor(self)
+                    # the tokens this step produces: every sequence whose last prompt chunk or decode it runs
+                    gen = sum(1 for r, n in zip(out.reqs, out.num_tokens) if r.num_computed_tokens + n >= r.num_tokens)
+                    step *= self.host.factor(self, now, gen, step)
                 end = now + step
                 await self._sleep_until(end)
                 self._apply(out, now, end)

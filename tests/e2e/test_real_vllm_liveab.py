@@ -1,7 +1,8 @@
 """The live A/B path end to end on the real vLLM pair (``real_vllm_pair``), small:
 
 1. ``gpuhit profile fit`` measures both engines and writes a profile with their real capacity, how much
-   they slow each other down on the shared host (each alone, then both at once) and the live path
+   they slow each other down on the shared host (each alone, then both at once), the frontends' CPU
+   seconds per request and per token (the host's CPU demand model) and the live path
    (lone pairs, and under load: closed loops of cold prompts through a gateway);
 2. ``gpuhit experiment ab-live`` runs two policies x two seeds through an in-process gateway, each run
    from cold caches (the pair runs with ``VLLM_SERVER_DEV_MODE=1``), and resumes without rerunning;
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -43,7 +45,7 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
                          "--max-num-seqs", "128", "--points", "3", "--repeats", "1", "--batches", "1,2",
                          "--decode-tokens", "4", "--hold-out-every", "2", "--gateway-pairs", "4",
                          "--path-in-flight", "0,2", "--path-requests", "4", "--path-output-tokens", "4",
-                         "--contention-requests", "2", "--json"])
+                         "--contention-requests", "2", "--cpu-requests", "2", "--cpu-tokens", "1,3", "--json"])
     info = fit["engine"]
     assert (info["block_size"], info["max_model_len"]) == (real_vllm_pair.block_size, real_vllm_pair.max_model_len)
     prof = load_profile(f"{prof_path}#fitted")
@@ -60,6 +62,14 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     assert prof.host_contention == pytest.approx((1.0, row["factor"]), rel=1e-3)
     levels = prof.fit["measurements"]["host_load"]
     assert [lv["busy"] for lv in levels] == [[0], [1], [0, 1]] and host_contention_from(levels)[1] == [row]
+    # the host's CPU: idle, then 2 requests of 1 and of 3 tokens through a gateway; the API servers' CPU read
+    # from their /metrics and this process's, per request and per token, and the demand model they give
+    assert [lv["output_tokens"] for lv in prof.fit["measurements"]["cpu_load"]] == [0, 1, 3]
+    assert all(sum(e["requests"] for e in lv["engines"]) == (2 if lv["output_tokens"] else 0)
+               for lv in prof.fit["measurements"]["cpu_load"])
+    assert set(prof.fit["host_cpu"]["frontend"]) == {"api", "client_gateway"}
+    assert fit["host_cpu"]["cores"] == os.cpu_count() and len(fit["host_cpu"]["share"]) == 2
+    assert prof.host_cpu is not None and prof.host_cpu.engine_cores == 1.0 and prof.host_cpu.busy_extra_cores >= 0
     # the live path: a direct client's HTTP path, and a gateway's addition measured in pairs
     lp = fit["live_path"]
     assert lp["pairs"] == 4 and all(math.isfinite(lp[k]) for k in ("direct_path_s", "gateway_ttft_s", "gateway_e2e_s"))

@@ -66,6 +66,71 @@ def sched_report(out: pathlib.Path) -> str:
     return "\n".join(rows)
 
 
+def _role(roles: dict[str, list], pid: str) -> str:
+    """A process's role: its session and command name, ``API server`` for the process that vLLM's
+    launcher started (its parent is outside the session)."""
+    sess, ppid, comm = roles[pid]
+    parent = roles.get(str(ppid))
+    if sess.startswith("vllm") and (parent is None or parent[0] != sess):
+        return f"{sess} API server"
+    return f"{sess} {comm}"
+
+
+def roles_report(out: pathlib.Path) -> str:
+    """Per step and process role: CPU seconds, mean cores, and for the steps that ran A/B experiments
+    (``ab``, ``repeat``) CPU milliseconds per request sent, from the sampled per-process counters."""
+    samples = [json.loads(x) for x in (out / "sched.jsonl").read_text().splitlines() if x.strip()]
+    samples = [s for s in samples if "roles" in s]
+    for s in samples:
+        s["t"] = dt.datetime.fromisoformat(s["utc"])
+    rows = ["| step | wall s | requests | role | CPU s | cores | CPU ms per request |", "|" + "---|" * 7]
+    for name, t0, t1 in steps_of(out / "window.log"):
+        win = [s for s in samples if t0 - dt.timedelta(seconds=5) <= s["t"] <= t1 + dt.timedelta(seconds=5)]
+        if len(win) < 2:
+            continue
+        wall = (win[-1]["t"] - win[0]["t"]).total_seconds()
+        n = sum(json.loads(p.read_text())["n_sent"] for p in (out / name).glob("*/runs/*.json")) if name in (
+            "ab", "repeat") else 0
+        cpu: dict[str, float] = {}
+        for x, y in itertools.pairwise(win):
+            for sess, procs in y["ours"].items():
+                for pid, (c, _) in procs.items():
+                    before = x["ours"].get(sess, {}).get(pid)
+                    if before is not None and pid in y["roles"]:
+                        role = _role(y["roles"], pid)
+                        cpu[role] = cpu.get(role, 0.0) + max(0.0, c - before[0])
+        for role, c in sorted(cpu.items()):
+            if c >= 0.05:
+                rows.append(f"| {name} | {wall:.0f} | {n or ''} | {role} | {c:.1f} | {c / wall:.3f} | "
+                            f"{c / n * 1e3 if n else float('nan'):.1f} |")
+    return "\n".join(rows)
+
+
+def threads_report(out: pathlib.Path, step: str) -> str:
+    """During ``step``: per vLLM process thread with at least 1% of a core, its CPU and the cores it was
+    last seen on (a thread seen on both cores floats)."""
+    samples = [json.loads(x) for x in (out / "sched.jsonl").read_text().splitlines() if x.strip()]
+    samples = [s for s in samples if "threads" in s]
+    spans = [(t0, t1) for name, t0, t1 in steps_of(out / "window.log") if name == step]
+    if not spans:
+        return f"(no step {step})"
+    t0, t1 = spans[0]
+    win = [s for s in samples if t0 <= dt.datetime.fromisoformat(s["utc"]) <= t1]
+    if len(win) < 2:
+        return f"(too few samples in {step})"
+    wall = (dt.datetime.fromisoformat(win[-1]["utc"]) - dt.datetime.fromisoformat(win[0]["utc"])).total_seconds()
+    rows = [f"| process | thread | CPU s in {step} | cores | last seen on cores |", "|---|---|---|---|---|"]
+    first, last = win[0]["threads"], win[-1]["threads"]
+    for pid, ths in last.items():
+        role = _role(win[-1]["roles"], pid) if pid in win[-1]["roles"] else pid
+        for tid, (c, _, comm) in ths.items():
+            c0 = first.get(pid, {}).get(tid, [c])[0]
+            seen = sorted({s["threads"].get(pid, {}).get(tid, [0, -1])[1] for s in win} - {-1})
+            if (c - c0) / wall >= 0.01:
+                rows.append(f"| {role} | {comm} | {c - c0:.1f} | {(c - c0) / wall:.3f} | {seen} |")
+    return "\n".join(rows)
+
+
 def repeat_report(out: pathlib.Path) -> str:
     """The repeated seed against its first run, per policy."""
     keys = ("latency_mean", "latency_p90", "ttft_p90", "tpot_p50", "apc_realized")
@@ -139,6 +204,17 @@ def compare_report(docs: dict[str, dict]) -> str:
                        f"3 pp: {sum(abs(a) <= 0.03 for a in apc)} of {len(apc)}; sim inside the real 95% interval: mean "
                        f"{inside['latency_mean']}, TTFT p90 {inside['ttft_p90']} of {len(errs)}; best by mean real {r['real'][0]} / sim "
                        f"{r['sim'][0]}; Kendall tau " + ", ".join(
-                           f"{k} {d['rankings'][k]['kendall_tau']:.2f}" for k in d["rankings"]))
+                           f"{k} {d['rankings'][k]['kendall_tau']:.2f}" for k in d["rankings"])
+                       + "; over the pairs the real side separates: " + ", ".join(
+                           f"{k} {_sep(d['rankings'][k])}" for k in d["rankings"]))
         out.append("")
     return "\n".join(out)
+
+
+def _sep(rank: dict) -> str:
+    """The tau over the pairs the real side separates, with how many they are (older results lack it)."""
+    sep = rank.get("separated")
+    if not sep:
+        return "n/a"
+    tau = float("nan") if sep["tau"] is None else sep["tau"]  # NaN (no separated pair) is null in the JSON
+    return f"{tau:.2f} ({sep['separated']}/{sep['pairs']})"

@@ -46,10 +46,11 @@ TRACE = ["--max-sessions", "8", "--max-turns", "4", "--max-prompt", "1800", "--m
 # the live path is probed alone and under load: closed loops of 1-9 clients sending cold prompts of the
 # trace's sizes through a gateway, so that each meets 0-8 others in flight (replayer/calibrate_path.py);
 # and how much the two engines slow each other down: the same cold prompts on each alone, then on both
-# (replayer/calibrate_host.py), 16 per engine and level
+# (replayer/calibrate_host.py), 16 per engine and level; and the frontends' CPU seconds per request and
+# per output token (replayer/calibrate_cpu.py): 32 requests answered with 1 and with 32 tokens
 FIT = ["--name", "cpu-prefill-model", "--max-num-batched-tokens", "2048", "--max-num-seqs", "128",
        "--kv-bytes-per-token", "4096", "--path-in-flight", "0,1,2,4,8", "--path-requests", "32",
-       "--path-output-tokens", "16", "--contention-requests", "16"]
+       "--path-output-tokens", "16", "--contention-requests", "16", "--cpu-requests", "32", "--cpu-tokens", "1,32"]
 
 
 def trace_prompt_sizes() -> str:
@@ -105,6 +106,47 @@ def session_of(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[3])  # fields after comm: state ppid pgrp session
 
 
+def roles(sids: dict[str, int]) -> dict[str, list]:
+    """Per live process of our sessions: [session name, parent pid, command name] (which process is an
+    API server, an engine core, the gpuhit command running the gateway and the replayer)."""
+    out = {}
+    by_sid = {v: k for k, v in sids.items()}
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        f = stat.rsplit(")", 1)[1].split()
+        name = by_sid.get(int(f[3]))
+        if name is not None:
+            out[d.name] = [name, int(f[1]), comm]
+    return out
+
+
+def threads(pids: list[str]) -> dict[str, dict[str, list]]:
+    """Per process of ``pids``, per thread: [CPU s (utime + stime), the core it last ran on, its name]:
+    which of an engine's threads are pinned to its core and which float."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict[str, list]] = {}
+    for pid in pids:
+        try:
+            tasks = list(pathlib.Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                stat = (t / "stat").read_text()
+            except OSError:
+                continue
+            f = stat.rsplit(")", 1)[1].split()
+            out.setdefault(pid, {})[t.name] = [(int(f[11]) + int(f[12])) / hz, int(f[36]),
+                                               stat[stat.index("(") + 1:stat.rindex(")")]]
+    return out
+
+
 def schedstat(sids: dict[str, int]) -> dict[str, dict[str, list[float]]]:
     """Per named session, per live process: [cpu s, run-queue delay s] summed over its threads (per
     process, so that a process that exits between two samples can be left out of that interval)."""
@@ -143,8 +185,10 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
+            rl = roles(dict(self.sids))
             rec = {"utc": utc().isoformat(timespec="seconds"), "load": os.getloadavg(), "cpu": cpu_totals(),
-                   "ours": schedstat(dict(self.sids))}
+                   "ours": schedstat(dict(self.sids)), "roles": rl,
+                   "threads": threads([p for p, r in rl.items() if r[0].startswith("vllm")])}
             with self.path.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
             self.stop.wait(self.every)
@@ -191,12 +235,17 @@ def main() -> int:
     ap.add_argument("--light-rate", default="0.6", help="the light load, sessions/s (default 0.6; 0 skips it)")
     ap.add_argument("--repeat-seeds", type=int, default=1, help="seeds repeated at --rate (default 1; 0 skips)")
     ap.add_argument("--light-seeds", type=int, default=None, help="paired seeds at the light load (default --seeds)")
+    ap.add_argument("--repeat-reserve", type=float, default=0.0,
+                    help="seconds kept for the repeated seed and the second fit when the light load is skipped: "
+                         "the heavy load's paired seeds stop that long before --stop-at (default 0: no limit)")
     ap.add_argument("--fit-after-reserve", type=float, default=150.0,
                     help="seconds kept for the second fit before --stop-at (default 150)")
     ap.add_argument("--sample-every", type=float, default=5.0)
+    ap.add_argument("--idle-s", type=float, default=0.0, help="seconds the engines stay idle before the fit, "
+                    "sampled: their CPU without requests (default 0: no idle step)")
     args = ap.parse_args()
     if args.compare or args.report:
-        from live_ab_report import compare_report, repeat_report, sched_report
+        from live_ab_report import compare_report, repeat_report, roles_report, sched_report, threads_report
     if args.compare:
         docs = {lb: json.loads((pathlib.Path(d) / "sim-vs-real.json").read_text())
                 for lb, d in (a.split("=", 1) for a in args.compare)}
@@ -204,7 +253,8 @@ def main() -> int:
         return 0
     if args.report:
         out = pathlib.Path(args.out)
-        print(sched_report(out) + "\n\n" + repeat_report(out))
+        print(sched_report(out) + "\n\n" + roles_report(out) + "\n\n" + "\n\n".join(
+            threads_report(out, step) for step in ("idle", "ab")) + "\n\n" + repeat_report(out))
         return 0
     if not args.stop_at or not args.out:
         ap.error("--out and --stop-at are required to run the window")
@@ -252,6 +302,10 @@ def main() -> int:
         ps = subprocess.run(["ps", "-o", "pid,ni,psr,comm", "--sid", ",".join(str(v) for v in sids.values())],
                             check=False, capture_output=True, text=True).stdout
         log("our processes:\n" + ps)
+        if args.idle_s > 0:  # the engines' and API servers' CPU with no request at all (a spinning worker shows)
+            log("idle start: no requests")
+            time.sleep(args.idle_s)  # wall-clock interval of the window
+            log("idle exit 0")
         fit_s = None
         fit = [*FIT, "--path-prompts", trace_prompt_sizes()]
         if not (out / "profile.json").exists():
@@ -263,7 +317,7 @@ def main() -> int:
             log("fit: profile.json exists (an earlier start of this window), kept")
         ab = [*GPUHIT, "experiment", "ab-live", *eng, *TRACE, "--policies", POLICIES, "--reference", REFERENCE]
         run_step(log, "ab", [*ab, "--session-rate", args.rate, "--seeds", str(args.seeds), "--out", str(out / "ab")],
-                 out, stop_at)
+                 out, stop_at - dt.timedelta(seconds=args.repeat_reserve))
         if args.repeat_seeds:
             run_step(log, "repeat", [*ab, "--session-rate", args.rate, "--seeds", str(args.repeat_seeds), "--out",
                                      str(out / "repeat")], out, stop_at)
