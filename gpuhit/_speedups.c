@@ -8,6 +8,8 @@
  *   kv_batch          (in _kvbatch.c) a vLLM KV-event batch (msgpack) -> its records.
  *   BlockSet          (in _blockset.c) the precise KV index's set of block hashes.
  *   usage_object      (in _usage.c) the usage object of a non-streamed JSON answer, from its tail.
+ *   RequestParts      (in _reqparts.c) a client request's target, header fields and body as httptools
+ *                     hands them over.
  *   text_chunk_hashes the approximate chained hashes of a text's chunks (OpenSSL's BLAKE2b-512, each
  *                     digest cut to 8 bytes): in Python each chunk costs a hashlib object, a
  *                     digest, a slice and an int, about three times this loop's time for a chat
@@ -221,6 +223,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuhit._speedups", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 int blockset_add_type(PyObject *module); /* _blockset.c */
+int reqparts_add_type(PyObject *module); /* _reqparts.c */
 
 PyMODINIT_FUNC PyInit__speedups(void) {
     if (SHA256_MD == NULL && (SHA256_MD = EVP_MD_fetch(NULL, "SHA256", NULL)) == NULL) {
@@ -233,7 +236,8 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     }
     kv_batch_init();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 || blockset_add_type(m) < 0)) {
+    if (m != NULL && (PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 || blockset_add_type(m) < 0
+                      || reqparts_add_type(m) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

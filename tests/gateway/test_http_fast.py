@@ -320,6 +320,7 @@ def test_the_request_target_splits_into_path_and_query():
     """A request's target, however its bytes arrive, is its path (routing) and its query, ``?``
     included (what a forwarded route sends on); no ``?``, no query."""
     from gateway.http import fast
+    from gateway.http.request_parts import RequestParts
 
     class _Gateway:
         def auth_error(self, headers, path):
@@ -330,6 +331,7 @@ def test_the_request_target_splits_into_path_and_query():
         server = type("Server", (), {})()
         server.gw, server.loop, server.max_body_bytes = _Gateway(), loop, 1 << 20
         server.header_timeout = server.body_timeout = server.keepalive_timeout = 10.0
+        server.request_parts = RequestParts
         conn = fast._ServerConn(server)
         conn._task = object()  # queued requests stay in the queue (no task answers them)
         for target, path, query in ((b"/v1/models", "/v1/models", ""), (b"/a?b=1&c=%3F?", "/a", "?b=1&c=%3F?"),
