@@ -7,7 +7,8 @@
  *   parse_uint_array  (in _tokenids.c) a completions body's token-id array, JSON text -> uint64.
  *   kv_batch          (in _kvbatch.c) a vLLM KV-event batch (msgpack) -> its records.
  *   BlockSet          (in _blockset.c) the precise KV index's set of block hashes.
- *   usage_object      (in _usage.c) the usage object of a non-streamed JSON answer, from its tail.
+ *   usage_object      (in _usage.c) the usage object of a non-streamed JSON answer, from its tail;
+ *                     openai_usage_of, an OpenAI answer's cached and completion tokens from it.
  *   RequestParts      (in _reqparts.c) a client request's target, header fields and body as httptools
  *                     hands them over.
  *   text_chunk_hashes the approximate chained hashes of a text's chunks (OpenSSL's BLAKE2b-512, each
@@ -200,6 +201,7 @@ PyObject *parse_uint_array(PyObject *self, PyObject *const *args, Py_ssize_t nar
 PyObject *kv_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);         /* _kvbatch.c */
 void kv_batch_init(void);                                                              /* _kvbatch.c */
 PyObject *usage_object(PyObject *self, PyObject *arg);                                 /* _usage.c */
+PyObject *openai_usage_of(PyObject *self, PyObject *const *args, Py_ssize_t nargs);   /* _usage.c */
 
 static PyMethodDef methods[] = {
     {"parse_uint_array", (PyCFunction)(void (*)(void))parse_uint_array, METH_FASTCALL,
@@ -217,6 +219,9 @@ static PyMethodDef methods[] = {
     {"usage_object", usage_object, METH_O,
      "usage_object(tail) -> dict | None: the usage object of a JSON answer's tail, in its common compact shape "
      "(None: anything else, which the reference then decides)."},
+    {"openai_usage_of", (PyCFunction)(void (*)(void))openai_usage_of, METH_FASTCALL,
+     "openai_usage_of(tail, usage_type) -> Usage | None: usage_type(cached_tokens, completion_tokens) of an OpenAI "
+     "answer's usage object, read as usage_object reads it (None: anything else, which the reference then decides)."},
     {NULL, NULL, 0, NULL},
 };
 
