@@ -235,7 +235,9 @@ class _ServerConn(asyncio.Protocol):
         parts.partial = False
         self._in_head = True
         self._head_room = _HEAD_MAX
-        self.deadline.disarm()
+        dl = self.deadline  # dl.disarm(), written out: once a request
+        dl.kind = ""
+        dl.at = None
         chunks = parts.body
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         p = self.parser
