@@ -146,6 +146,10 @@ static PyObject *tail_usage(PyObject *arg) {
     return u;
 }
 
+/* d[USAGE_KEYS[i]], borrowed; NULL when absent (a key never read yet has no string: it is absent) or on error */
+static PyObject *usage_get(PyObject *d, int i) {
+    return usage_keys[i] == NULL ? NULL : PyDict_GetItemWithError(d, usage_keys[i]);
+}
 
 /* openai_usage_of(tail, usage_type) -> Usage | None
  *
@@ -154,11 +158,6 @@ static PyObject *tail_usage(PyObject *arg) {
  * without the details object) and completion_tokens (an int, else 0 for null, absent or an empty
  * object), as usage_type(cached, completion). None where usage_object answers None, and for a
  * non-empty object as completion_tokens (where the reference raises): the reference decides those. */
-/* d[USAGE_KEYS[i]], borrowed; NULL when absent (a key never read yet has no string: it is absent) or on error */
-static PyObject *usage_get(PyObject *d, int i) {
-    return usage_keys[i] == NULL ? NULL : PyDict_GetItemWithError(d, usage_keys[i]);
-}
-
 PyObject *openai_usage_of(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyBytes_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "openai_usage_of(tail: bytes, usage_type)");
