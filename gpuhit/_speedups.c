@@ -7,7 +7,10 @@
  *   parse_uint_array  (in _tokenids.c) a completions body's token-id array, JSON text -> uint64.
  *   kv_batch          (in _kvbatch.c) a vLLM KV-event batch (msgpack) -> its records.
  *   BlockSet          (in _blockset.c) the precise KV index's set of block hashes.
- *   usage_object      (in _usage.c) the usage object of a non-streamed JSON answer, from its tail.
+ *   usage_object      (in _usage.c) the usage object of a non-streamed JSON answer, from its tail;
+ *                     openai_usage_of, an OpenAI answer's cached and completion tokens from it.
+ *   RequestParts      (in _reqparts.c) a client request's target, header fields and body as httptools
+ *                     hands them over.
  *   text_chunk_hashes the approximate chained hashes of a text's chunks (OpenSSL's BLAKE2b-512, each
  *                     digest cut to 8 bytes): in Python each chunk costs a hashlib object, a
  *                     digest, a slice and an int, about three times this loop's time for a chat
@@ -198,6 +201,7 @@ PyObject *parse_uint_array(PyObject *self, PyObject *const *args, Py_ssize_t nar
 PyObject *kv_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);         /* _kvbatch.c */
 void kv_batch_init(void);                                                              /* _kvbatch.c */
 PyObject *usage_object(PyObject *self, PyObject *arg);                                 /* _usage.c */
+PyObject *openai_usage_of(PyObject *self, PyObject *const *args, Py_ssize_t nargs);   /* _usage.c */
 
 static PyMethodDef methods[] = {
     {"parse_uint_array", (PyCFunction)(void (*)(void))parse_uint_array, METH_FASTCALL,
@@ -215,12 +219,16 @@ static PyMethodDef methods[] = {
     {"usage_object", usage_object, METH_O,
      "usage_object(tail) -> dict | None: the usage object of a JSON answer's tail, in its common compact shape "
      "(None: anything else, which the reference then decides)."},
+    {"openai_usage_of", (PyCFunction)(void (*)(void))openai_usage_of, METH_FASTCALL,
+     "openai_usage_of(tail, usage_type) -> Usage | None: usage_type(cached_tokens, completion_tokens) of an OpenAI "
+     "answer's usage object, read as usage_object reads it (None: anything else, which the reference then decides)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuhit._speedups", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 int blockset_add_type(PyObject *module); /* _blockset.c */
+int reqparts_add_type(PyObject *module); /* _reqparts.c */
 
 PyMODINIT_FUNC PyInit__speedups(void) {
     if (SHA256_MD == NULL && (SHA256_MD = EVP_MD_fetch(NULL, "SHA256", NULL)) == NULL) {
@@ -233,7 +241,8 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     }
     kv_batch_init();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 || blockset_add_type(m) < 0)) {
+    if (m != NULL && (PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 || blockset_add_type(m) < 0
+                      || reqparts_add_type(m) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

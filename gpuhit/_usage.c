@@ -103,6 +103,8 @@ done:
 /* bytes.strip()'s whitespace (is_ws's JSON four, and \v \f): what usage_from_tail skips around the colon. */
 static int strip_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
 
+static PyObject *tail_usage(PyObject *arg);
+
 /* usage_object(tail) -> dict | None
  *
  * gateway.http.usage.usage_from_tail(tail, sse=False) for the common shape: the last `"usage"` in
@@ -114,6 +116,10 @@ PyObject *usage_object(PyObject *Py_UNUSED(self), PyObject *arg) {
         PyErr_SetString(PyExc_TypeError, "usage_object takes bytes");
         return NULL;
     }
+    return tail_usage(arg);
+}
+
+static PyObject *tail_usage(PyObject *arg) {
     const char *s = PyBytes_AS_STRING(arg);
     const char *end = s + PyBytes_GET_SIZE(arg);
     const char *at = NULL;
@@ -140,3 +146,44 @@ PyObject *usage_object(PyObject *Py_UNUSED(self), PyObject *arg) {
     return u;
 }
 
+/* d[USAGE_KEYS[i]], borrowed; NULL when absent (a key never read yet has no string: it is absent) or on error */
+static PyObject *usage_get(PyObject *d, int i) {
+    return usage_keys[i] == NULL ? NULL : PyDict_GetItemWithError(d, usage_keys[i]);
+}
+
+/* openai_usage_of(tail, usage_type) -> Usage | None
+ *
+ * gateway.http.usage.openai_usage(usage_object(tail)) without its Python call: the usage object
+ * read as usage_object reads it, then its prompt_tokens_details.cached_tokens (an int, else 0; 0
+ * without the details object) and completion_tokens (an int, else 0 for null, absent or an empty
+ * object), as usage_type(cached, completion). None where usage_object answers None, and for a
+ * non-empty object as completion_tokens (where the reference raises): the reference decides those. */
+PyObject *openai_usage_of(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "openai_usage_of(tail: bytes, usage_type)");
+        return NULL;
+    }
+    PyObject *u = tail_usage(args[0]);
+    if (u == NULL || u == Py_None) return u;
+    PyObject *out = NULL;
+    long long cached = 0, completion = 0;
+    PyObject *details = usage_get(u, 3); /* prompt_tokens_details */
+    if (details == NULL && PyErr_Occurred()) goto done;
+    if (details != NULL && PyDict_CheckExact(details)) {
+        PyObject *c = usage_get(details, 4); /* cached_tokens */
+        if (c == NULL && PyErr_Occurred()) goto done;
+        if (c != NULL && PyLong_CheckExact(c) && (cached = PyLong_AsLongLong(c)) == -1 && PyErr_Occurred()) goto done;
+    }
+    PyObject *n = usage_get(u, 2); /* completion_tokens */
+    if (n == NULL && PyErr_Occurred()) goto done;
+    if (n != NULL && PyLong_CheckExact(n)) {
+        if ((completion = PyLong_AsLongLong(n)) == -1 && PyErr_Occurred()) goto done;
+    } else if (n != NULL && PyDict_CheckExact(n) && PyDict_GET_SIZE(n) > 0) {
+        out = Py_NewRef(Py_None); /* int() of an object: the reference's error */
+        goto done;
+    }
+    out = PyObject_CallFunction(args[1], "LL", cached, completion);
+done:
+    Py_DECREF(u);
+    return out;
+}

@@ -12,7 +12,9 @@ sha256 block-hash chain (:class:`engines.hashing.BlockHasher`; the hashing is Op
 ``BlockSet`` (``_blockset.c``), the precise KV index's set of block hashes
 (:class:`gateway.kv_index.PreciseKVIndex`); and ``usage_object`` (``_usage.c``), the usage object
 of a non-streamed answer (:class:`gateway.http.usage.UsageReader`; the reference is
-``usage_from_tail`` with orjson). The three parsers answer None for anything outside the
+``usage_from_tail`` with orjson); and ``RequestParts`` (``_reqparts.c``), a client request's target,
+header fields and body as httptools hands them over
+(:class:`gateway.http.request_parts.RequestParts`, the reference, in Python). The three parsers answer None for anything outside the
 strict shape they read, and the reference then decides (each stage counts these fallbacks).
 Whoever builds a gateway decides once whether to use them (:func:`load`) and passes them to the
 parts that take them; nothing reads them from a global.
@@ -38,7 +40,8 @@ from gpuhit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout
 NAME = "gpuhit._speedups"
-SOURCES = tuple(ROOT / "gpuhit" / f for f in ("_speedups.c", "_tokenids.c", "_kvbatch.c", "_blockset.c", "_usage.c"))  # init: the first
+SOURCES = tuple(ROOT / "gpuhit" / f for f in ("_speedups.c", "_tokenids.c", "_kvbatch.c", "_blockset.c", "_usage.c",
+                                                 "_reqparts.c"))  # init: the first
 
 
 def sources_sha256(paths: Sequence[Path] = SOURCES) -> str:

@@ -168,7 +168,7 @@ class Gateway:
             else:
                 from gateway.http.fast import FastServer
 
-                self._server = FastServer(self, self.cfg)
+                self._server = FastServer(self, self.cfg, self.accel)
                 await self.start()
                 self.port = await self._server.start(host, port)
         except BaseException as exc:

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from types import ModuleType
 
 import httptools
 
@@ -35,6 +36,7 @@ from gateway.http.fast_dispatch import dispatch
 from gateway.http.fast_response import ClientWriter, ServerRequest, status_line
 from gateway.http.handler import Handler
 from gateway.http.parse import PROMPT_PATHS
+from gateway.http.request_parts import RequestParts
 from gateway.http.transport import (
     ExpectationFailedError,
     HeadersTooLargeError,
@@ -73,6 +75,14 @@ class _ServerConn(asyncio.Protocol):
         self.server = server
         self.gw = server.gw
         self.limit = server.max_body_bytes
+        # The request's target, header fields and body, collected as the parser hands them over
+        # (gateway.http.request_parts; in C with the speedups). httptools reads its callbacks off the
+        # protocol once, here: these four go straight to the collector, without a frame of ours.
+        parts = self.parts = server.request_parts(MAX_LINE, MAX_HEADER_BYTES, MAX_HEADERS, self.limit)
+        self.on_message_begin = parts.on_message_begin
+        self.on_url = parts.on_url
+        self.on_header = parts.on_header
+        self.on_body = parts.on_body
         self.parser = httptools.HttpRequestParser(self)
         self.out = ClientWriter(server.loop)
         self.deadline = Deadline(server.loop, self._expired)
@@ -84,17 +94,10 @@ class _ServerConn(asyncio.Protocol):
         self._busy = False  # a request is being answered
         self._reading_paused = False
         self._stop_parsing = False
-        self._url: list[bytes] = []
-        self._url_len = 0
         self._path = ""
         self._query = ""
-        self._headers: dict[str, str] = {}
-        self._header_bytes = 0
-        self._body: list[bytes] = []
-        self._size = 0
         self._in_head = True  # the next bytes belong to a request head
         self._head_room = _HEAD_MAX
-        self._partial = False  # a request has begun and is not complete
         self._heads = 0  # request heads parsed on this connection
 
     # -- asyncio.Protocol
@@ -138,7 +141,7 @@ class _ServerConn(asyncio.Protocol):
             # A read that ends inside a request times its head (from its first byte) or its body (from
             # the head), both of which began in this read unless already timed; a request read whole
             # sets no deadline, and the first one keeps the connection's opening head deadline.
-            if self._partial and not self._stop_parsing:
+            if self.parts.partial and not self._stop_parsing:
                 if self._in_head:
                     self.deadline.begun("head", self.server.header_timeout)
                 else:
@@ -168,11 +171,14 @@ class _ServerConn(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._reject(BadRequestError("protocol upgrades are not supported"))
         except httptools.HttpParserError as exc:
-            if not self._stop_parsing:  # not a rejection raised from one of our callbacks
+            over = self.parts.error
+            if over is not None:  # a part over its limit (the collector raised)
+                self._reject(self._over_error(over))
+            elif not self._stop_parsing:  # not a rejection raised from one of our callbacks
                 self._reject(BadRequestError(f"malformed HTTP request: {exc}"))
 
     def _head_error(self) -> GpuhitError:
-        if not self._headers and self._url_len >= MAX_LINE:
+        if not self.parts.headers and len(self.parts.url) >= MAX_LINE:
             return UriTooLongError(f"request line longer than {MAX_LINE} bytes")
         return HeadersTooLargeError(f"request head longer than {_HEAD_MAX} bytes (at most {MAX_HEADER_BYTES} bytes "
                                     f"of header fields, {MAX_HEADERS} fields)")
@@ -182,7 +188,7 @@ class _ServerConn(asyncio.Protocol):
     def _expired(self, kind: str) -> None:
         if self.out.closed:
             return
-        if kind == "linger" or (not self._partial and not self._busy):
+        if kind == "linger" or (not self.parts.partial and not self._busy):
             self.close()  # idle keep-alive, or a connection that never sent a request: nothing to answer
             return
         if kind == "body":
@@ -190,45 +196,24 @@ class _ServerConn(asyncio.Protocol):
         else:
             self._reject(RequestTimeoutError(f"request head not received within {self.server.header_timeout:g} s"))
 
-    # -- httptools callbacks
+    def _over_error(self, part: str) -> GpuhitError:
+        """The refusal of a request part over its limit (:attr:`RequestParts.error`)."""
+        if part == "url":
+            return UriTooLongError(f"request target longer than {MAX_LINE} bytes")
+        if part == "headers":
+            return HeadersTooLargeError(f"request header fields over {MAX_HEADER_BYTES} bytes or {MAX_HEADERS} fields")
+        return self.gw.body_limit_error(None)
 
-    def on_message_begin(self) -> None:
-        self._url = []
-        self._url_len = 0
-        self._headers = {}
-        self._header_bytes = 0
-        self._body = []
-        self._size = 0
-        self._partial = True
-
-    def on_url(self, url: bytes) -> None:
-        self._url.append(url)
-        self._url_len += len(url)
-        if self._url_len > MAX_LINE:
-            self._reject(UriTooLongError(f"request target longer than {MAX_LINE} bytes"))
-            raise httptools.HttpParserCallbackError("URI too long")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        size = self._header_bytes = self._header_bytes + len(name) + len(value)
-        h = self._headers
-        if size > MAX_HEADER_BYTES or len(h) >= MAX_HEADERS:
-            self._reject(HeadersTooLargeError(f"request header fields over {MAX_HEADER_BYTES} bytes or "
-                                              f"{MAX_HEADERS} fields"))
-            raise httptools.HttpParserCallbackError("headers too large")
-        key = name.decode("latin-1").lower()
-        if key in h:  # a repeated field: its values joined, as one field
-            h[key] = f"{h[key]}, {value.decode('latin-1')}"
-        else:
-            h[key] = value.decode("latin-1")
+    # -- httptools callbacks (and the collector's four: on_message_begin, on_url, on_header, on_body)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._heads += 1
         # partition, not find: bytes.find parses its arguments as a tuple (~600 instructions a call)
-        target, q, query = b"".join(self._url).partition(b"?")
+        target, q, query = self.parts.url.partition(b"?")
         self._path = path = target.decode("latin-1")
         self._query = (q + query).decode("latin-1") if q else ""
-        h = self._headers
+        h = self.parts.headers
         denied = self.gw.auth_error(h, path)
         if denied is not None:  # before any byte of the body is read
             self._reject(denied)
@@ -245,26 +230,24 @@ class _ServerConn(asyncio.Protocol):
             if not self._queue and not self._busy and self.out.transport is not None:
                 self.out.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
-    def on_body(self, body: bytes) -> None:
-        self._size += len(body)
-        if self._size > self.limit:
-            self._reject(self.gw.body_limit_error(None))
-            raise httptools.HttpParserCallbackError("body too large")
-        self._body.append(body)
-
     def on_message_complete(self) -> None:
-        self._partial = False
+        parts = self.parts
+        parts.partial = False
         self._in_head = True
         self._head_room = _HEAD_MAX
-        self.deadline.disarm()
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        dl = self.deadline  # dl.disarm(), written out: once a request
+        dl.kind = ""
+        dl.at = None
+        chunks = parts.body
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         p = self.parser
         keep_alive = p.should_keep_alive()
         # Chunked unless HTTP/1.0. A request kept alive without a Connection field is HTTP/1.1
         # (llhttp keeps a 1.0 one alive only on "Connection: keep-alive"), so the version, which
         # httptools formats into a new string on each call, is read only otherwise.
-        chunked = (keep_alive and "connection" not in self._headers) or p.get_http_version() != "1.0"
-        self._enqueue(ServerRequest(self.out, p.get_method(), self._path, self._headers, body, keep_alive, None,
+        headers = parts.headers
+        chunked = (keep_alive and "connection" not in headers) or p.get_http_version() != "1.0"
+        self._enqueue(ServerRequest(self.out, p.get_method(), self._path, headers, body, keep_alive, None,
                                     chunked, self._query))
 
     # -- request processing
@@ -274,8 +257,8 @@ class _ServerConn(asyncio.Protocol):
         connection's bytes cannot be trusted to frame requests."""
         self._stop_parsing = True
         self.deadline.disarm()
-        path = self._path if not self._in_head else b"".join(self._url).split(b"?", 1)[0].decode("latin-1")
-        self._enqueue(ServerRequest(self.out, b"", path or "-", self._headers, b"", False, reject=err))
+        path = self._path if not self._in_head else self.parts.url.split(b"?", 1)[0].decode("latin-1")
+        self._enqueue(ServerRequest(self.out, b"", path or "-", self.parts.headers, b"", False, reject=err))
 
     def _enqueue(self, req: ServerRequest) -> None:
         self._queue.append(req)
@@ -292,7 +275,7 @@ class _ServerConn(asyncio.Protocol):
         try:
             while not self.out.closed:
                 if not self._queue:
-                    if not self._partial and not self._stop_parsing:
+                    if not self.parts.partial and not self._stop_parsing:
                         self.deadline.arm("idle", self.server.keepalive_timeout)
                     wake = self._wake = self.server.loop.create_future()
                     await wake  # _enqueue's, or cancelled by connection_lost
@@ -367,15 +350,18 @@ class _ServerConn(asyncio.Protocol):
 class FastServer:
     """The listening side of the fast transport for one gateway (:class:`~gateway.http.handler.Handler`):
     limits and timeouts from its config (``max_body_bytes``, ``max_connections``,
-    ``header_timeout``, ``body_timeout``, ``keepalive_timeout``)."""
+    ``header_timeout``, ``body_timeout``, ``keepalive_timeout``); ``accel``: the C speedups
+    (:func:`gpuhit.speedups.load`), whose ``RequestParts`` then collects each request."""
 
-    def __init__(self, gw: Handler, cfg: GatewayConfig):
+    def __init__(self, gw: Handler, cfg: GatewayConfig, accel: ModuleType | None = None):
         self.gw = gw
         self.max_body_bytes = cfg.max_body_bytes
         self.max_connections: int = cfg.max_connections or MAX_CONNECTIONS  # (validate() fills them in)
         self.header_timeout: float = cfg.header_timeout or HEADER_TIMEOUT
         self.body_timeout = cfg.body_timeout
         self.keepalive_timeout = cfg.keepalive_timeout
+        # each connection's request collector: the C speedups' when given (the same class in C)
+        self.request_parts: type[RequestParts] = RequestParts if accel is None else accel.RequestParts
         self.conns: set[_ServerConn] = set()
         self._server: asyncio.AbstractServer | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()

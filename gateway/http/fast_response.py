@@ -30,6 +30,7 @@ def status_line(status: int) -> bytes:
 STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in REASONS.items()}
 
 
+_JSON = b"application/json"
 _OUT_MAX = 1 << 16  # stream bytes held for the end of the loop iteration before they are written at once
 
 
@@ -142,10 +143,14 @@ class ServerRequest(msgspec.Struct, eq=False):
                                    b"" if self.keep_alive else b"connection: close\r\n")
 
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes, content_type: str) -> None:
-        extra = b"content-type: %s\r\ncontent-length: %d\r\n" % (content_type.encode("latin-1"), len(body))
-        head = self._head(status, headers, extra)
-        # A HEAD request gets the GET answer's head, no body.
-        self.conn.write(head if self.method == b"HEAD" else head + body)
+        # _head's bytes, the body after them, in one format (a routed answer: one per request)
+        lines = headers.lines if type(headers) is HeaderLines else header_block(headers) if headers else b""
+        line = STATUS_LINES.get(status)
+        self.conn.write(b"%bcontent-type: %b\r\ncontent-length: %d\r\n%b%b\r\n%b" % (
+            line if line is not None else status_line(status),
+            _JSON if content_type == "application/json" else content_type.encode("latin-1"), len(body), lines,
+            b"" if self.keep_alive else b"connection: close\r\n",
+            body if self.method != b"HEAD" else b""))  # a HEAD request gets the GET answer's head, no body
 
     # A stream's head, chunks and end are handed to the connection as they come and leave in one
     # write per loop iteration (:meth:`ClientWriter.write_soon`): a short answer relayed from one

@@ -78,12 +78,6 @@ class FastUpstreamResponse:
         w = self._waiter = self._conn.loop.create_future()
         return w
 
-    async def head(self) -> None:
-        while not self.head_done:
-            if self._error is not None:
-                raise self._error
-            await self._wait()
-
     async def read(self) -> bytes:
         while not self.complete:
             if self._error is not None:
@@ -180,10 +174,13 @@ class _UpConn(asyncio.Protocol):
         r = self.resp
         assert r is not None
         r._head, self._head = self._head, b""
-        r.status = self.parser.get_status_code()
-        r.keep_alive = self.parser.should_keep_alive()
+        p = self.parser
+        r.status = p.get_status_code()
+        r.keep_alive = p.should_keep_alive()
         r.head_done = True
-        r._wake()
+        w = r._waiter  # r._wake(), written out: once an answer, and the waiter is the request's
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         r = self.resp
@@ -201,7 +198,9 @@ class _UpConn(asyncio.Protocol):
         r = self.resp
         assert r is not None
         r.complete = True
-        r._wake()
+        w = r._waiter  # r._wake(), written out (a whole answer's head and end come in one read)
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def resume(self) -> None:
         if self._paused and self.transport is not None and not self.closed:
@@ -326,7 +325,10 @@ class FastUpstream:
                 conn = await self._connect(pool)
             resp = conn.send(data)
             try:
-                await resp.head()
+                while not resp.head_done:  # resp.head(), written out: no coroutine per request
+                    if resp._error is not None:
+                        raise resp._error
+                    await resp._wait()
             except UpstreamClosedError:
                 conn.close()
                 if reused and not resp.received and attempt == 0:

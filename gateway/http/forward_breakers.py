@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import orjson
 
 from engines.vllm.health import HealthMonitor
-from gateway.breaker import HALF_OPEN, OPEN, STALL, BreakerPolicy, CircuitBreaker
+from gateway.breaker import CLOSED, HALF_OPEN, OPEN, STALL, BreakerPolicy, CircuitBreaker
 from gateway.http.forward_deadlines import Deadlines
 from gateway.http.transport import COMPLETIONS, Upstream
 from gateway.metrics import GatewayMetrics
@@ -66,7 +66,9 @@ class Breakers:
 
     def answered(self, i: int) -> None:
         """Engine ``i`` sent an answer's first byte."""
-        self._breakers[i].success()
+        b = self._breakers[i]
+        if b.state == CLOSED:  # b.success(), written out: once a request
+            b.consecutive = 0
         if self.health is not None:
             self.health.note_alive(i)  # an answer outweighs probes that timed out (engines/vllm/health.py)
 

@@ -230,7 +230,7 @@ class OpenAIDialect:
         self.prompts = prompts
 
     def usage_of_answer(self, data: bytes) -> Usage | None:
-        return openai_usage(self.prompts.usage.of_json(data))
+        return self.prompts.usage.openai(data)
 
     def usage_of_stream(self, tail: bytes) -> Usage | None:
         return openai_usage(usage_from_tail(tail))

@@ -50,13 +50,26 @@ class UsageReader:
     (the C speedups, :func:`gpuhit.speedups.load`) is given, else :func:`usage_of_json`, the
     reference. The C reader takes only the common compact shape and answers None for anything else
     (no usage, whitespace, floats, a cut-off body), which the reference then decides: the objects
-    are the same either way (``tests/gateway/test_usage_c.py``). ``fallbacks`` counts those."""
+    are the same either way (``tests/gateway/test_usage_c.py``). ``fallbacks`` counts those. For the
+    OpenAI dialects, :meth:`openai` reads the :class:`Usage` itself."""
 
-    __slots__ = ("_c", "fallbacks")
+    __slots__ = ("_c", "_c_openai", "fallbacks")
 
     def __init__(self, accel: ModuleType | None = None):
         self._c = None if accel is None else accel.usage_object
+        self._c_openai = None if accel is None else accel.openai_usage_of
         self.fallbacks = 0
+
+    def openai(self, data: bytes) -> Usage | None:
+        """``openai_usage(self.of_json(data))``: an OpenAI answer's :class:`Usage` (the C reader builds
+        it from the usage object it reads, without the Python conversion; where it answers None the
+        reference decides, counted in ``fallbacks`` as :meth:`of_json`'s)."""
+        if self._c_openai is not None:
+            u = self._c_openai(data[-TAIL_MAX:], Usage)
+            if u is not None:
+                return u  # type: ignore[no-any-return]
+            self.fallbacks += 1
+        return openai_usage(usage_of_json(data))
 
     def of_json(self, data: bytes) -> dict[str, Any] | None:
         """The ``usage`` object of a whole JSON answer (None: it has none)."""

@@ -219,6 +219,41 @@ def test_a_streamed_answer_leaves_in_one_write_per_loop_iteration():
     asyncio.run(main())
 
 
+def test_a_whole_answer_is_its_head_and_body_in_one_write():
+    """``respond``'s bytes on the wire: the status line, content type and length, the given headers
+    (encoded lines or a mapping), ``connection: close`` when the connection ends with it, the body;
+    a HEAD request's answer without the body; a status without a known phrase."""
+    from gateway.config import GatewayConfig
+    from gateway.http.fast import FastServer, _ServerConn
+    from gateway.http.fast_response import ServerRequest
+    from gateway.http.transport import HeaderLines
+
+    async def main():
+        server = FastServer(None, GatewayConfig())  # type: ignore[arg-type]  # no request reaches gw
+        server.loop = asyncio.get_running_loop()
+        conn = _ServerConn(server)
+        t = conn.out.transport = _RecordingTransport()
+
+        async def answer(method, keep_alive, status, headers, body, ctype):
+            await ServerRequest(conn.out, method, "/v1/chat/completions", {}, b"", keep_alive).respond(
+                status, headers, body, ctype)
+            return t.writes.pop()
+
+        lines = HeaderLines(b"x-gpuhit-instance: e0\r\nx-gpuhit-decision: forward\r\n")
+        assert await answer(b"POST", True, 200, lines, b'{"a":1}', "application/json") == (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 7\r\n"
+            b"x-gpuhit-instance: e0\r\nx-gpuhit-decision: forward\r\n\r\n{\"a\":1}")
+        assert await answer(b"POST", False, 502, {"x-a": "b"}, b"{}", "application/json") == (
+            b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: application/json\r\ncontent-length: 2\r\nx-a: b\r\n"
+            b"connection: close\r\n\r\n{}")
+        assert await answer(b"HEAD", True, 200, {}, b"ok", "text/plain; charset=utf-8") == (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 2\r\n\r\n")
+        assert await answer(b"GET", True, 299, {}, b"", "application/json") == (
+            b"HTTP/1.1 299 Status\r\ncontent-type: application/json\r\ncontent-length: 0\r\n\r\n")
+
+    asyncio.run(main())
+
+
 def test_a_keep_alive_connection_outlives_its_first_head_deadline():
     """The connection's timer is moved lazily: when the opening head deadline's timer fires after
     the first request was answered, it re-arms for the keep-alive deadline instead of closing."""
@@ -320,6 +355,7 @@ def test_the_request_target_splits_into_path_and_query():
     """A request's target, however its bytes arrive, is its path (routing) and its query, ``?``
     included (what a forwarded route sends on); no ``?``, no query."""
     from gateway.http import fast
+    from gateway.http.request_parts import RequestParts
 
     class _Gateway:
         def auth_error(self, headers, path):
@@ -330,6 +366,7 @@ def test_the_request_target_splits_into_path_and_query():
         server = type("Server", (), {})()
         server.gw, server.loop, server.max_body_bytes = _Gateway(), loop, 1 << 20
         server.header_timeout = server.body_timeout = server.keepalive_timeout = 10.0
+        server.request_parts = RequestParts
         conn = fast._ServerConn(server)
         conn._task = object()  # queued requests stay in the queue (no task answers them)
         for target, path, query in ((b"/v1/models", "/v1/models", ""), (b"/a?b=1&c=%3F?", "/a", "?b=1&c=%3F?"),

@@ -170,6 +170,9 @@ def test_decision_headers_are_the_same_on_both_transports_and_safe():
                 lines = dict(gw.pipeline.decision_headers(1, odd, 48))
                 assert lines == {"x-gpuhit-instance": "e1", "x-gpuhit-decision": "forward",
                                  "x-gpuhit-reason": header_value(odd.reason), "x-gpuhit-predicted-hit": "48"}
+                for reason in ("a\rb", "a\nb", "tab\tand\x7fdel", "x" * 200, "x" * 201, "é", "ok", ""):
+                    got = dict(gw.pipeline.decision_headers(0, Decision(FORWARD, 0, reason), 0))["x-gpuhit-reason"]
+                    assert got == header_value(reason), reason
         assert seen[0] == seen[1] and seen[0]["x-gpuhit-reason"].startswith("lpwl: pending 0 + new 40")
         assert set(seen[0]) == {"x-gpuhit-instance", "x-gpuhit-decision", "x-gpuhit-reason", "x-gpuhit-predicted-hit"}
 

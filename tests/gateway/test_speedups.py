@@ -15,7 +15,8 @@ def test_a_build_from_another_source_is_refused(c_speedups, tmp_path):
         changed = tmp_path / source.name
         changed.write_bytes(source.read_bytes() + b"\n/* edited after the build */\n")
         sources = [*speedups.SOURCES[:k], changed, *speedups.SOURCES[k + 1:]]
-        with pytest.raises(ConfigError, match="built from another version of _speedups.c / _tokenids.c / _kvbatch.c / _blockset.c / _usage.c: "
+        with pytest.raises(ConfigError, match="built from another version of _speedups.c / _tokenids.c / _kvbatch.c / _blockset.c / _usage.c / "
+                                              "_reqparts.c: "
                                               "run `make "
                                               "compile` again"):
             speedups.verified(c_speedups, sources)

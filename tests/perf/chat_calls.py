@@ -10,6 +10,7 @@ difference in requests, so start-up, warm-up and the profiler's own switching ca
 
     python tests/perf/chat_calls.py --mode cprofile [--stream] [--checkout ../base] [-- --no-c-speedups]
     python tests/perf/chat_calls.py --mode callgrind ...   (valgrind on PATH)
+    python tests/perf/chat_calls.py --mode perf --router vllm-router   (the Rust router, for comparison)
 
 A checkout must import only itself: where the venv holds an editable gpuhit install of another
 checkout, give that checkout a ``sitecustomize.py`` that drops the editable finder (see
@@ -139,6 +140,41 @@ def first_line(p: subprocess.Popen) -> str:
     return line.split(" on ", 1)[1].split(" ", 1)[0].strip()  # "... on http://host:port ..."
 
 
+def vllm_router_command(engines: list[str]) -> list[str]:
+    """vllm-router on a free port, round robin, as the benchmark runs it."""
+    import shutil
+    import socket
+
+    exe = shutil.which("vllm-router") or str(pathlib.Path(sys.executable).parent / "vllm-router")
+    with socket.socket() as s, socket.socket() as m:
+        s.bind(("127.0.0.1", 0))
+        m.bind(("127.0.0.1", 0))
+        port, metrics_port = s.getsockname()[1], m.getsockname()[1]
+    return [exe, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port),
+            "--worker-urls", *engines, "--policy", "round_robin", "--log-level", "warning", "--disable-retries",
+            "--disable-circuit-breaker", "--max-payload-size", str(64 << 20)]
+
+
+def wait_ready(cmd: list[str], p: subprocess.Popen) -> str:
+    """The URL of the vllm-router ``cmd`` started, once it answers /health."""
+    url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+
+    async def probe() -> bool:
+        try:
+            async with aiohttp.ClientSession() as http, http.get(url + "/health") as r:
+                return r.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    for _ in range(600):
+        if asyncio.run(probe()):
+            return url
+        if p.poll() is not None:
+            break
+        asyncio.run(asyncio.sleep(0.1))  # polling a child's readiness
+    raise SystemExit("vllm-router did not become ready")
+
+
 def traced(cmd: list[str], batch) -> None:
     """Run ``batch`` (a coroutine, not yet started) while the tracer ``cmd`` (strace / perf, attached to the
     gateway's pid) counts, then stop the tracer so it writes its totals."""
@@ -158,6 +194,9 @@ def main() -> None:
                          "strace slows every call, and so bunches requests); proc: /proc counters "
                          "(read / write system calls, context switches, CPU ns: the last depends on load)")
     ap.add_argument("--checkout", default=str(HERE.parent.parent))
+    ap.add_argument("--router", choices=("gpuhit", "vllm-router"), default="gpuhit",
+                    help="vllm-router (round robin, as tests/perf/test_router_compare.py runs it): the modes that "
+                         "count what the kernel sees (strace, perf, proc)")
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--small", type=int, default=200)
@@ -168,6 +207,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40, help="functions listed (cprofile)")
     ap.add_argument("flags", nargs="*", help="more `gpuhit serve` flags (after --)")
     a = ap.parse_args()
+    if a.router == "vllm-router" and a.mode not in ("strace", "perf", "proc"):
+        ap.error("--router vllm-router counts only what the kernel sees: --mode strace, perf or proc")
     checkout = os.path.abspath(a.checkout)
     cli = "replayer.cli" if os.path.exists(os.path.join(checkout, "replayer", "cli.py")) else "gpuhit.cli"
     tmp = tempfile.mkdtemp(prefix="chat-calls-")
@@ -184,7 +225,9 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": checkout, "CHAT_CALLS_OUT": os.path.join(tmp, "prof")}
         if a.mode == "opcodes":
             env["CHAT_CALLS_OPCODES"] = "1"
-        if a.mode in ("cprofile", "opcodes", "strace", "perf", "proc"):
+        if a.router == "vllm-router":
+            cmd = vllm_router_command(engines)
+        elif a.mode in ("cprofile", "opcodes", "strace", "perf", "proc"):
             cmd = [sys.executable, "-c", _BOOT.replace("@CHECKOUT@", repr(checkout)).replace("@CLI@", repr(cli)), *serve]
         else:
             boot = f"import runpy, sys; sys.path.insert(0, {checkout!r}); " \
@@ -192,9 +235,11 @@ def main() -> None:
             cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--log-file={tmp}/valgrind.log",
                    *(["--cache-sim=yes"] if a.cache_sim else []), *(["--branch-sim=yes"] if a.branch_sim else []),
                    f"--callgrind-out-file={tmp}/cg.%p", sys.executable, "-c", boot, *serve]
-        gw = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        quiet = a.router == "vllm-router"  # it prints no address line to read; its log must not fill a pipe
+        gw = subprocess.Popen(cmd, stdout=subprocess.DEVNULL if quiet else subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=env, cwd=tmp)
         procs.append(gw)
-        url = first_line(gw)
+        url = first_line(gw) if a.router == "gpuhit" else wait_ready(cmd, gw)
         asyncio.run(send(url, chat_bodies("warm", 400, a.stream), a.concurrency))
         counts = []
         for k, n in enumerate((a.small, a.large)):
