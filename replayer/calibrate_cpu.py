@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpuhit.errors import ConfigError, EngineError
-from replayer.engine_probe import E2E_H, Prober, closed_loop, histogram_totals, scrape_all, scrape_until
+from replayer.engine_probe import E2E_H, closed_loop, histogram_totals, scrape_all, scrape_until, via_gateway
 
 PROCESS_CPU = "process_cpu_seconds_total"
 
@@ -50,15 +50,11 @@ async def measure_frontend_cpu(http: Any, urls: Sequence[str], info: dict[str, A
                                rng: random.Random, timeout: float, say: Any) -> list[dict[str, Any]]:
     """The raw levels (see module docstring): per level its output tokens per request (0: idle), wall
     time, this process's CPU seconds and per engine the API server's CPU seconds and requests."""
-    from replayer.live_gateway import live_gateway
-
     if requests < clients or clients < 1 or not sizes or not 0 < tokens[0] < tokens[1]:
         raise ConfigError(f"the CPU probe needs prompt sizes, requests ({requests}) >= clients ({clients}) >= 1 and "
                           f"two output lengths, short < long: {tokens}")
     out = []
-    async with live_gateway(list(urls), "round_robin", info["block_size"]) as (_, gw_url):
-        via = Prober(http, gw_url, info["model"], rng, timeout)
-        await via.complete(via.ids(info["block_size"]), 2)  # warm-up of the gateway's connections
+    async with via_gateway(http, list(urls), info, rng, timeout) as via:
         choices = list(sizes)
         for tok in (0, *tokens):
             before = await scrape_all(http, urls)

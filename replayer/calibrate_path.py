@@ -31,6 +31,7 @@ from replayer.engine_probe import (
     histogram_totals,
     scrape_all,
     scrape_until,
+    via_gateway,
 )
 from replayer.live_path import in_flight_at_arrival
 
@@ -46,15 +47,11 @@ async def measure_live_path(http: Any, probers: Sequence[Prober], info: dict[str
     (engines on a shared host differ in speed: a pair across two engines would measure that), one
     after the other, engines in turn; medians of the differences (TTFT, and end-to-end with
     :data:`PATH_TOKENS` tokens)."""
-    from replayer.live_gateway import live_gateway
-
     sizes = sorted({n for n, c in grid if c == 0})
     d_ttft: list[float] = []
     d_e2e: list[float] = []
     for k, direct in enumerate(probers):
-        async with live_gateway([direct.url], "round_robin", info["block_size"]) as (_, gw_url):
-            via = Prober(http, gw_url, info["model"], rng, timeout)
-            await via.complete(via.ids(info["block_size"]), 2)  # warm-up of the gateway's connections
+        async with via_gateway(http, [direct.url], info, rng, timeout) as via:
             for i in range(k, pairs, len(probers)):
                 new = sizes[i % len(sizes)]
                 t_d, _, e_d = await direct.complete(direct.ids(new), PATH_TOKENS)
@@ -85,15 +82,11 @@ async def measure_path_loaded(http: Any, urls: Sequence[str], info: dict[str, An
     replayer's report): its requests' mean client TTFT minus the mean of the engines' TTFT
     histograms over the same requests (polled until they count them all). Returns the raw levels
     (:func:`loaded_path_row` reduces one)."""
-    from replayer.live_gateway import live_gateway
-
     if not sizes or min(sizes) < 1 or max(sizes) > info["max_model_len"] - output_tokens:
         raise ConfigError(f"live-path prompt sizes must lie in 1..{info['max_model_len'] - output_tokens} "
                           f"(max_model_len less the output): {list(sizes)}")
     out = []
-    async with live_gateway(list(urls), "round_robin", info["block_size"]) as (_, gw_url):
-        via = Prober(http, gw_url, info["model"], rng, timeout)
-        await via.complete(via.ids(info["block_size"]), 2)  # warm-up of the gateway's connections
+    async with via_gateway(http, list(urls), info, rng, timeout) as via:
         await _drained(http, urls, timeout)
         choices = list(sizes)
         for k in levels:

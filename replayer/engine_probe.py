@@ -8,11 +8,12 @@ Shared by ``gpuhit profile fit`` (:mod:`replayer.calibrate`, :mod:`replayer.cali
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from engines.emulated.profile_fit import DecodeProbe, PrefillProbe
@@ -211,3 +212,16 @@ class Prober:
         await asyncio.gather(*(self.complete(ids, tokens) for ids in prompts))
         d = await self.deltas(before, batch, (DECODE_H,))
         return DecodeProbe(batch=batch, context=context, tokens=tokens, step_s=d[DECODE_H] / (tokens - 1))
+
+
+@contextlib.asynccontextmanager
+async def via_gateway(http: Any, urls: Sequence[str], info: dict[str, Any], rng: random.Random,
+                      timeout: float) -> AsyncIterator[Prober]:
+    """A :class:`Prober` sending through an in-process round-robin gateway in front of ``urls``, its
+    connections warmed by one request first (a probe measures requests, not connection set-up)."""
+    from replayer.live_gateway import live_gateway
+
+    async with live_gateway(list(urls), "round_robin", info["block_size"]) as (_, gw_url):
+        via = Prober(http, gw_url, info["model"], rng, timeout)
+        await via.complete(via.ids(info["block_size"]), 2)
+        yield via
