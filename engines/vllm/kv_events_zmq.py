@@ -325,7 +325,13 @@ class KVEventSubscriber:
         if not self._clean:  # already cleared when the connection dropped
             self._reset()
         if self.replay_endpoint:
-            await self._catch_up(0, None)
+            # Live batches wait behind the replay, as at start: one read while it runs would be
+            # delivered now and again by the replay, which also holds it.
+            self._syncing = True
+            try:
+                await self._catch_up(0, None)
+            finally:
+                self._syncing = False
 
     def _seq_of(self, frames: list[bytes]) -> int | None:
         if len(frames) != 3 or len(frames[1]) != 8:
