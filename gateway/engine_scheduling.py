@@ -27,6 +27,9 @@ from typing import Any
 
 from gpuhit.errors import ConfigError
 
+#: the policy a gateway configured with none runs (:func:`default_policy`)
+DEFAULT_POLICY = "lpwl_auto"
+
 # /server_info also collects the host's environment on its first call (vLLM's collect_env): seconds.
 SERVER_INFO_TIMEOUT = 60.0
 
@@ -80,7 +83,7 @@ def default_policy(found: Mapping[str, str | None]) -> tuple[dict[str, Any], str
     policy, None if unknown) runs ``priority``, else ``lpwl_auto`` with ``priority: none``."""
     if found and all(p == "priority" for p in found.values()):
         note = "policy lpwl_auto (the default; priority: saved): every engine runs --scheduling-policy priority"
-        return {"name": "lpwl_auto", "type": "lpwl_auto", "params": {}}, note
+        return {"name": DEFAULT_POLICY, "type": DEFAULT_POLICY, "params": {}}, note
     fcfs = [f"{u} ({p})" for u, p in found.items() if p is not None and p != "priority"]
     unknown = [u for u, p in found.items() if p is None]
     why = []
@@ -91,7 +94,7 @@ def default_policy(found: Mapping[str, str | None]) -> tuple[dict[str, Any], str
                    "VLLM_SERVER_DEV_MODE=1)")
     note = (f"policy lpwl_auto (the default) without request priorities (priority: none): {'; '.join(why)}; engines started "
             "with --scheduling-policy priority and VLLM_SERVER_DEV_MODE=1 get them (gpuhit vllm-cmd does both)")
-    return {"name": "lpwl_auto", "type": "lpwl_auto", "params": {"priority": "none"}}, note
+    return {"name": DEFAULT_POLICY, "type": DEFAULT_POLICY, "params": {"priority": "none"}}, note
 
 
 def check_scheduling(policy_name: str, needed: str, found: Mapping[str, str | None]) -> list[str]:

@@ -51,7 +51,7 @@ from engines.vllm.health import HealthMonitor
 from gateway.bindings import SessionBindings
 from gateway.config import GatewayConfig
 from gateway.dialects.history import ResponseHistory
-from gateway.engine_scheduling import default_policy, engines_scheduling
+from gateway.engine_scheduling import DEFAULT_POLICY, default_policy, engines_scheduling
 from gateway.hash_check import HashVerifier
 from gateway.http.admin import Admin
 from gateway.http.agentic import Messages, Responses
@@ -93,7 +93,7 @@ class Gateway:
         self.metrics = GatewayMetrics(endpoints=PROMPT_PATHS)
         # No policy configured: the default, built in start() once the engines say how they schedule.
         self.policy = None if cfg.policy is None else registry.build(cfg.policy)
-        self.policy_name = "lpwl_auto" if cfg.policy is None else str(getattr(self.policy, "name", cfg.policy))
+        self.policy_name = DEFAULT_POLICY if cfg.policy is None else str(getattr(self.policy, "name", cfg.policy))
         self.policy_note: str | None = None  # why the default policy runs as it does
         # Block size: the configured one, else what the engines report (set in start()).
         self.block_size: int = cfg.block_size or 0
