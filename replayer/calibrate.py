@@ -170,6 +170,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--batches", default="1,4,8", metavar="B1,B2", help="decode batch sizes (default 1,4,8)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode probe (default 32)")
     p.add_argument("--hold-out-every", type=int, default=4, metavar="K", help="every K-th probe is held out (default 4)")
+    p.add_argument("--least-squares", action="store_true",
+                   help="fit the shapes' medians by least squares instead of every repeat by a robust loss "
+                        "(a host stall in a probe then moves the fit)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit with an error, writing no profile, when the fit's check flags it (its out-of-sample "
+                        "error far above its fit error, a poor fit, or too many stalled probes)")
     p.add_argument("--gateway-pairs", type=int, default=16, metavar="N",
                    help="probe pairs (direct, through a gateway) measuring the live path alone (default 16; 0: skip "
                         "every live-path measurement)")
@@ -251,7 +257,10 @@ def main(args: argparse.Namespace) -> int:
     path = info.pop("live_path")
     host_load = info.pop("host_load")
     cpu_load = info.pop("cpu_load")
-    fit = fit_profile(prefill, decode, max_batched=args.max_num_batched_tokens, hold_out_every=args.hold_out_every)
+    fit = fit_profile(prefill, decode, max_batched=args.max_num_batched_tokens, hold_out_every=args.hold_out_every,
+                      robust=not args.least_squares)
+    if args.strict and not fit["check"]["ok"]:
+        raise ConfigError("the fit's check flags it (--strict): " + "; ".join(fit["check"]["reasons"]))
     entry = profile_entry(
         fit, model=f"{info['model']} (measured at {', '.join(urls)})", gpu=args.gpu,
         num_gpu_blocks=info["num_gpu_blocks"], block_size=info["block_size"], max_model_len=info["max_model_len"],
@@ -299,6 +308,7 @@ def main(args: argparse.Namespace) -> int:
         out.write_text(to_json({"profiles": {args.name: entry}}, indent=1), encoding="utf-8")
     doc = {"profile": str(out), "name": args.name, "engine": info, "params": fit["params"],
            "fit_error": fit["fit_error"], "held_out_error": fit["held_out_error"], "loo_error": fit["loo_error"],
+           "check": fit["check"],
            "probes": fit["probes"], "live_path": live_path,
            "host_contention": entry["fit"].get("host_contention", []), "host_cpu": entry.get("host_cpu")}
     if args.json:
@@ -311,8 +321,11 @@ def main(args: argparse.Namespace) -> int:
     for which in ("fit_error", "held_out_error", "loo_error"):
         e = fit[which]
         print(f"  {which.replace('_', ' ')}: " + "; ".join(
-            f"{k} mean {v['mean_abs_rel'] * 100:.1f}% max {v['max_abs_rel'] * 100:.1f}% (n={v['n']})"
+            f"{k} mean {v['mean_abs_rel'] * 100:.1f}% max {v['max_abs_rel'] * 100:.1f}% (n={v['n']}"
+            + (f", {v['stalled']} of {v['probes']} probes stalled" if v.get("stalled") else "") + ")"
             for k, v in e.items()))
+    check = fit["check"]
+    print("  fit check: " + ("ok" if check["ok"] else "FLAGGED: " + "; ".join(check["reasons"])))
     for r in entry["fit"].get("host_contention", []):
         print(f"  with {r['busy_engines']} engines busy a step takes {r['factor']:.3g}x its time alone (prefill "
               f"{r['prefill_factor']:.3g}x, decode {r['decode_factor']:.3g}x)")

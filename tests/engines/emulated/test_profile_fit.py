@@ -97,3 +97,49 @@ def test_repeats_collapse_to_their_median_so_one_delayed_probe_does_not_move_the
     pre, dec = median_of_repeats([a, slow, a, PrefillProbe(200, 0, 0.02, 0.0, 0.03)],
                                  [DecodeProbe(2, 64, 8, 0.005), DecodeProbe(2, 64, 8, 0.007), DecodeProbe(2, 64, 8, 0.5)])
     assert pre == [a, PrefillProbe(200, 0, 0.02, 0.0, 0.03)] and dec == [DecodeProbe(2, 64, 8, 0.007)]
+
+
+def _stalled(prefill: list[PrefillProbe], decode: list[DecodeProbe]) -> tuple[list[PrefillProbe], list[DecodeProbe]]:
+    """Two passes of the clean probes; in the second, a few probes met a host stall (a process
+    preempted for tens to hundreds of ms): two TTFTs, one engine prefill and one decode step."""
+    second = list(prefill)
+    for i, extra in ((0, 0.45), (6, 0.80)):
+        p = second[i]
+        second[i] = PrefillProbe(p.new, p.context, p.prefill_s, p.queue_s, p.ttft_s + extra)
+    p = second[3]
+    second[3] = PrefillProbe(p.new, p.context, p.prefill_s * 3, p.queue_s, p.ttft_s + 2 * p.prefill_s)
+    dec2 = list(decode)
+    d = dec2[1]
+    dec2[1] = DecodeProbe(d.batch, d.context, d.tokens, d.step_s * 2.5)
+    return prefill + second, decode + dec2
+
+
+def test_a_few_stalled_probes_do_not_move_the_robust_fit():
+    """The same probes twice, four of them stalled: the robust fit lands within a few % of the clean
+    one on every parameter that matters for a step (least squares on two repeats' medians does not:
+    the median of two is their mean), and the stalls are counted, not scored."""
+    clean = fit_profile(*synthetic(), max_batched=MAX_BATCHED)
+    prefill, decode = _stalled(*synthetic())
+    robust = fit_profile(prefill, decode, max_batched=MAX_BATCHED)
+    lsq = fit_profile(prefill, decode, max_batched=MAX_BATCHED, robust=False)
+    for k in ("step_overhead_s", "per_seq_overhead_s", "prefill_per_token_s", "frontend_overhead_s"):
+        assert robust["params"][k] == pytest.approx(clean["params"][k], rel=0.03), k
+    assert lsq["params"]["frontend_overhead_s"] > 10 * clean["params"]["frontend_overhead_s"]
+    stalled = sum(robust[w][k]["stalled"] for w in ("fit_error", "held_out_error") for k in ("ttft", "decode_step"))
+    assert stalled >= 3
+    assert robust["check"]["ok"] and robust["fit_error"]["ttft"]["mean_abs_rel"] < 0.03
+    assert not lsq["check"]["ok"] and any("ttft" in r for r in lsq["check"]["reasons"])
+
+
+def test_the_check_flags_a_fit_whose_held_out_error_is_far_above_its_fit_error():
+    from engines.emulated.profile_fit import fit_check
+
+    def err(m: float) -> dict:
+        return {"n": 4, "mean_abs_rel": m, "max_abs_rel": m, "stalled": 0, "probes": 8}
+
+    good = {"fit_error": {"prefill": err(0.05)}, "held_out_error": {"prefill": err(0.08)}}
+    far = {"fit_error": {"prefill": err(0.05)}, "held_out_error": {"prefill": err(0.30)}}
+    assert fit_check(good)["ok"]
+    assert not fit_check(far)["ok"] and "far above" in fit_check(far)["reasons"][0]
+    many = {"fit_error": {"ttft": {**err(0.05), "stalled": 5, "probes": 8}}}
+    assert not fit_check(many)["ok"] and "stalled" in fit_check(many)["reasons"][0]
