@@ -16,8 +16,9 @@ nothing here assumes either), and writes a profile in the ``profiles.json`` form
   decodes riding along a long prefill chunk), their step time from
   ``vllm:request_decode_time_seconds``;
 
-then fits the profile (:mod:`engines.emulated.profile_fit`) and reports the error on probes held back
-from the fit. It also measures the **live path** a gateway deployment adds (``fit.live_path`` in the
+then fits the profile (:mod:`engines.emulated.profile_fit`: every repeat with a robust loss, so that a
+probe a host stall delayed does not move it) and reports the error on probes held back from the fit
+and whether to trust it (``fit.check``). It also measures the **live path** a gateway deployment adds (``fit.live_path`` in the
 profile; :mod:`replayer.calibrate_path`): the direct client's HTTP path, what a gpuhit gateway in
 front adds to a lone request, and the path under a run's kind of load (cold prefills of the trace's
 prompt sizes in flight through the gateway on every engine, at several concurrencies), which
@@ -29,7 +30,10 @@ profile's ``host_contention`` (:mod:`replayer.calibrate_host`: engines sharing a
 ``--cpu-requests`` it also reads the CPU seconds the engines' API servers and this process (client and
 gateway) spend per request and per output token, and writes the host's CPU demand model
 ``host_cpu`` (:mod:`replayer.calibrate_cpu`, :mod:`engines.emulated.host_cpu`), which the emulator then
-uses instead of ``host_contention``.
+uses instead of ``host_contention``. With ``--stall-requests`` it times requests one by one under
+load, each split into engine steps, vLLM's frontend and the client's path, says where the latency
+tail lies and writes the profile's ``stalls`` (:mod:`replayer.calibrate_stalls`,
+:mod:`engines.emulated.stalls`).
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Se
                   path_requests: int = 24, path_prompts: Sequence[int] = (),
                   path_output_tokens: int = 16, host_requests: int = 0,
                   host_clients: int = 1, cpu_requests: int = 0, cpu_clients: int = 2,
-                  cpu_tokens: tuple[int, int] = (1, 32)) -> tuple[dict[str, Any], list[PrefillProbe], list[DecodeProbe]]:
+                  cpu_tokens: tuple[int, int] = (1, 32), stall_requests: int = 0) -> tuple[dict[str, Any], list[PrefillProbe], list[DecodeProbe]]:
     import aiohttp
 
     rng = random.Random(seed)
@@ -126,6 +130,12 @@ async def measure(urls: Sequence[str], *, points: int, repeats: int, batches: Se
 
             info["host_load"] = await measure_host_load(http, urls, info["model"], sizes, host_requests, host_clients,
                                                         path_output_tokens, rng, timeout, say)
+        info["stall_load"] = None
+        if stall_requests:
+            from replayer.calibrate_stalls import measure_stall_load
+
+            info["stall_load"] = await measure_stall_load(http, urls, info, sizes, stall_requests, path_output_tokens,
+                                                          rng, timeout, say)
         info["cpu_load"] = None
         if cpu_requests:
             from replayer.calibrate_cpu import measure_frontend_cpu
@@ -196,6 +206,10 @@ def register(subparsers: Any) -> None:
                         "every engine has the host to itself)")
     p.add_argument("--contention-clients", type=int, default=1, metavar="C",
                    help="requests each engine has in flight during the shared-host probe (default 1)")
+    p.add_argument("--stall-requests", type=int, default=0, metavar="N",
+                   help="requests per engine of the stall probe: one in flight on every engine at once, each through "
+                        "its own gateway, each request's parts timed from vLLM's histograms; where the tail lies and "
+                        "the profile's stalls (default 0: not measured)")
     p.add_argument("--cpu-requests", type=int, default=0, metavar="N",
                    help="requests at each output length of the host-CPU probe: the API servers' and this process's "
                         "CPU seconds per request and per output token, the profile's host_cpu (default 0: not measured)")
@@ -243,6 +257,8 @@ def main(args: argparse.Namespace) -> int:
         prompts = [int(x) for x in str(args.path_prompts).split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"--path-prompts must be comma-separated integers, got {args.path_prompts!r}") from None
+    if args.stall_requests < 0 or (args.stall_requests and args.path_output_tokens < 2):
+        raise ConfigError("--stall-requests must be 0 or more, with --path-output-tokens 2 or more")
     if args.contention_requests < 0 or args.contention_clients < 1:
         raise ConfigError("--contention-requests must be 0 or more and --contention-clients 1 or more")
     if args.path_requests < 1 or args.path_output_tokens < 1:
@@ -253,10 +269,11 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed, timeout=args.timeout, say=say, path_pairs=args.gateway_pairs, path_levels=levels,
         path_requests=args.path_requests, path_prompts=prompts, path_output_tokens=args.path_output_tokens,
         host_requests=args.contention_requests, host_clients=args.contention_clients, cpu_requests=args.cpu_requests,
-        cpu_clients=args.cpu_clients, cpu_tokens=cpu_tokens))
+        cpu_clients=args.cpu_clients, cpu_tokens=cpu_tokens, stall_requests=args.stall_requests))
     path = info.pop("live_path")
     host_load = info.pop("host_load")
     cpu_load = info.pop("cpu_load")
+    stall_load = info.pop("stall_load")
     fit = fit_profile(prefill, decode, max_batched=args.max_num_batched_tokens, hold_out_every=args.hold_out_every,
                       robust=not args.least_squares)
     if args.strict and not fit["check"]["ok"]:
@@ -281,6 +298,13 @@ def main(args: argparse.Namespace) -> int:
         entry["host_cpu"] = got.pop("host_cpu")
         entry["fit"]["host_cpu"] = got
         entry["fit"]["measurements"]["cpu_load"] = cpu_load
+    if stall_load:
+        from replayer.calibrate_stalls import stall_tail
+
+        entry["fit"]["stalls"] = tail = stall_tail(stall_load, fit["params"], args.max_num_batched_tokens,
+                                                   args.engine_cores)
+        entry["stalls"] = tail["stalls"]
+        entry["fit"]["measurements"]["stall_load"] = stall_load
     if path and "path_load" in path:
         entry["fit"]["measurements"]["path_load"] = path.pop("path_load")
     from replayer.calibrate_path import live_path_of
@@ -308,48 +332,15 @@ def main(args: argparse.Namespace) -> int:
         out.write_text(to_json({"profiles": {args.name: entry}}, indent=1), encoding="utf-8")
     doc = {"profile": str(out), "name": args.name, "engine": info, "params": fit["params"],
            "fit_error": fit["fit_error"], "held_out_error": fit["held_out_error"], "loo_error": fit["loo_error"],
-           "check": fit["check"],
+           "check": fit["check"], "stall_tail": entry["fit"].get("stalls"),
            "probes": fit["probes"], "live_path": live_path,
            "host_contention": entry["fit"].get("host_contention", []), "host_cpu": entry.get("host_cpu")}
     if args.json:
         print(to_json(doc))
         return 0
-    print(f"profile {args.name!r} written to {out}: {info['num_gpu_blocks']} blocks of {info['block_size']}, "
-          f"max_model_len {info['max_model_len']}")
-    for k, v in fit["params"].items():
-        print(f"  {k:24s} {v:.4g}")
-    for which in ("fit_error", "held_out_error", "loo_error"):
-        e = fit[which]
-        print(f"  {which.replace('_', ' ')}: " + "; ".join(
-            f"{k} mean {v['mean_abs_rel'] * 100:.1f}% max {v['max_abs_rel'] * 100:.1f}% (n={v['n']}"
-            + (f", {v['stalled']} of {v['probes']} probes stalled" if v.get("stalled") else "") + ")"
-            for k, v in e.items()))
-    check = fit["check"]
-    print("  fit check: " + ("ok" if check["ok"] else "FLAGGED: " + "; ".join(check["reasons"])))
-    for r in entry["fit"].get("host_contention", []):
-        print(f"  with {r['busy_engines']} engines busy a step takes {r['factor']:.3g}x its time alone (prefill "
-              f"{r['prefill_factor']:.3g}x, decode {r['decode_factor']:.3g}x)")
-    if entry.get("host_cpu"):
-        h, fr = entry["host_cpu"], entry["fit"]["host_cpu"]["frontend"]
-        print("  host CPU: " + "; ".join(f"{k} {c['per_request_s'] * 1e3:.2f} ms/request, {c['per_token_s'] * 1e3:.3f} "
-                                        f"ms/token, idle {c['idle_cores']:.3f} cores" for k, c in fr.items())
-              + f"; {h['cores']:g} cores, {h['busy_extra_cores']:.3f} more per busy engine, shares "
-              + ", ".join(f"{x:.2f}" for x in h["share"]))
-    print("  live path: direct client's HTTP path {:.1f} ms{}".format(
-        live_path["direct_path_s"] * 1e3, "" if "gateway_ttft_s" not in live_path else
-        f"; a gateway adds {live_path['gateway_ttft_s'] * 1e3:.1f} ms to TTFT, {live_path['gateway_e2e_s'] * 1e3:.1f} ms "
-        f"end to end"))
-    if live_path.get("by_in_flight"):
-        print("  live path by requests in flight at the gateway: " + ", ".join(
-            f"{r['in_flight']:.2f}: {r['path_s'] * 1e3:.1f} ms" for r in live_path["by_in_flight"]))
-        print("  under that load, measured / step model: engines' mean TTFT " + ", ".join(
-            f"{r['in_flight']:.2f}: {r['engine_ttft_s'] * 1e3:.0f} / {r['engine_ttft_model_s'] * 1e3:.0f} ms"
-            for r in live_path["by_in_flight"]) + "; TPOT " + ", ".join(
-            f"{r['tpot_s'] * 1e3:.1f} / {r['tpot_model_s'] * 1e3:.1f} ms" for r in live_path["by_in_flight"]))
-        if "engine_ttft_model_s_alone" in live_path["by_in_flight"][0]:
-            print("  the step model without the host's contention: engines' mean TTFT " + ", ".join(
-                f"{r['engine_ttft_model_s_alone'] * 1e3:.0f}" for r in live_path["by_in_flight"]) + " ms; TPOT " + ", ".join(
-                f"{r['tpot_model_s_alone'] * 1e3:.1f}" for r in live_path["by_in_flight"]) + " ms")
+    from replayer.calibrate_report import print_fit
+
+    print_fit(args.name, out, info, fit, entry, live_path)
     return 0
 
 

@@ -41,10 +41,11 @@ def engine_series(engine: Any, now: float, t0: float) -> tuple[list[float], list
 
 
 def emulated_factory(profile: str, engine_kwargs: Mapping[str, Any] | None = None,
-                     util_bin_s: float | None = None, block_ids: str = "vllm") -> EngineFactory:
+                     util_bin_s: float | None = None, block_ids: str = "vllm", seed: int = 0) -> EngineFactory:
     """Factory of :class:`engines.emulated.EmulatedEngine` instances sharing one transfer registry.
     ``block_ids``: the identity of the block hashes the engines will be sent ("chain": the
-    synthesizer's chain ids, which the engines' block pools keep in numpy pages)."""
+    synthesizer's chain ids, which the engines' block pools keep in numpy pages). ``seed``: the
+    run's, from which each engine of a profile with ``stalls`` seeds its own draws."""
     from engines.emulated.engine import EmulatedEngine as Engine
     from engines.emulated.profile import load_profile
 
@@ -77,6 +78,8 @@ def emulated_factory(profile: str, engine_kwargs: Mapping[str, Any] | None = Non
             if index // per_host not in hosts:
                 hosts[index // per_host] = SharedHost(prof.host_contention, prof.host_cpu)
             kw.setdefault("host", hosts[index // per_host])
+        if prof.stalls is not None and "stalls" in params:
+            kw.setdefault("stalls", prof.stalls.sampler(f"{seed}/{index}"))
         return Engine(name, prof, **kw)
 
     return make

@@ -341,7 +341,8 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"live": str(live), "profile": args.profile, "live_path": path,
                               "host_contention": list(profile.host_contention),
-                              "host_cpu": profile.host_cpu.to_json() if profile.host_cpu else None, "rates": {}}
+                              "host_cpu": profile.host_cpu.to_json() if profile.host_cpu else None,
+                              "stalls": profile.stalls.to_json() if profile.stalls else None, "rates": {}}
     md = [f"# Simulated vs real: {live}", "", (f"profile `{args.profile}`; engines {engines['count']} x "
           f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}; "
           f"emulated live path: direct client {path['direct_s'] * 1e3:.1f} ms (the frontend delay) + at the gateway "
@@ -349,7 +350,9 @@ def main(args: argparse.Namespace) -> int:
           f"ms by requests in flight) "
           f"{', '.join(f'{k:.2f}: {v * 1e3:.1f}' for k, v in path['points']) or 'nothing'}; step time by busy engines "
           f"on the host " + (f"by its CPU demand ({profile.host_cpu})" if profile.host_cpu else
-                               ', '.join(f'{i + 1}: {f:.3g}x' for i, f in enumerate(profile.host_contention)) or 'none')),
+                               ', '.join(f'{i + 1}: {f:.3g}x' for i, f in enumerate(profile.host_contention)) or 'none'))
+          + (f"; host stalls: steps +{profile.stalls.mean_step_excess():.1%} of their time, requests' way in "
+             f"+{profile.stalls.mean_request_excess() * 1e3:.1f} ms on average" if profile.stalls else ""),
           ""]
     for rate in exp["rates"]:
         folder = live / rate_label(rate)

@@ -213,7 +213,7 @@ def simulate(
         raise ConfigError(f"the synthesizer given is for seed {synth.seed}, block size {synth.engine_block_size}; "
                           f"this run has seed {seed}, block size {block_size}")
     factory = engine_factory or emulated_factory(profile, engine_kwargs, util_interval,
-                                                 block_ids=getattr(synth, "identity", "vllm"))
+                                                 block_ids=getattr(synth, "identity", "vllm"), seed=seed)
 
     async def main() -> tuple[ReplayOutcome, dict[str, float], dict[str, tuple[list[float], list[float]]], Any]:
         registry = new_registry() if engine_factory is None else None

@@ -30,6 +30,7 @@ from engines.emulated.profile import Profile, check_enough_kv_cache, load_profil
 from engines.emulated.request import FINISHED, EmuRequest
 from engines.emulated.scheduler import Scheduler
 from engines.emulated.shared_host import SharedHost
+from engines.emulated.stalls import StallSampler
 from engines.emulated.step_loop import StepLoopMixin
 from engines.emulated.tiers import CPUTier, RemoteStore
 from engines.hashing import BlockHasher
@@ -80,6 +81,7 @@ class EmulatedEngine(StepLoopMixin, DecodeJumpMixin):
         reserve_full_isl: bool = True,
         block_ids: str = "vllm",
         host: SharedHost | None = None,
+        stalls: StallSampler | None = None,
     ):
         self.name = name
         # what the requests' block hashes are: vLLM's hashes, or the replayer's chain ids (virtual
@@ -117,7 +119,10 @@ class EmulatedEngine(StepLoopMixin, DecodeJumpMixin):
         self.host = host
         if host is not None:
             host.join(self)
-        self.jump_decode = jump_decode and host is None
+        # host stalls (engines.emulated.stalls): a stalled step's time is a draw, not a formula the
+        # decode jump can sum ahead
+        self.stalls = stalls
+        self.jump_decode = jump_decode and host is None and (stalls is None or not stalls.model.steps)
         self.model_name = model_name or p.model.split(" ")[0]
         self.bootstrap_addr = bootstrap_addr or name
         self.hasher = BlockHasher(self.block_size, hash_name)
@@ -202,6 +207,8 @@ class EmulatedEngine(StepLoopMixin, DecodeJumpMixin):
         if self.host is not None:  # its frontend's per-request CPU work, on the host's CPU model
             self.host.arrived(now)
         delay = self.profile.frontend_delay(request.prompt_len)
+        if self.stalls is not None:  # the way in met a host stall (API server or engine core preempted)
+            delay += self.stalls.request()
         if self.remote_transfer is not None and self.external.producer_elsewhere(request.kv_transfer_params):
             # The pull runs alongside the frontend delay, as vLLM's bootstrap query runs alongside
             # scheduling; the request joins the queue once both are over.

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from engines.emulated.host_cpu import HostCPU, host_cpu_of
+from engines.emulated.stalls import Stalls, stalls_of
 from gpuhit.errors import ConfigError
 
 PROFILES_PATH = pathlib.Path(__file__).with_name("profiles.json")
@@ -81,6 +82,9 @@ class Profile:
     # optional measured CPU costs of the host's engines and frontends (engines.emulated.host_cpu):
     # when given, a step is timed by the host's CPU demand at that moment instead of host_contention
     host_cpu: HostCPU | None = None
+    # optional measured host stalls (engines.emulated.stalls): rare long delays of steps and of
+    # requests' way in, drawn per engine from the run's seed; None: every step as its cost says
+    stalls: Stalls | None = None
     sources: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = ()
     fit: dict[str, Any] = field(default_factory=dict)
@@ -178,6 +182,8 @@ def _from_dict(name: str, d: dict[str, Any], where: str) -> Profile:
         kw["host_contention"] = host_contention_of(kw["host_contention"], f"{where}: profile {name!r}")
     if kw.get("host_cpu") is not None:
         kw["host_cpu"] = host_cpu_of(kw["host_cpu"], f"{where}: profile {name!r}")
+    if kw.get("stalls") is not None:
+        kw["stalls"] = stalls_of(kw["stalls"], f"{where}: profile {name!r}")
     if "remote_gbps_by_bytes" in kw:
         kw["remote_gbps_by_bytes"] = tuple((float(a), float(b)) for a, b in kw["remote_gbps_by_bytes"])
     try:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from engines.emulated.profile import Profile
     from engines.emulated.scheduler import Scheduler
     from engines.emulated.shared_host import SharedHost
+    from engines.emulated.stalls import StallSampler
     from engines.emulated.tiers import CPUTier
 
 
@@ -48,6 +49,7 @@ class StepLoopMixin:
         cpu: CPUTier | None
         jump_decode: bool
         host: SharedHost | None
+        stalls: StallSampler | None
         last_error: BaseException | None
         _requests: dict[str, EmuRequest]
         _pending_aborts: list[EmuRequest]
@@ -145,6 +147,8 @@ class StepLoopMixin:
                     # the tokens this step produces: every sequence whose last prompt chunk or decode it runs
                     gen = sum(1 for r, n in zip(out.reqs, out.num_tokens) if r.num_computed_tokens + n >= r.num_tokens)
                     step *= self.host.factor(self, now, gen, step)
+                if self.stalls is not None:  # the host preempted the worker mid-step (engines.emulated.stalls)
+                    step += self.stalls.step(step)
                 end = now + step
                 await self._sleep_until(end)
                 self._apply(out, now, end)

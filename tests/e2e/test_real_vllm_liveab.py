@@ -24,6 +24,7 @@ from engines.emulated.profile import load_profile
 from replayer.ab_live import experiment_trace
 from replayer.calibrate_host import host_contention_from
 from replayer.calibrate_path import loaded_path_row
+from replayer.calibrate_stalls import PARTS, stall_tail
 from replayer.cli import main
 from replayer.sim_vs_real import METRICS, RANK_BY
 
@@ -45,7 +46,8 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
                          "--max-num-seqs", "128", "--points", "3", "--repeats", "1", "--batches", "1,2",
                          "--decode-tokens", "4", "--hold-out-every", "2", "--gateway-pairs", "4",
                          "--path-in-flight", "0,2", "--path-requests", "4", "--path-output-tokens", "4",
-                         "--contention-requests", "2", "--cpu-requests", "2", "--cpu-tokens", "1,3", "--json"])
+                         "--contention-requests", "2", "--cpu-requests", "2", "--cpu-tokens", "1,3",
+                         "--stall-requests", "3", "--json"])
     info = fit["engine"]
     assert (info["block_size"], info["max_model_len"]) == (real_vllm_pair.block_size, real_vllm_pair.max_model_len)
     prof = load_profile(f"{prof_path}#fitted")
@@ -91,6 +93,18 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     # the raw timings are kept, and reduce to the same rows
     assert [loaded_path_row(lv) for lv in prof.fit["measurements"]["path_load"]] == [
         {k: v for k, v in r.items() if not k.startswith(("engine_ttft_model_s", "tpot_model_s"))} for r in rows]
+    # the fit's check, and the stall probe: 3 requests per engine, each split into its parts from vLLM's
+    # own histograms read after it; the profile's stalls model from them (no value asserted: the host's)
+    assert set(fit["check"]) == {"ok", "reasons"}
+    tail = fit["stall_tail"]
+    raw = prof.fit["measurements"]["stall_load"]
+    assert len(raw["requests"]) == 6 and {r["engine"] for r in raw["requests"]} == {0, 1}
+    for r in raw["requests"]:
+        assert r["engine_s"]["prefill"] > 0 and r["engine_s"]["ttft"] > 0 and r["ttft_s"] > 0
+        assert sum(r["itl"]) == pytest.approx(raw["output_tokens"] - 1)  # one gap per decode step
+    assert set(tail["parts"]) == set(PARTS) and tail["requests"] == 6
+    assert stall_tail(raw, fit["params"], 2048) == tail
+    assert prof.stalls is not None and prof.stalls.to_json() == tail["stalls"]
     # one fitted shape per (new, context) / (batch, context): the median of its probes on both engines
     assert 0 < sum(fit["probes"].values()) <= len(prof.fit["measurements"]["prefill"]) + len(
         prof.fit["measurements"]["decode"])

@@ -47,10 +47,12 @@ TRACE = ["--max-sessions", "8", "--max-turns", "4", "--max-prompt", "1800", "--m
 # trace's sizes through a gateway, so that each meets 0-8 others in flight (replayer/calibrate_path.py);
 # and how much the two engines slow each other down: the same cold prompts on each alone, then on both
 # (replayer/calibrate_host.py), 16 per engine and level; and the frontends' CPU seconds per request and
-# per output token (replayer/calibrate_cpu.py): 32 requests answered with 1 and with 32 tokens
+# per output token (replayer/calibrate_cpu.py): 32 requests answered with 1 and with 32 tokens; and the
+# stall tail request by request (replayer/calibrate_stalls.py): 48 per engine, both engines at once
 FIT = ["--name", "cpu-prefill-model", "--max-num-batched-tokens", "2048", "--max-num-seqs", "128",
        "--kv-bytes-per-token", "4096", "--path-in-flight", "0,1,2,4,8", "--path-requests", "32",
-       "--path-output-tokens", "16", "--contention-requests", "16", "--cpu-requests", "32", "--cpu-tokens", "1,32"]
+       "--path-output-tokens", "16", "--contention-requests", "16", "--cpu-requests", "32", "--cpu-tokens", "1,32",
+       "--stall-requests", "48"]
 
 
 def trace_prompt_sizes() -> str:
@@ -321,9 +323,9 @@ def main() -> int:
         if args.repeat_seeds:
             run_step(log, "repeat", [*ab, "--session-rate", args.rate, "--seeds", str(args.repeat_seeds), "--out",
                                      str(out / "repeat")], out, stop_at)
-        # the second fit probes each shape once and half the gateway pairs, but the live path's load as
-        # the first (the same levels, last): ~0.8 of the first's time, more on a busier host
-        reserve = args.fit_after_reserve if fit_s is None else min(max(0.8 * fit_s + 30, 60.0), 240.0)
+        # the second fit probes each shape twice as the first (one repeat a shape: a stall on one engine
+        # is half the shape's median) with half the gateway pairs: ~0.9 of the first's time
+        reserve = args.fit_after_reserve if fit_s is None else min(max(0.9 * fit_s + 30, 60.0), 270.0)
         light_deadline = stop_at - dt.timedelta(seconds=reserve)
         log(f"light load until {light_deadline:%H:%M:%S} (second fit reserve {reserve:.0f} s)")
         if float(args.light_rate):
@@ -331,7 +333,7 @@ def main() -> int:
                                        "--out", str(out / "ab-light")], out, light_deadline)
         if not (out / "profile-after.json").exists():
             run_step(log, "fit-after", [*GPUHIT, "profile", "fit", *eng, "--out", str(out / "profile-after.json"), *fit,
-                                        "--repeats", "1", "--gateway-pairs", "8"], out, stop_at)
+                                        "--repeats", "2", "--gateway-pairs", "8"], out, stop_at)
     except KeyboardInterrupt:
         log("interrupted")
     finally:
