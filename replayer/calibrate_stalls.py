@@ -16,16 +16,19 @@ then split into parts (:data:`PARTS`) and each part's excess over its typical va
   contention, which the host model already holds);
 * ``decode_steps``: the engine's decode time against the median time per decode step;
 * ``queue``: vLLM's queue time; ``engine_frontend``: vLLM's TTFT less its queue and prefill (the API
-  server's input and output handling and the hand-off to and from the engine-core process);
-  ``path_in``: the client's TTFT less vLLM's (client, gateway, HTTP); ``path_out``: the client's
-  time from first to last token less vLLM's: each against its median.
+  server's input handling and the hand-off to and from the engine-core process); ``path_in``: the
+  client's TTFT less vLLM's (client, gateway, HTTP); ``engine_out``: vLLM's time from first to last
+  token less its decode time (the API server relaying the last tokens); ``path_out``: the client's
+  time from first to last token less vLLM's: each against its median. The parts add up to the
+  client's latency.
 
 A part is stalled in a request when its excess is above half its typical value and
 ``min_excess_s``; the parts' stalled excess is the tail, and its shares say where the tail lies.
 The emulator's model (:mod:`engines.emulated.stalls`) takes the engine steps' stalls per second of
 step time (prefill steps one each; decode steps by the gaps vLLM's inter-token histogram puts well
-above the typical step) and the way in's (everything before the first token but the engine's steps)
-per request.
+above the typical step) and, per request, the stalls of everything else (the sum of the other parts:
+a first chunk that leaves late and whose later chunks catch up delays the TTFT but not the request),
+which the emulator puts on the request's way in.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from replayer.engine_probe import (
 
 ITL_H = "vllm:inter_token_latency_seconds"
 _PER_REQUEST = {"ttft": TTFT_H, "queue": QUEUE_H, "prefill": PREFILL_H, "decode": DECODE_H, "e2e": E2E_H}
-PARTS = ("prefill_step", "decode_steps", "queue", "engine_frontend", "path_in", "path_out")
+PARTS = ("prefill_step", "decode_steps", "queue", "engine_frontend", "path_in", "engine_out", "path_out")
 ENGINE_STEPS = ("prefill_step", "decode_steps")
 
 
@@ -127,7 +130,7 @@ def _parts(load: Mapping[str, Any], params: Mapping[str, float], max_batched: in
     step = float(np.median(e["decode"] / (tokens - 1)))
     measured = {"prefill_step": e["prefill"], "decode_steps": e["decode"], "queue": e["queue"],
                 "engine_frontend": e["ttft"] - e["queue"] - e["prefill"], "path_in": ttft - e["ttft"],
-                "path_out": (e2e - ttft) - (e["e2e"] - e["ttft"])}
+                "engine_out": e["e2e"] - e["ttft"] - e["decode"], "path_out": (e2e - ttft) - (e["e2e"] - e["ttft"])}
     typical = {"prefill_step": ratio * pred, "decode_steps": np.full(len(reqs), step * (tokens - 1))}
     return {k: np.vstack([v, typical.get(k, np.full(len(reqs), float(np.median(v))))]) for k, v in measured.items()}
 
@@ -163,15 +166,17 @@ def stall_tail(load: Mapping[str, Any], params: Mapping[str, float], max_batched
                       "stall_share": float(stalled[k].sum()) / total if total > 0 else 0.0}
     engine_share = sum(summary[k]["stall_share"] for k in ENGINE_STEPS)
     where = max(summary, key=lambda k: summary[k]["stall_share"]) if total > 0 else "none"
-    # the way in: everything before the first token but the engine's steps, per request
-    way_in = parts["queue"] + parts["engine_frontend"] + parts["path_in"]
+    # everything but the engine's steps, per request (the parts sum to the client's latency): a first
+    # chunk that left late and whose later chunks caught up is no stall of the request's latency
+    off = sum(parts[k][0] for k in PARTS if k not in ENGINE_STEPS)
+    way_in = np.vstack([off, np.full(n, float(np.median(off)))])
     req = _stalled(way_in, min_excess_s)
     step_lengths, step_time = _step_stalls(load, parts, stalled, min_excess_s)
     rate = len(step_lengths) / step_time if step_time > 0 and engine_cores > 0 else 0.0
     model = Stalls(step_rate_per_s=rate, step_lengths_s=tuple(step_lengths) if rate > 0 else (),
                    request_p=float((req > 0).mean()), request_lengths_s=tuple(float(x) for x in req[req > 0]))
     return {"requests": n, "min_excess_s": min_excess_s, "parts": summary, "engine_steps_share": engine_share,
-            "where": where, "way_in": {"typical_s": float(np.median(way_in[1])), "stalled": model.request_p,
+            "where": where, "off_steps": {"typical_s": float(np.median(way_in[1])), "stalled": model.request_p,
                                        "mean_excess_s": model.mean_request_excess()},
             "step_time_s": step_time, "steps_on_accelerator": engine_cores <= 0, "stalls": model.to_json()}
 
@@ -209,5 +214,5 @@ def describe(tail: Mapping[str, Any]) -> list[str]:
     mean = (lambda xs: sum(xs) / len(xs) * 1e3 if xs else math.nan)
     out.append(f"  model: steps stall at {s['step_rate_per_s']:.2f}/s of step time, mean {mean(s['step_lengths_s']):.0f} ms"
                + (" (steps on an accelerator: none)" if tail["steps_on_accelerator"] else "")
-               + f"; the way in stalls on {s['request_p']:.0%} of requests, mean {mean(s['request_lengths_s']):.0f} ms")
+               + f"; a request stalls off the steps (put on its way in) on {s['request_p']:.0%} of requests, mean {mean(s['request_lengths_s']):.0f} ms")
     return out
