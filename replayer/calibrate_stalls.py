@@ -26,9 +26,10 @@ A part is stalled in a request when its excess is above half its typical value a
 ``min_excess_s``; the parts' stalled excess is the tail, and its shares say where the tail lies.
 The emulator's model (:mod:`engines.emulated.stalls`) takes the engine steps' stalls per second of
 step time (prefill steps one each; decode steps by the gaps vLLM's inter-token histogram puts well
-above the typical step) and, per request, the stalls of everything else (the sum of the other parts:
-a first chunk that leaves late and whose later chunks catch up delays the TTFT but not the request),
-which the emulator puts on the request's way in.
+above the typical step) and, per request, the stalls of vLLM outside its steps (queue, frontend and
+``engine_out`` summed), put on the request's way in, and of the client's path (``path_in`` and
+``path_out`` summed: a first chunk that leaves late and whose later chunks catch up delays the TTFT
+but not the request), put on the simulated response.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ ITL_H = "vllm:inter_token_latency_seconds"
 _PER_REQUEST = {"ttft": TTFT_H, "queue": QUEUE_H, "prefill": PREFILL_H, "decode": DECODE_H, "e2e": E2E_H}
 PARTS = ("prefill_step", "decode_steps", "queue", "engine_frontend", "path_in", "engine_out", "path_out")
 ENGINE_STEPS = ("prefill_step", "decode_steps")
+VLLM_OFF_STEPS = ("queue", "engine_frontend", "engine_out")
+PATH = ("path_in", "path_out")
 
 
 def itl_buckets(samples: Mapping[str, Any]) -> tuple[list[float], list[float]]:
@@ -166,18 +169,22 @@ def stall_tail(load: Mapping[str, Any], params: Mapping[str, float], max_batched
                       "stall_share": float(stalled[k].sum()) / total if total > 0 else 0.0}
     engine_share = sum(summary[k]["stall_share"] for k in ENGINE_STEPS)
     where = max(summary, key=lambda k: summary[k]["stall_share"]) if total > 0 else "none"
-    # everything but the engine's steps, per request (the parts sum to the client's latency): a first
-    # chunk that left late and whose later chunks caught up is no stall of the request's latency
-    off = sum(parts[k][0] for k in PARTS if k not in ENGINE_STEPS)
-    way_in = np.vstack([off, np.full(n, float(np.median(off)))])
-    req = _stalled(way_in, min_excess_s)
+    # per request, vLLM's time outside its steps (the API server, the engine core's hand-off, the
+    # queue) and the client's path, each summed over its parts: a first chunk that left late and whose
+    # later chunks caught up (path_in up, path_out down) is no stall of the request's latency
+    def summed(keys: Sequence[str]) -> np.ndarray:
+        got = sum(parts[k][0] for k in keys)
+        return np.vstack([got, np.full(n, float(np.median(got)))])
+
+    req = _stalled(summed(VLLM_OFF_STEPS), min_excess_s)
+    path = _stalled(summed(PATH), min_excess_s)
     step_lengths, step_time = _step_stalls(load, parts, stalled, min_excess_s)
     rate = len(step_lengths) / step_time if step_time > 0 and engine_cores > 0 else 0.0
     model = Stalls(step_rate_per_s=rate, step_lengths_s=tuple(step_lengths) if rate > 0 else (),
-                   request_p=float((req > 0).mean()), request_lengths_s=tuple(float(x) for x in req[req > 0]))
+                   request_p=float((req > 0).mean()), request_lengths_s=tuple(float(x) for x in req[req > 0]),
+                   path_p=float((path > 0).mean()), path_lengths_s=tuple(float(x) for x in path[path > 0]))
     return {"requests": n, "min_excess_s": min_excess_s, "parts": summary, "engine_steps_share": engine_share,
-            "where": where, "off_steps": {"typical_s": float(np.median(way_in[1])), "stalled": model.request_p,
-                                       "mean_excess_s": model.mean_request_excess()},
+            "where": where,
             "step_time_s": step_time, "steps_on_accelerator": engine_cores <= 0, "stalls": model.to_json()}
 
 
@@ -214,5 +221,6 @@ def describe(tail: Mapping[str, Any]) -> list[str]:
     mean = (lambda xs: sum(xs) / len(xs) * 1e3 if xs else math.nan)
     out.append(f"  model: steps stall at {s['step_rate_per_s']:.2f}/s of step time, mean {mean(s['step_lengths_s']):.0f} ms"
                + (" (steps on an accelerator: none)" if tail["steps_on_accelerator"] else "")
-               + f"; a request stalls off the steps (put on its way in) on {s['request_p']:.0%} of requests, mean {mean(s['request_lengths_s']):.0f} ms")
+               + f"; vLLM outside its steps on {s['request_p']:.0%} of requests, mean {mean(s['request_lengths_s']):.0f} ms"
+               + f"; the client's path on {s['path_p']:.0%}, mean {mean(s['path_lengths_s']):.0f} ms")
     return out

@@ -115,7 +115,8 @@ def _beyond(rows: Sequence[Mapping[str, Any]], base: float) -> LivePathModel:
     return LivePathModel(tuple(sorted((float(r["in_flight"]), max(float(r["path_s"]) - base, 0.0)) for r in rows)))
 
 
-def delay_first_chunks(records: Sequence[Any], lag: LivePathModel, whole: bool = False) -> np.ndarray:
+def delay_first_chunks(records: Sequence[Any], lag: LivePathModel, whole: bool = False, stalls: Any = None,
+                       seed: int = 0) -> np.ndarray:
     """Delay each answered request's first token (as the client sees it) by ``lag`` at the count of
     others in flight when it arrived, never past its finish; in place. The delays applied, per
     answered request in ``records``' order.
@@ -123,12 +124,19 @@ def delay_first_chunks(records: Sequence[Any], lag: LivePathModel, whole: bool =
     ``whole``: the finish by the same delay too (the response shifted whole, first chunk uncapped).
     Why both exist: a lone 16-token request's later chunks catch up with the engine, but during a
     run's load, with answers of a few tokens, the client's end-to-end exceeded vLLM's own by about
-    the TTFT path (``analysis/results/live-host-2026-11-27.md``): the lag held to the last chunk."""
+    the TTFT path (``analysis/results/live-host-2026-11-27.md``): the lag held to the last chunk.
+
+    ``stalls``: a profile's :class:`~engines.emulated.stalls.Stalls` with path stalls: each request's
+    lag is then the lag less their mean plus a draw (:meth:`~engines.emulated.stalls.StallSampler.path`),
+    drawn in records' order from ``seed`` (the run's)."""
     ok = [r for r in records if not r.error and math.isfinite(r.first_token)]
     k = in_flight_at_arrival([r.arrival for r in ok], [r.finish for r in ok])
     applied = np.empty(len(ok))
+    draw = stalls.sampler(f"path/{seed}").path if stalls is not None and stalls.path_p > 0 else None
     for i, (r, n) in enumerate(zip(ok, k)):
         d = lag(int(n))
+        if draw is not None:
+            d = draw(d)
         new = r.first_token + d if whole else min(r.first_token + d, r.finish)
         applied[i] = new - r.first_token
         r.first_token = new

@@ -366,7 +366,8 @@ def main(args: argparse.Namespace) -> int:
                 print(f"gpuhit experiment sim-vs-real: simulating {rate:g}/s {pol} seed {seed}", file=sys.stderr,
                       flush=True)
             res = simulate_run(spec, engines, trace, profile, pol, seed, rate, live_path=ingress)
-            applied = delay_first_chunks(res.records, lag, whole=args.live_path == "response") if lag is not None else ()
+            applied = (delay_first_chunks(res.records, lag, whole=args.live_path == "response", stalls=profile.stalls,
+                                          seed=seed) if lag is not None else ())
             sim_runs.append(res.summary())
             real_df, sim_df = read_records(lr["records"]), records_to_frame(res.records)
             att = attribution(real_df, sim_df, int(spec["block_size"]))

@@ -143,12 +143,14 @@ class StepLoopMixin:
                     else:
                         prefill += prof.prefill_cost(n, c)
                 step = prof.step_time(len(out.reqs), prefill, dsum)
+                factor = None
                 if self.host is not None:  # engines sharing a host's cores slow each other down
                     # the tokens this step produces: every sequence whose last prompt chunk or decode it runs
                     gen = sum(1 for r, n in zip(out.reqs, out.num_tokens) if r.num_computed_tokens + n >= r.num_tokens)
-                    step *= self.host.factor(self, now, gen, step)
-                if self.stalls is not None:  # the host preempted the worker mid-step (engines.emulated.stalls)
-                    step += self.stalls.step(step)
+                    factor = self.host.factor(self, now, gen, step)
+                    step *= factor
+                if self.stalls is not None:  # the host preempts the worker mid-step (engines.emulated.stalls)
+                    step = self.stalls.step(step, factor)
                 end = now + step
                 await self._sleep_until(end)
                 self._apply(out, now, end)

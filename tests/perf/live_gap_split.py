@@ -33,7 +33,7 @@ rows = []
 for lr in complete_seeds(load_runs(live/"rate-3", exp["policies"], exp.get("seeds")), exp["policies"]):
     res = simulate_run(spec, eng, trace, prof, lr["policy"], int(lr["seed"]), 3.0, live_path=ingress)
     if lag is not None:
-        delay_first_chunks(res.records, lag, whole=mode == "response")
+        delay_first_chunks(res.records, lag, whole=mode == "response", stalls=prof.stalls, seed=int(lr["seed"]))
     r, s = keyed(read_records(lr["records"])), keyed(records_to_frame(res.records))
     b = r.merge(s, left_index=True, right_index=True, suffixes=("_r", "_s"))
     b["gap"] = (b.finish_r - b.arrival_r) - (b.finish_s - b.arrival_s)

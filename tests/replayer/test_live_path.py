@@ -73,6 +73,21 @@ def test_whole_responses_are_shifted_first_chunk_and_finish_alike():
     assert [r.finish for r in recs] == pytest.approx([0.30, 0.21, 0.45, 0.07])
 
 
+def test_path_stalls_redistribute_the_lag_reproducibly_per_seed():
+    """With a profile's path stalls, each response's lag is the lag less their mean plus a draw from
+    the run's seed: the same seed the same delays, another seed others."""
+    from engines.emulated.stalls import Stalls
+
+    stalls = Stalls(path_p=0.5, path_lengths_s=(0.2,))  # mean 0.1 s: a 50 ms lag gives 0 or 0.2 s
+    runs = []
+    for seed in (1, 1, 2):
+        recs = [RequestRecord(session=f"s{i}", turn=0, arrival=10.0 * i, first_token=10.0 * i + 0.1,
+                              finish=10.0 * i + 0.3) for i in range(40)]
+        runs.append(list(delay_first_chunks(recs, LivePathModel(((0, 0.05),)), whole=True, stalls=stalls, seed=seed)))
+    assert runs[0] == runs[1] != runs[2]
+    assert {round(x, 9) for x in runs[0]} == {0.0, 0.2}
+
+
 def test_in_flight_at_arrival_counts_the_others_not_yet_finished():
     #            a: 0-5   b: 1-2   c: 2-6   d: 3-4   e: 7-8
     arrival = [0.0, 1.0, 2.0, 3.0, 7.0]

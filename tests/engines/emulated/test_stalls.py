@@ -15,7 +15,8 @@ from gpuhit.errors import ConfigError
 from replayer.simulate import simulate
 from replayer.trace import Session, Trace, Turn
 
-STALLS = Stalls(step_rate_per_s=4.0, step_lengths_s=(0.05, 0.1, 0.3), request_p=0.2, request_lengths_s=(0.02, 0.2))
+STALLS = Stalls(step_rate_per_s=4.0, step_lengths_s=(0.05, 0.1, 0.3), request_p=0.2, request_lengths_s=(0.02, 0.2),
+                path_p=0.1, path_lengths_s=(0.05, 0.25))
 
 
 def _trace() -> Trace:
@@ -56,11 +57,24 @@ def test_over_many_steps_the_added_time_is_the_measured_mean():
     s = STALLS.sampler(7)
     step = 0.02
     n = 200_000
-    added = sum(s.step(step) for _ in range(n))
+    added = sum(s.step(step) - step for _ in range(n))
     assert added / (n * step) == pytest.approx(STALLS.mean_step_excess(), rel=0.03)
     req = sum(s.request() for _ in range(n)) / n
     assert req == pytest.approx(STALLS.mean_request_excess(), rel=0.03)
     assert STALLS.mean_step_excess() == pytest.approx(4.0 * 0.15)
+
+
+def test_under_a_host_model_the_mean_step_and_the_mean_path_stay_the_measured_ones():
+    """A host model's factor and the live path's lag are means that hold the stalls already: the
+    stalls move part of them into a tail, the mean stays; an engine whose host is not oversubscribed
+    (factor 1) is not preempted."""
+    s = STALLS.sampler(11)
+    n = 200_000
+    timed = 0.02 * 1.5  # a step of 20 ms at the host model's factor 1.5
+    assert sum(s.step(timed, 1.5) for _ in range(n)) / n == pytest.approx(timed, rel=0.03)
+    assert {s.step(0.02, 1.0) for _ in range(1000)} == {0.02}
+    lags = [s.path(0.08) for _ in range(n)]
+    assert sum(lags) / n == pytest.approx(0.08, rel=0.03) and max(lags) > 0.3
 
 
 def test_stalls_load_from_a_profile_file_and_bad_ones_are_refused(tmp_path, base):
@@ -69,7 +83,8 @@ def test_stalls_load_from_a_profile_file_and_bad_ones_are_refused(tmp_path, base
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"profiles": {"x": entry}}))
     assert load_profile(f"{path}#x").stalls == STALLS
-    for bad in ({"step_rate_per_s": 1.0}, {"request_p": 1.5, "request_lengths_s": [0.1]}, {"when": 1}):
+    for bad in ({"step_rate_per_s": 1.0}, {"request_p": 1.5, "request_lengths_s": [0.1]}, {"path_lengths_s": [0.1]},
+                {"when": 1}):
         entry["stalls"] = bad
         path.write_text(json.dumps({"profiles": {"x": entry}}))
         with pytest.raises(ConfigError, match="stalls"):
