@@ -18,8 +18,8 @@ nothing here assumes either), and writes a profile in the ``profiles.json`` form
 
 then fits the profile (:mod:`engines.emulated.profile_fit`: every repeat with a robust loss, so that a
 probe a host stall delayed does not move it) and reports the error on probes held back from the fit
-and whether to trust it (``fit.check``). It also measures the **live path** a gateway deployment adds (``fit.live_path`` in the
-profile; :mod:`replayer.calibrate_path`): the direct client's HTTP path, what a gpuhit gateway in
+and whether to trust it (``fit.check``). It also measures the **live path** a gateway deployment adds
+(``fit.live_path`` in the profile; :mod:`replayer.calibrate_path`): the direct client's HTTP path, what a gpuhit gateway in
 front adds to a lone request, and the path under a run's kind of load (cold prefills of the trace's
 prompt sizes in flight through the gateway on every engine, at several concurrencies), which
 ``gpuhit experiment sim-vs-real`` applies where a simulated request crosses the gateway
@@ -323,11 +323,11 @@ def main(args: argparse.Namespace) -> int:
         kw = {"num_gpu_blocks": info["num_gpu_blocks"], "max_model_len": info["max_model_len"]}
         for row, level in zip(live_path["by_in_flight"], entry["fit"]["measurements"]["path_load"]):
             row.update(modeled_level(level, prof, len(urls), kw, live_path["direct_path_s"]))
-            if prof.host_contention or prof.host_cpu:  # and without the host's contention: what it changes
+            if prof.host_contention or prof.host_cpu or prof.stalls:  # and without the host (contention, stalls)
                 import dataclasses
 
-                alone = modeled_level(level, dataclasses.replace(prof, host_contention=(), host_cpu=None), len(urls), kw,
-                                      live_path["direct_path_s"])
+                bare = dataclasses.replace(prof, host_contention=(), host_cpu=None, stalls=None)
+                alone = modeled_level(level, bare, len(urls), kw, live_path["direct_path_s"])
                 row.update({f"{k}_alone": v for k, v in alone.items()})
         out.write_text(to_json({"profiles": {args.name: entry}}, indent=1), encoding="utf-8")
     doc = {"profile": str(out), "name": args.name, "engine": info, "params": fit["params"],
