@@ -29,6 +29,15 @@ from typing import Any
 import numpy as np
 
 PARTS = ("path_before", "engine_other", "queue", "prefill", "decode", "path_after")
+# the part of the model each part of the split holds against the live side
+MODEL_PART = {
+    "path_before": "the live path in (the live-path model)",
+    "engine_other": "the engine's frontend (the profile's frontend delay)",
+    "queue": "scheduler queueing",
+    "prefill": "prefill (step time; with chunked prefill also waiting behind other chunks)",
+    "decode": "decode step time",
+    "path_after": "the live path back (the live-path model)",
+}
 TAIL_SHARE = 0.10  # the requests furthest apart: this share of the paired requests, by absolute gap
 
 
@@ -145,6 +154,15 @@ def format_split(doc: Mapping[str, Any]) -> str:
                     continue
                 lines.append(f"| {pol}: {label}{tag} | {sub['n']} | {sub['gap_mean_s'] * 1e3:+.1f} | "
                              + " | ".join(_cell(sub, p) for p in PARTS) + f" | {largest_part(sub)} |")
+    lines.append("")
+    for pol, sides in doc.items():
+        typical, tail = sides["same_hit"], sides["same_hit"].get("tail", {})
+        if typical.get("n") and largest_part(typical) and tail.get("n") and largest_part(tail):
+            lines.append(f"- {pol}: requests with the same hit, {typical['gap_mean_s'] * 1e3:+.0f} ms on average, most "
+                         f"of it in {MODEL_PART[largest_part(typical)]} "
+                         f"({typical['parts'][largest_part(typical)]['share'] * 100:.0f}%); the 10% furthest apart "
+                         f"({tail['gap_mean_s'] * 1e3:+.0f} ms) in {MODEL_PART[largest_part(tail)]} "
+                         f"({tail['parts'][largest_part(tail)]['share'] * 100:.0f}%)")
     lines += ["", "Real side's mean per part, ms (all requests): " + "; ".join(
         f"{pol} " + ", ".join(f"{p} {sides['all']['parts'][p]['real_mean_s'] * 1e3:.1f}" for p in PARTS)
         for pol, sides in doc.items() if sides["all"].get("n"))]
