@@ -116,7 +116,7 @@ def started_engines(args: argparse.Namespace, sched: str, out: pathlib.Path, col
     print(f"gpuhit experiment ab-live: starting {len(servers)} vLLM engines (logs in {out / 'engine-logs'})",
           file=sys.stderr, flush=True)
     with running(servers) as ready:
-        yield [s.url for s in ready], [" ".join([*(f"{k}={v}" for k, v in sorted(s.env.items()) if k.startswith("VLLM_")),
+        yield [s.url for s in ready], [" ".join([*(f"{k}={v}" for k, v in sorted(s.env.items()) if k.startswith(("VLLM_", "OTEL_"))),
                                                 *s.argv]) for s in ready]
 
 
