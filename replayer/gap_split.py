@@ -12,6 +12,12 @@ sum of six parts, on each side alike:
   first to last token (the engine's own figures, span attributes as vLLM names them);
 * ``path_after``: the engine's end to the client's finish (the answer's way back).
 
+vLLM stamps a request queued when its engine loop takes it in, between two steps, so a wait for the
+step under way lands in ``engine_other``, not ``queue``; the emulator stamps it on arrival, so there
+that wait is ``queue``: compare the two parts' sum where they differ in opposite directions. With
+chunked prefill vLLM schedules nearly every request in the step after it arrives, and the wait
+behind other requests' prefill shows in ``prefill``.
+
 Every request is paired with itself on the other side (same seed, session and turn). Per group of
 requests (those whose prefix hit is the same on both sides, to a block; and all) the real-minus-
 simulated difference of each part, its mean, and the share of the summed latency gap it carries
@@ -84,8 +90,8 @@ def paired_parts(real: Any, sim: Any, block_size: int) -> Any:
 
 
 def _group(pairs: Any) -> dict[str, Any]:
-    """Mean gap and, per part, the mean real - sim difference, its share of the summed gap and the
-    real side's mean (seconds)."""
+    """Mean gap and, per part, the mean real - sim difference, its share of the summed gap and each
+    side's mean (seconds)."""
     n = len(pairs)
     if n == 0:
         return {"n": 0}
@@ -93,8 +99,9 @@ def _group(pairs: Any) -> dict[str, Any]:
     doc: dict[str, Any] = {"n": n, "gap_mean_s": total / n, "parts": {}}
     for p in PARTS:
         d = float(pairs[p].sum())
-        doc["parts"][p] = {"mean_s": d / n, "share": d / total if total else math.nan,
-                           "real_mean_s": float(pairs[f"{p}_real"].mean())}
+        real = float(pairs[f"{p}_real"].mean())
+        doc["parts"][p] = {"mean_s": d / n, "share": d / total if total else math.nan, "real_mean_s": real,
+                           "sim_mean_s": real - d / n}
     return doc
 
 
@@ -163,8 +170,9 @@ def format_split(doc: Mapping[str, Any]) -> str:
                          f"({typical['parts'][largest_part(typical)]['share'] * 100:.0f}%); the 10% furthest apart "
                          f"({tail['gap_mean_s'] * 1e3:+.0f} ms) in {MODEL_PART[largest_part(tail)]} "
                          f"({tail['parts'][largest_part(tail)]['share'] * 100:.0f}%)")
-    lines += ["", "Real side's mean per part, ms (all requests): " + "; ".join(
-        f"{pol} " + ", ".join(f"{p} {sides['all']['parts'][p]['real_mean_s'] * 1e3:.1f}" for p in PARTS)
+    lines += ["", "Mean per part, real / simulated ms (all requests): " + "; ".join(
+        f"{pol} " + ", ".join(f"{p} {sides['all']['parts'][p]['real_mean_s'] * 1e3:.1f} / "
+                              f"{sides['all']['parts'][p]['sim_mean_s'] * 1e3:.1f}" for p in PARTS)
         for pol, sides in doc.items() if sides["all"].get("n"))]
     return "\n".join(lines)
 

@@ -48,7 +48,8 @@ def test_each_part_of_a_known_gap():
     for p in ("engine_other", "prefill", "decode", "path_after"):
         assert g["parts"][p]["mean_s"] == pytest.approx(0.0, abs=1e-12)
     assert sum(v["share"] for v in g["parts"].values()) == pytest.approx(1.0)
-    assert g["parts"]["queue"]["real_mean_s"] == pytest.approx(0.05)
+    assert g["parts"]["queue"]["real_mean_s"] == pytest.approx(0.05) and g["parts"]["queue"]["sim_mean_s"] == 0.0
+    assert g["parts"]["prefill"]["sim_mean_s"] == pytest.approx(0.1)
     # the furthest 10%: the one stalled request, all of it queueing
     t = g["tail"]
     assert t["n"] == 1 and t["gap_mean_s"] == pytest.approx(0.5) and t["parts"]["queue"]["share"] == pytest.approx(1.0)
