@@ -233,16 +233,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--reference", default=None, help="policy differences are taken against (default the first)")
     p.add_argument("--seeds", type=int, default=3, metavar="K", help="paired seeds 0..K-1 (default 3)")
     p.add_argument("--out", default=None, metavar="DIR", help="folder (default results/ab-live-<UTC>); same --out resumes")
-    p.add_argument("--engine-spans", type=int, nargs="?", const=0, default=None, metavar="PORT",
+    spans = p.add_mutually_exclusive_group()
+    spans.add_argument("--engine-spans", type=int, nargs="?", const=0, default=None, metavar="PORT",
                    help="join vLLM's per-request spans to the records (engine queue, prefill, decode, TTFT, e2e): "
                         "collect them on PORT (with --engine: the engines' --otlp-traces-endpoint "
                         "http://127.0.0.1:PORT/v1/traces, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; with "
                         "--start-engines: a free port unless given)")
-    p.add_argument("--span-file", default=None, metavar="FILE",
+    spans.add_argument("--span-file", default=None, metavar="FILE",
                    help="as --engine-spans, from the file of a collector already running for the engines "
                         "(python -m gpuhit.otlp_collector FILE --port PORT)")
     p.add_argument("--span-wait", type=float, default=15.0, metavar="S",
-                   help="with --engine-spans: seconds a run waits for its last spans (default 15)")
+                   help="with engine spans: seconds a run waits for its last spans (default 15)")
     p.add_argument("--progress", action="store_true", help="progress line even when stderr is not a TTY")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)

@@ -112,3 +112,22 @@ def test_waiting_for_a_span_that_never_comes_ends_at_the_timeout(tmp_path):
     p.write_text(json.dumps(span("1" * 32)) + "\n")
     spans = asyncio.run(SpanCollector.reading(p).wait_for(["1" * 32, "2" * 32], 0, timeout=0.0))
     assert list(spans) == ["1" * 32]
+
+
+def test_an_experiment_collector_is_started_read_or_refused(tmp_path):
+    from gpuhit.errors import ConfigError
+    from replayer.engine_spans import experiment_collector
+
+    with experiment_collector(None, None, True, tmp_path / "s.jsonl") as c:
+        assert c is None
+    with experiment_collector(str(tmp_path / "theirs.jsonl"), None, True, tmp_path / "s.jsonl") as c:
+        assert c.path == tmp_path / "theirs.jsonl"
+        with pytest.raises(ConfigError, match="did not start"):
+            _ = c.endpoint
+    # engines started elsewhere export to a port they were given: it must be named
+    with pytest.raises(ConfigError, match="needs the port"), experiment_collector(None, 0, True, tmp_path / "s.jsonl"):
+        pass
+    with pytest.raises(ConfigError, match="below 32768"), experiment_collector(None, 40000, True, tmp_path / "s.jsonl"):
+        pass
+    with experiment_collector(None, 0, False, tmp_path / "s.jsonl") as c:
+        assert c.port > 0 and c.endpoint == f"http://127.0.0.1:{c.port}/v1/traces"
