@@ -48,17 +48,22 @@ def publisher(ports: list[int]) -> KVEventPublisher:
     return pub
 
 
+async def connected(keep: Callable, ports: list[int], **kw) -> tuple[KVEventPublisher, Collector, KVEventSubscriber]:
+    """A publisher on ``ports`` and a subscriber to it (its replay socket too), synced."""
+    pub = keep(publisher(ports))
+    got = Collector()
+    sub = keep(KVEventSubscriber(pub.endpoint_bound, got, replay_endpoint=pub.replay_endpoint_bound, **kw))
+    sub.start()
+    await pub.wait_subscribers(1)
+    await asyncio.wait_for(sub.synced.wait(), 10)
+    return pub, got, sub
+
+
 def test_sequence_going_backwards_is_a_restart_cleared_and_replayed():
     async def main() -> None:
         async with closed_at_end() as keep:
             ports = free_ports(2)
-            pub = keep(publisher(ports))
-            got = Collector()
-            sub = keep(KVEventSubscriber(pub.endpoint_bound, got, replay_endpoint=pub.replay_endpoint_bound,
-                                          watch_reconnects=False))
-            sub.start()
-            await pub.wait_subscribers(1)
-            await asyncio.wait_for(sub.synced.wait(), 10)
+            pub, got, sub = await connected(keep, ports, watch_reconnects=False)
             for h in (1, 2, 3):
                 pub.publish(stored(h))
             await got.wait_for(3)
@@ -81,12 +86,7 @@ def test_reconnected_socket_is_a_restart_even_when_the_new_sequence_is_ahead():
     async def main() -> None:
         async with closed_at_end() as keep:
             ports = free_ports(2)
-            pub = keep(publisher(ports))
-            got = Collector()
-            sub = keep(KVEventSubscriber(pub.endpoint_bound, got, replay_endpoint=pub.replay_endpoint_bound))
-            sub.start()
-            await pub.wait_subscribers(1)
-            await asyncio.wait_for(sub.synced.wait(), 10)
+            pub, got, sub = await connected(keep, ports)
             pub.publish(stored(1))
             pub.publish(stored(2))
             await got.wait_for(2)
@@ -161,12 +161,7 @@ def test_a_dropped_connection_clears_the_index_at_once_before_any_reconnect():
     async def main() -> None:
         async with closed_at_end() as keep:
             ports = free_ports(2)
-            pub = keep(publisher(ports))
-            got = Collector()
-            sub = keep(KVEventSubscriber(pub.endpoint_bound, got, replay_endpoint=pub.replay_endpoint_bound))
-            sub.start()
-            await pub.wait_subscribers(1)
-            await asyncio.wait_for(sub.synced.wait(), 10)
+            pub, got, sub = await connected(keep, ports)
             pub.publish(stored(1))
             await got.wait_for(1)
             await pub.close()  # no publisher comes back on these ports
