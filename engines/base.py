@@ -63,6 +63,10 @@ class GenerateResult(msgspec.Struct):
     error: str | None = None
     kv_transfer_params: Mapping[str, Any] | None = None
     num_preemptions: int = 0
+    # The engine's own steps, where it knows them (the emulator): queued for its scheduler, and first
+    # scheduled (a preemption does not move it, as in vLLM's per-request stats)
+    queued_time: float | None = None
+    scheduled_time: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -121,6 +121,13 @@ def finish_engine_span(span: Any, res: Any) -> None:
         attrs["gen_ai.latency.time_to_first_token"] = res.first_token_time - res.arrival
     if res.finish_time is not None:
         attrs["gen_ai.latency.e2e"] = res.finish_time - res.arrival
+    # vLLM's split of the same time: waiting for the scheduler, prefill, decode (engines that know it)
+    queued, scheduled = getattr(res, "queued_time", None), getattr(res, "scheduled_time", None)
+    if queued is not None and scheduled is not None and res.first_token_time is not None \
+            and res.finish_time is not None:
+        attrs["gen_ai.latency.time_in_queue"] = scheduled - queued
+        attrs["gen_ai.latency.time_in_model_prefill"] = res.first_token_time - scheduled
+        attrs["gen_ai.latency.time_in_model_decode"] = res.finish_time - res.first_token_time
     if res.error is not None:
         attrs["error.type"] = res.error[:200]
     span.set_attributes(attrs)

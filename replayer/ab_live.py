@@ -18,6 +18,12 @@ Trace: the bundled WEKA slice (or ``--trace``), its first ``--max-sessions`` roo
 the engines' context (:mod:`replayer.trace_scale`), Poisson session arrivals, think times kept
 (``--think-scale``, ``--max-think``), sub-agents placed by the recorded service time x ``--time-scale``.
 
+Engine spans (``--engine-spans``): every request carries its own trace context, vLLM exports its
+per-request span to a collector this command runs (:mod:`replayer.engine_spans`), and each run's
+records get the engine's own timing of every request (queue, prefill, decode, engine TTFT and e2e;
+a request without its span says why, and the run's summary counts them), which ``gpuhit experiment
+sim-vs-real`` splits against the simulated side's (:mod:`replayer.gap_split`).
+
 Resumable: each finished run is saved (``rate-R/runs/POLICY-sSEED.json``) and skipped when the
 command is run again with the same ``--out``; a run cut short is redone from a cold cache (its
 records are discarded: a half run continued on warm caches would not be the same experiment).
@@ -89,25 +95,28 @@ def scheduling_policy(policies: Sequence[str]) -> str:
 # ------------------------------------------------------------------------------------ engines
 
 @contextlib.contextmanager
-def started_engines(args: argparse.Namespace, sched: str, out: pathlib.Path) -> Any:
-    """The engines of the experiment: ``--engine`` URLs as given, or ``--start-engines`` local vLLMs."""
+def started_engines(args: argparse.Namespace, sched: str, out: pathlib.Path, collector: Any = None) -> Any:
+    """The engines of the experiment: ``--engine`` URLs as given, or ``--start-engines`` local vLLMs
+    (exporting their spans to ``collector`` when given)."""
     if args.engine:
         yield [u.rstrip("/") for u in args.engine], None
         return
     from engines.vllm.launch import make_server, running
+    from replayer.engine_spans import engine_tracing
 
+    tracing = engine_tracing(collector.endpoint) if collector is not None else {}
     cores = args.cpu_bind.split(";") if args.cpu_bind else [None] * args.start_engines
     if len(cores) != args.start_engines:
         raise ConfigError(f"--cpu-bind lists {len(cores)} core sets for {args.start_engines} engines")
     servers = [make_server(out / "engine-logs", f"vllm{i}", model=args.model, tokenizer=args.tokenizer,
                            cpu_cores=cores[i], num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len,
                            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                           scheduling_policy=sched)
+                           scheduling_policy=sched, **tracing)
                for i in range(args.start_engines)]
     print(f"gpuhit experiment ab-live: starting {len(servers)} vLLM engines (logs in {out / 'engine-logs'})",
           file=sys.stderr, flush=True)
     with running(servers) as ready:
-        yield [s.url for s in ready], [" ".join([*(f"{k}={v}" for k, v in sorted(s.env.items()) if k.startswith("VLLM_")),
+        yield [s.url for s in ready], [" ".join([*(f"{k}={v}" for k, v in sorted(s.env.items()) if k.startswith(("VLLM_", "OTEL_"))),
                                                 *s.argv]) for s in ready]
 
 
@@ -128,8 +137,9 @@ async def cold_start(http: Any, url: str) -> None:
 
 
 async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], policy: str, seed: int, rate: float,
-                  records: pathlib.Path, label: str) -> dict[str, Any]:
-    """One live run: gateway with ``policy``, cold caches, closed-loop replay; its summary."""
+                  records: pathlib.Path, label: str, spans: Any = None) -> dict[str, Any]:
+    """One live run: gateway with ``policy``, cold caches, closed-loop replay; its summary. ``spans``:
+    the engines' span collector, whose spans of this run's requests are joined to its records."""
     import asyncio
 
     import aiohttp
@@ -152,7 +162,13 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
         await cold_start(http, url)
         before = await scrape_all(http, urls)
         synth = TokenSynthesizer(seed=seed, engine_block_size=gw.block_size)
-        target = HttpTarget(url, synth, http, model=card["model"], timeout=600.0, max_model_len=card["max_model_len"])
+        trace_ids = None
+        if spans is not None:
+            from replayer.engine_spans import TraceIds, clock_offset, join_run
+
+            trace_ids, span_start, offset = TraceIds(), spans.size(), clock_offset(loop.time())
+        target = HttpTarget(url, synth, http, model=card["model"], timeout=600.0, max_model_len=card["max_model_len"],
+                            trace_ids=trace_ids)
         bar = Progress(count_requests(trace), label=label, force=spec.get("progress", False))
         n = [0]
 
@@ -162,13 +178,15 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
 
         records.unlink(missing_ok=True)  # a run cut short is redone from cold caches
         t0 = loop.time()
-        with RecordWriter(records, resume=False, policy=policy, seed=seed) as w:
+        with RecordWriter(records, resume=False, policy=policy, seed=seed, engine_columns=spans is not None) as w:
             try:
                 res = await replay(trace, target, driver_config(spec, policy, seed, rate), sink=w.write,
                                    on_record=on_record)
             finally:
                 bar.close()
         side = await engine_side(http, urls, before, sum(1 for r in res.records if not r.error))
+    joined = await join_run(spans, res.records, span_start, offset, records, spec.get("span_wait", 15.0)) \
+        if spans is not None else None
     s = summarize(read_records(records), None, res.makespan, math.nan)
     # Engines sharing a host with other work run slower than their profile: the host's load says how busy
     # it was (1-minute load average at the start and the end of the run), and when (UTC start and end) lines
@@ -178,6 +196,8 @@ async def run_one(spec: Mapping[str, Any], trace: Any, urls: Sequence[str], poli
     s.update(policy=policy, seed=seed, session_rate=rate, records=str(records), cold_start=True,
              host_load=[load0, os.getloadavg()[0]], engine_side=side,
              utc=[start, _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")])
+    if joined is not None:  # requests joined to their engine span; why the others are not
+        s["engine_spans"] = joined
     return s
 
 
@@ -213,6 +233,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--reference", default=None, help="policy differences are taken against (default the first)")
     p.add_argument("--seeds", type=int, default=3, metavar="K", help="paired seeds 0..K-1 (default 3)")
     p.add_argument("--out", default=None, metavar="DIR", help="folder (default results/ab-live-<UTC>); same --out resumes")
+    spans = p.add_mutually_exclusive_group()
+    spans.add_argument("--engine-spans", type=int, nargs="?", const=0, default=None, metavar="PORT",
+                   help="join vLLM's per-request spans to the records (engine queue, prefill, decode, TTFT, e2e): "
+                        "collect them on PORT (with --engine: the engines' --otlp-traces-endpoint "
+                        "http://127.0.0.1:PORT/v1/traces, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; with "
+                        "--start-engines: a free port unless given)")
+    spans.add_argument("--span-file", default=None, metavar="FILE",
+                   help="as --engine-spans, from the file of a collector already running for the engines "
+                        "(python -m gpuhit.otlp_collector FILE --port PORT)")
+    p.add_argument("--span-wait", type=float, default=15.0, metavar="S",
+                   help="with engine spans: seconds a run waits for its last spans (default 15)")
     p.add_argument("--progress", action="store_true", help="progress line even when stderr is not a TTY")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)
@@ -271,7 +302,10 @@ def main(args: argparse.Namespace) -> int:
         found = vtime.run_live(engines_scheduling([u.rstrip("/") for u in args.engine]))
         for warning in check_scheduling(prio, sched, found):
             say(f"warning: {warning}")
-    with started_engines(args, sched, out) as (urls, engine_lines):
+    from replayer.engine_spans import experiment_collector
+
+    with experiment_collector(args.span_file, args.engine_spans, bool(args.engine), out / "engine-spans.jsonl") \
+            as spans, started_engines(args, sched, out, spans) as (urls, engine_lines):
         info = vtime.run_live(_engine_infos(urls))
         mml = info["max_model_len"]
         spec = {"paths": args.trace or [], "max_sessions": args.max_sessions, "max_output": args.max_output,
@@ -286,11 +320,11 @@ def main(args: argparse.Namespace) -> int:
             old = json.loads(exp_path.read_text(encoding="utf-8"))
             if {k: old.get(k) for k in definition} != json.loads(to_json(definition)):
                 raise ConfigError(f"{out} holds a different experiment; use a new --out or the same options")
-        doc = {**definition, "seeds": args.seeds, "reference": reference, "engines": {"urls": urls, "count": len(urls), **info, "command_lines": engine_lines},
+        doc = {**definition, "seeds": args.seeds, "engine_spans": spans is not None, "reference": reference, "engines": {"urls": urls, "count": len(urls), **info, "command_lines": engine_lines},
                "command": command, "utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
         exp_path.write_text(to_json(doc, indent=1), encoding="utf-8")
         trace = experiment_trace(spec)
-        spec["progress"] = args.progress
+        spec.update(progress=args.progress, span_wait=args.span_wait)
         total = len(rates) * len(policies) * args.seeds
         k = 0
         for seed in range(args.seeds):  # seed-major: a cut-short experiment still has paired seeds at each rate
@@ -304,11 +338,14 @@ def main(args: argparse.Namespace) -> int:
                         say(f"[{k}/{total}] {rate:g}/s {pol} seed {seed}: done earlier")
                         continue
                     s = vtime.run_live(run_one(spec, trace, urls, pol, seed, rate,
-                                               folder / "records" / f"{pol}-seed{seed}.csv", f"{pol} s{seed}"))
+                                               folder / "records" / f"{pol}-seed{seed}.csv", f"{pol} s{seed}", spans))
                     saved.write_text(to_json(s, indent=1), encoding="utf-8")
                     say(f"[{k}/{total}] {rate:g}/s {pol} seed {seed}: {s['n_ok']}/{s['n_sent']} ok, latency mean "
                         f"{s['latency_mean']:.3f} s p90 {s['latency_p90']:.3f} s, TTFT p90 {s['ttft_p90']:.3f} s, "
-                        f"APC {s['apc_realized'] * 100:.1f}%")
+                        f"APC {s['apc_realized'] * 100:.1f}%" + (
+                            f"; engine spans joined {s['engine_spans']['matched']}/{s['engine_spans']['requests']}"
+                            + "".join(f", {n} {why}" for why, n in s["engine_spans"]["missing"].items())
+                            if "engine_spans" in s else ""))
     results = {}
     for rate in rates:
         folder = out / rate_label(rate)

@@ -15,6 +15,9 @@ GPU utilization per engine (:class:`UtilizationSampler`) comes from, per engine,
 
 Tracing (optional tracer from :func:`gpuhit.tracing.setup`): a ``session`` span per session
 (ended after its last turn) and a ``turn`` span per request whose ``traceparent`` the gateway continues.
+Engine spans (``trace_ids``, :class:`replayer.engine_spans.TraceIds`): every request gets its own
+trace context, whose trace id its record keeps (:class:`~replayer.records.EngineTimedRecord`), so the
+engine's span of it can be joined to its row afterwards (:mod:`replayer.engine_spans`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from gpuhit.aio import cancel_and_wait
 from gpuhit.errors import BadRequestError, ConfigError, UnavailableError
 from replayer import dialects
 from replayer.driver import TurnRequest, request_max_tokens
-from replayer.records import RequestRecord
+from replayer.records import EngineTimedRecord, RequestRecord
 
 
 class HttpTarget:
@@ -41,7 +44,7 @@ class HttpTarget:
 
     def __init__(self, base_url: str, synth: Any, session: aiohttp.ClientSession | None = None,
                  model: str | None = None, timeout: float | None = None, tracer: Any = None,
-                 max_model_len: int | None = None, api: str = "completions"):
+                 max_model_len: int | None = None, api: str = "completions", trace_ids: Any = None):
         self.base_url = base_url.rstrip("/")
         if api not in dialects.APIS:
             raise ConfigError(f"--api {api!r}: choose one of {', '.join(dialects.APIS)}")
@@ -57,6 +60,7 @@ class HttpTarget:
         self.model = model
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10.0)
         self.tracer = tracer
+        self.trace_ids = trace_ids  # a fresh trace context per request (engine spans), or None
         self._session_spans: dict[str, Any] = {}
 
     async def __aenter__(self) -> HttpTarget:  # noqa: PYI034
@@ -88,9 +92,16 @@ class HttpTarget:
         self._ensure_session()
         s, k = req.session, req.turn_index
         turn = s.turns[k]
-        rec = RequestRecord(input_tokens=turn.input_length)
         headers = {"x-session-id": s.session_id, "x-request-id": req.request_id}
         span = self._turn_span(req, headers) if self.tracer is not None else None
+        if self.trace_ids is None:
+            rec = RequestRecord(input_tokens=turn.input_length)
+        else:
+            rec = EngineTimedRecord(input_tokens=turn.input_length)
+            if span is None:
+                rec.trace_id, headers["traceparent"] = self.trace_ids.new()
+            else:  # the turn span's context is what the engine continues
+                rec.trace_id = headers["traceparent"].split("-")[1]
         try:
             # vLLM refuses max_tokens 0 and clamps max_tokens to the context left (min_tokens is sent
             # equal, so it must be clamped too); a prompt it refuses is sent anyway: the 400 is recorded.

@@ -6,6 +6,7 @@ are ordered by noise, and a simulator that orders them either way is neither rig
 module restricts the agreement to the pairs the real side separates: the paired t interval of their
 difference over the seeds both ran (:func:`analysis.compare.paired_difference`) excludes 0. Over those
 pairs, tau is (pairs the simulation orders the same way - pairs it orders the other way) / pairs.
+:func:`kendall` is the plain tau over every pair, beside it.
 """
 
 from __future__ import annotations
@@ -41,3 +42,18 @@ def separated_agreement(live_runs: Sequence[Mapping[str, Any]], sim_means: Mappi
     n = len(pols) * (len(pols) - 1) // 2
     return {"pairs": n, "separated": separated, "agree": agree, "disagree": disagree,
             "tau": (agree - disagree) / separated if separated else math.nan}
+
+
+def ranking(rows: Mapping[str, Mapping[str, float]], key: str) -> list[str]:
+    """The policies of ``rows`` from the lowest ``key`` up."""
+    return sorted(rows, key=lambda p: rows[p][key])
+
+
+def kendall(a: Sequence[str], b: Sequence[str]) -> float:
+    """Kendall's tau (scipy) between two rankings of the same policies (NaN with fewer than two)."""
+    from scipy.stats import kendalltau
+
+    if len(a) < 2:
+        return math.nan
+    pos = {p: i for i, p in enumerate(b)}
+    return float(kendalltau(list(range(len(a))), [pos[p] for p in a]).statistic)

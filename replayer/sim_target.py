@@ -7,6 +7,10 @@ turn's :class:`~replayer.records.RequestRecord`. Apart from :mod:`replayer.simul
 the engines, the router and this target, and runs them in virtual time) because it is the part that
 speaks for one request: what the record says, and what happens on the way to the gateway (the live
 path's delay, :mod:`replayer.live_path`).
+
+With ``engine_timing`` the record also says what the engine itself saw (its arrival, queue, prefill,
+decode: :class:`~replayer.records.EngineTimedRecord`), the columns a live run fills from vLLM's
+per-request spans (:mod:`replayer.engine_spans`), so the two can be split alike (:mod:`replayer.gap_split`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 from gpuhit.errors import BadRequestError
 from replayer.driver import TurnRequest, request_max_tokens
-from replayer.records import RequestRecord
+from replayer.records import EngineTimedRecord, RequestRecord
 
 
 class SimTarget:
@@ -31,7 +35,7 @@ class SimTarget:
     """
 
     def __init__(self, router: Any, synth: Any, max_model_len: int | None = None,
-                 live_path: Callable[[int], float] | None = None):
+                 live_path: Callable[[int], float] | None = None, engine_timing: bool = False):
         from gateway.router import RouteRequest
 
         self._RouteRequest = RouteRequest
@@ -40,6 +44,7 @@ class SimTarget:
         # the live path's delay given the requests in flight here (replayer/live_path.py); None: none
         self.live_path = live_path
         self.in_flight = 0
+        self.engine_timing = engine_timing
         # As the live gateway does: the smallest engine max_model_len (None: no limit known).
         lens = [m for e in router.engines if isinstance(m := getattr(e, "max_model_len", None), int)]
         self.max_model_len = max_model_len if max_model_len is not None else (min(lens) if lens else None)
@@ -64,6 +69,9 @@ class SimTarget:
         try:
             max_tokens, note = request_max_tokens(turn.output_length, turn.input_length, self.max_model_len)
         except BadRequestError as exc:  # refused by the gateway before routing, as vLLM refuses it
+            if self.engine_timing:
+                return EngineTimedRecord(arrival=sent, finish=sent, input_tokens=turn.input_length, error=str(exc),
+                                         rejected=1, engine_missing="refused before the engine")
             return RequestRecord(arrival=sent, finish=sent, input_tokens=turn.input_length, error=str(exc),
                                  rejected=1)
         rr = self._RouteRequest(
@@ -84,7 +92,7 @@ class SimTarget:
             realized = routed.producer.cached_tokens + routed.producer.external_cached_tokens
         else:
             realized = res.cached_tokens + res.external_cached_tokens
-        return RequestRecord(
+        rec = (EngineTimedRecord if self.engine_timing else RequestRecord)(
             instance=routed.instance,
             action=d.action + ("+fallback" if routed.fallback else ""),
             reason=d.reason,
@@ -99,3 +107,21 @@ class SimTarget:
             note=note,
             preemptions=res.num_preemptions,
         )
+        if self.engine_timing:
+            engine_timing(rec, res)  # type: ignore[arg-type]
+        return rec
+
+
+def engine_timing(rec: EngineTimedRecord, res: Any) -> None:
+    """Fill ``rec``'s engine columns from an engine result, as vLLM's span reports them (queue: queued
+    to first scheduled; prefill: to the first token; decode: to the last; TTFT and e2e from arrival)."""
+    queued, scheduled = getattr(res, "queued_time", None), getattr(res, "scheduled_time", None)
+    if queued is None or scheduled is None or res.first_token_time is None or res.finish_time is None:
+        rec.engine_missing = "the engine did not report its steps" if not res.error else "request failed"
+        return
+    rec.engine_arrival = res.arrival
+    rec.engine_queue = scheduled - queued
+    rec.engine_prefill = res.first_token_time - scheduled
+    rec.engine_decode = res.finish_time - res.first_token_time
+    rec.engine_ttft = res.first_token_time - res.arrival
+    rec.engine_e2e = res.finish_time - res.arrival

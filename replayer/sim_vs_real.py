@@ -52,8 +52,9 @@ from typing import Any
 import numpy as np
 
 from gpuhit.errors import ConfigError
+from replayer.gap_split import format_split, has_engine_columns, paired_parts, split_by_policy
 from replayer.live_path import LIVE_PATH_MODES, delay_first_chunks, in_flight_at_arrival, path_models
-from replayer.rank_agreement import separated_agreement
+from replayer.rank_agreement import kendall, ranking, separated_agreement
 
 METRICS = ("latency_mean", "latency_p50", "latency_p90", "latency_p99", "ttft_p50", "ttft_p90", "tpot_p50",
            "apc_realized")
@@ -93,15 +94,16 @@ def path_attribution(real: Any, sim: Any, engine_side: Mapping[str, float] | Non
 
 
 def simulate_run(spec: Mapping[str, Any], engines: Mapping[str, Any], trace: Any, profile: Any, policy: str,
-                 seed: int, rate: float, live_path: Any = None) -> Any:
+                 seed: int, rate: float, live_path: Any = None, engine_timing: bool = False) -> Any:
     """One simulated run of a live experiment's (policy, seed, rate) with the engines' real capacity
-    and, when given, the live path's delay at the gateway (:mod:`replayer.live_path`)."""
+    and, when given, the live path's delay at the gateway (:mod:`replayer.live_path`); ``engine_timing``:
+    records with the engine's own timing, as live runs with engine spans have (:mod:`replayer.gap_split`)."""
     from replayer.simulate import simulate
 
     return simulate(trace, policy, instances=int(engines["count"]), profile=profile, arrival="poisson", live_path=live_path,
                     session_rate=rate, time_scale=spec.get("time_scale", 1.0), think_time_scale=spec["think_scale"],
                     max_think_time=spec["max_think"],
-                    seed=seed, block_size=int(spec["block_size"]), progress=False,
+                    seed=seed, block_size=int(spec["block_size"]), progress=False, engine_timing=engine_timing,
                     engine_kwargs={"num_gpu_blocks": int(engines["num_gpu_blocks"]),
                                    "max_model_len": int(engines["max_model_len"])})
 
@@ -182,19 +184,6 @@ def explain(apc_diff: float, att: Mapping[str, float]) -> str:
                 f"; paired latency gap real - sim median {att['median_gap_s'] * 1e3:+.0f} ms, mean "
                 f"{att['mean_gap_s'] * 1e3:+.0f} ms, {att['tail_gap_share'] * 100:.0f}% of the absolute gap in the 10% "
                 "of requests furthest apart" if "median_gap_s" in att else "") + ")")
-
-
-def ranking(rows: Mapping[str, Mapping[str, float]], key: str) -> list[str]:
-    return sorted(rows, key=lambda p: rows[p][key])
-
-
-def kendall(a: Sequence[str], b: Sequence[str]) -> float:
-    from scipy.stats import kendalltau
-
-    if len(a) < 2:
-        return math.nan
-    pos = {p: i for i, p in enumerate(b)}
-    return float(kendalltau(list(range(len(a))), [pos[p] for p in a]).statistic)
 
 
 def compare_rate(live_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapping[str, Any]],
@@ -359,17 +348,21 @@ def main(args: argparse.Namespace) -> int:
         if not (folder / "runs").exists():
             continue
         live_runs = complete_seeds(load_runs(folder, policies, exp.get("seeds")), policies)
-        sim_runs, atts, cdf = [], {}, {}
+        sim_runs, atts, cdf, pairs = [], {}, {}, {}
         for lr in live_runs:
             pol, seed = lr["policy"], int(lr["seed"])
             if not args.json:
                 print(f"gpuhit experiment sim-vs-real: simulating {rate:g}/s {pol} seed {seed}", file=sys.stderr,
                       flush=True)
-            res = simulate_run(spec, engines, trace, profile, pol, seed, rate, live_path=ingress)
+            real_df = read_records(lr["records"])
+            res = simulate_run(spec, engines, trace, profile, pol, seed, rate, live_path=ingress,
+                               engine_timing=has_engine_columns(real_df))
             applied = (delay_first_chunks(res.records, lag, whole=args.live_path == "response", stalls=profile.stalls,
                                           seed=seed) if lag is not None else ())
             sim_runs.append(res.summary())
-            real_df, sim_df = read_records(lr["records"]), records_to_frame(res.records)
+            sim_df = records_to_frame(res.records)
+            if has_engine_columns(real_df):  # the live run joined vLLM's per-request spans
+                pairs.setdefault(pol, []).append(paired_parts(real_df, sim_df, int(spec["block_size"])))
             att = attribution(real_df, sim_df, int(spec["block_size"]))
             att.update(path_attribution(real_df, sim_df, lr.get("engine_side"),
                                         *modeled_path(ingress, path["direct_s"], sim_df, applied)))
@@ -380,6 +373,9 @@ def main(args: argparse.Namespace) -> int:
         doc = compare_rate(live_runs, sim_runs, policies, atts)
         report["rates"][rate_label(rate)] = doc
         md += [f"## {rate:g} sessions/s", "", format_rate(doc), ""]
+        if pairs:
+            doc["gap_split"] = split_by_policy(pairs)
+            md += ["### Where each request's gap was spent (engine spans)", "", format_split(doc["gap_split"]), ""]
         if not args.no_plots:
             for pol, sides in cdf.items():
                 png = out / f"cdf-{rate_label(rate)}-{pol}.png"

@@ -149,6 +149,7 @@ def simulate(
     synth: Any = None,
     replicas: Any = None,
     live_path: Callable[[int], float] | None = None,
+    engine_timing: bool = False,
 ) -> RunResult:
     """Replay ``trace`` on ``instances`` simulated engines under ``policy`` in virtual time.
 
@@ -168,6 +169,8 @@ def simulate(
     (None or one replica: the single router).
     ``live_path``: seconds a request spends on the live path before the gateway routes it, given the
     requests in flight there (:class:`~replayer.live_path.LivePathModel`; None: no such path).
+    ``engine_timing``: records carry the engine's own timing of each request (queue, prefill, decode,
+    engine TTFT and e2e: :class:`~replayer.records.EngineTimedRecord`), as live runs do from vLLM's spans.
     """
     from gateway.kv_index import ApproximateKVIndex, PreciseKVIndex
     from gateway.kv_index_chain import ChainIdKVIndex
@@ -233,7 +236,7 @@ def simulate(
                                     make_index, index == "precise", seed, block_size=block_size, roles=roles)
         else:
             router = Router(engines, pol, index=make_index(engines), block_size=block_size, roles=roles)
-        target = SimTarget(router, synth, live_path=live_path)
+        target = SimTarget(router, synth, live_path=live_path, engine_timing=engine_timing)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 

@@ -105,7 +105,8 @@ class StepLoopMixin:
                 out = sched.schedule()
                 if out.admitted:
                     for r in out.admitted:
-                        r.first_scheduled_time = now
+                        if r.first_scheduled_time is None:  # a preempted request resumed keeps its first
+                            r.first_scheduled_time = now
                 if out.preempted:
                     self.metrics.num_preemptions += len(out.preempted)
                 if out.started_loads:
@@ -268,6 +269,7 @@ class StepLoopMixin:
             cached_tokens=max(r.cached_tokens, 0), external_cached_tokens=r.external_tokens,
             arrival=r.arrival, first_token_time=r.first_token_time, finish_time=t, error=error,
             kv_transfer_params=r.result_params, num_preemptions=r.num_preemptions,
+            queued_time=r.queued_time, scheduled_time=r.first_scheduled_time,
         )
         fut = r.future
         if fut is not None and not fut.done():

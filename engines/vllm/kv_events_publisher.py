@@ -159,4 +159,6 @@ class KVEventPublisher:
         self._pub.close(0)
         if self._replay is not None:
             self._replay.close(0)
-        self._ctx.term()
+        # destroy, not term: a socket still open (a replay cut short) would make term() wait for it
+        # forever; closing twice is a no-op.
+        self._ctx.destroy(linger=0)

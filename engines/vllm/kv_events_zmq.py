@@ -149,7 +149,9 @@ class KVEventSubscriber:
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
-        self._ctx.term()
+        # destroy, not term: a socket still open (a replay cut short) would make term() wait for it
+        # forever; closing twice is a no-op.
+        self._ctx.destroy(linger=0)
 
     # -------------------------------------------------------------------------------- internals
 

@@ -137,6 +137,12 @@ class Pipeline:
                 tracing.annotate_decision(span, self.policy_name, name, d.action, d.reason,
                                           ticket.predicted_hit_tokens, n)
                 tracing.inject(span, up_headers)
+            elif (parent := headers.get("traceparent")) is not None:
+                # Not tracing here: the caller's trace context still reaches the engine, whose span
+                # then joins the caller's trace (a replayer joins engine spans to its requests so).
+                up_headers["traceparent"] = parent
+                if (state := headers.get("tracestate")) is not None:
+                    up_headers["tracestate"] = state
             res = GenerateResult(request_id=rid, prompt_tokens=n, arrival=t0)
             forward = self.forwarder.forward
             try:

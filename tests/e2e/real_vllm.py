@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from engines.vllm.launch import VllmServer, make_server
 from engines.vllm.venv import missing_reason, vllm_python
 
-COLLECTOR = pathlib.Path(__file__).with_name("otlp_collector.py")
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 4096
 # --enable-scale-out serves the render routes (the exact ids vLLM runs for a request). No tool-call
@@ -108,7 +107,7 @@ class _Launcher(_Boot):
     def _make(self) -> list[VllmServer]:
         log_dir = pathlib.Path(tempfile.mkdtemp(prefix="gpuhit-real-vllm-"))
         spans = log_dir / "spans.jsonl"
-        self.collector = subprocess.Popen([sys.executable, str(COLLECTOR), str(spans)], stdout=subprocess.PIPE,
+        self.collector = subprocess.Popen([sys.executable, "-m", "gpuhit.otlp_collector", str(spans)], stdout=subprocess.PIPE,
                                           stderr=subprocess.DEVNULL)
         assert self.collector.stdout is not None
         port = int(self.collector.stdout.readline().decode().strip())

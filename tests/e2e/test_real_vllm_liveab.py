@@ -129,8 +129,10 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
         assert r["n_sent"] == r["n_ok"] + r["n_rejected"] + r["n_failed"] == n_requests
         assert sum(v["routed"] for v in r["per_instance"].values()) == r["n_sent"]
         assert set(r["per_instance"]) <= {"gpu0", "gpu1"}
-        # the engines' own timings of the run's requests, read back from their /metrics
-        assert r["engine_side"]["n"] == r["n_ok"] and all(r["engine_side"][k] > 0 for k in ("ttft", "e2e", "prefill"))
+        # the engines' own timings of the run's requests, read back from their /metrics: every request
+        # that ended ok, and a failed one too where the engine finished it after the gateway gave up
+        # (seen on a loaded host: no byte for the stall timeout, the engine ejected, the request failed)
+        assert r["n_ok"] <= r["engine_side"]["n"] <= r["n_ok"] + r["n_failed"] and all(r["engine_side"][k] > 0 for k in ("ttft", "e2e", "prefill"))
     for pol in POLICIES:
         stats = cmp["table"][pol]["latency_mean"]
         assert stats["n"] == SEEDS and math.isfinite(stats["mean"])
