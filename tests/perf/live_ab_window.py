@@ -243,6 +243,10 @@ def main() -> int:
     ap.add_argument("--fit-after-reserve", type=float, default=150.0,
                     help="seconds kept for the second fit before --stop-at (default 150)")
     ap.add_argument("--sample-every", type=float, default=5.0)
+    ap.add_argument("--engine-spans", action="store_true",
+                    help="engines export their per-request spans to a collector this script runs for the window "
+                         "(python -m gpuhit.otlp_collector OUT/engine-spans.jsonl), which ab-live joins to the "
+                         "records (--span-file): each live request split by vLLM's own timings")
     ap.add_argument("--idle-s", type=float, default=0.0, help="seconds the engines stay idle before the fit, "
                     "sampled: their CPU without requests (default 0: no idle step)")
     args = ap.parse_args()
@@ -283,9 +287,21 @@ def main() -> int:
     sampler = Sampler(out / "sched.jsonl", sids, args.sample_every)
     sampler.start()
     model = str(TINY_MODEL_DIR.with_name("prefill_model"))
+    collector, tracing, span_args = None, {}, []
+    if args.engine_spans:  # in this session: at its priority, stopped with it
+        from engines.vllm.launch import free_port
+        from replayer.engine_spans import engine_tracing
+
+        port = free_port()
+        collector = subprocess.Popen([sys.executable, "-m", "gpuhit.otlp_collector", str(out / "engine-spans.jsonl"),
+                                      "--port", str(port)], stdout=subprocess.PIPE, text=True)
+        assert collector.stdout is not None
+        log(f"span collector pid {collector.pid} on port {collector.stdout.readline().strip()}")
+        tracing = engine_tracing(f"http://127.0.0.1:{port}/v1/traces")
+        span_args = ["--span-file", str(out / "engine-spans.jsonl")]
     servers = [make_server(out / "engine-logs", f"vllm{i}", model=model, tokenizer=str(TINY_MODEL_DIR),
                            cpu_cores=str(i), num_gpu_blocks=256, max_model_len=2048, block_size=32,
-                           max_num_batched_tokens=2048, max_num_seqs=128, scheduling_policy="priority")
+                           max_num_batched_tokens=2048, max_num_seqs=128, scheduling_policy="priority", **tracing)
                for i in range(2)]
     try:
         for i, s in enumerate(servers):
@@ -317,7 +333,8 @@ def main() -> int:
             fit_s = time.monotonic() - t0
         else:
             log("fit: profile.json exists (an earlier start of this window), kept")
-        ab = [*GPUHIT, "experiment", "ab-live", *eng, *TRACE, "--policies", POLICIES, "--reference", REFERENCE]
+        ab = [*GPUHIT, "experiment", "ab-live", *eng, *TRACE, "--policies", POLICIES, "--reference", REFERENCE,
+              *span_args]
         run_step(log, "ab", [*ab, "--session-rate", args.rate, "--seeds", str(args.seeds), "--out", str(out / "ab")],
                  out, stop_at - dt.timedelta(seconds=args.repeat_reserve))
         if args.repeat_seeds:
@@ -339,6 +356,9 @@ def main() -> int:
     finally:
         for s in servers:
             s.stop()
+        if collector is not None:
+            collector.terminate()
+            collector.wait(10)
         sampler.stop.set()
         sampler.join(30)
         log("engines stopped")
