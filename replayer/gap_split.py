@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from replayer.records import answered_by_turn
+
 PARTS = ("path_before", "engine_other", "queue", "prefill", "decode", "path_after")
 # the part of the model each part of the split holds against the live side
 MODEL_PART = {
@@ -55,7 +57,8 @@ def has_engine_columns(df: Any) -> bool:
 def request_parts(df: Any) -> Any:
     """Per answered request with engine timing: its latency and its six parts (seconds), indexed by
     ``session#turn``. The parts sum to the latency by construction."""
-    ok = df[(df["error"].astype(str) == "") & df["engine_e2e"].notna() & df["engine_arrival"].notna()]
+    ok = answered_by_turn(df)
+    ok = ok[ok["engine_e2e"].notna() & ok["engine_arrival"].notna()]
     latency = ok["finish"] - ok["arrival"]
     engine_end = ok["engine_arrival"] + ok["engine_e2e"]
     out = {
@@ -70,9 +73,7 @@ def request_parts(df: Any) -> Any:
     }
     import pandas as pd
 
-    frame = pd.DataFrame(out)
-    frame.index = ok["session"].astype(str) + "#" + ok["turn"].astype(str)
-    return frame
+    return pd.DataFrame(out)
 
 
 def paired_parts(real: Any, sim: Any, block_size: int) -> Any:

@@ -28,6 +28,7 @@ import math
 import os
 import pathlib
 from dataclasses import dataclass, fields
+from typing import Any
 
 from gpuhit.errors import ConfigError
 
@@ -230,6 +231,14 @@ def records_to_frame(records: list[RequestRecord]):
 
     cols = TIMED_COLUMNS if any(isinstance(r, EngineTimedRecord) for r in records) else COLUMNS
     return pd.DataFrame({c: [getattr(r, c, _ABSENT.get(c)) for r in records] for c in cols}, columns=list(cols))
+
+
+def answered_by_turn(df: Any) -> Any:
+    """The answered requests of a records frame, indexed by ``session#turn``: how a request is paired
+    with itself in another run of the same seed (simulated against live)."""
+    ok = df[df["error"].astype(str) == ""].copy()
+    ok.index = ok["session"].astype(str) + "#" + ok["turn"].astype(str)
+    return ok
 
 
 def read_records(path: str | os.PathLike[str]):

@@ -55,6 +55,7 @@ from gpuhit.errors import ConfigError
 from replayer.gap_split import format_split, has_engine_columns, paired_parts, split_by_policy
 from replayer.live_path import LIVE_PATH_MODES, delay_first_chunks, in_flight_at_arrival, path_models
 from replayer.rank_agreement import kendall, ranking, separated_agreement
+from replayer.records import answered_by_turn, read_records, records_to_frame
 
 METRICS = ("latency_mean", "latency_p50", "latency_p90", "latency_p99", "ttft_p50", "ttft_p90", "tpot_p50",
            "apc_realized")
@@ -84,7 +85,7 @@ def path_attribution(real: Any, sim: Any, engine_side: Mapping[str, float] | Non
     in-flight count at arrival on each side."""
     if not engine_side or not engine_side.get("n") or math.isnan(modeled_path):
         return {}
-    r, s = _frame_key(real), _frame_key(sim)
+    r, s = answered_by_turn(real), answered_by_turn(sim)
     ttft_r = float((r["first_token"] - r["arrival"]).mean())
     ttft_s = float((s["first_token"] - s["arrival"]).mean())
     k_real = in_flight_at_arrival(r["arrival"].to_numpy(), r["finish"].to_numpy())
@@ -125,15 +126,9 @@ def _load_share(runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return {k: v / n for k, v in sorted(tot.items())} if n else {}
 
 
-def _frame_key(df: Any) -> Any:
-    df = df[df["error"].astype(str) == ""].copy()
-    df["key"] = df["session"].astype(str) + "#" + df["turn"].astype(str)
-    return df.set_index("key")
-
-
 def attribution(real: Any, sim: Any, block_size: int) -> dict[str, float]:
     """Paired request-level comparison of one run (frames of records with the same seed)."""
-    r, s = _frame_key(real), _frame_key(sim)
+    r, s = answered_by_turn(real), answered_by_turn(sim)
     both = r.merge(s, left_index=True, right_index=True, suffixes=("_r", "_s"), how="inner")
     if both.empty:
         return {"paired": 0}
@@ -313,7 +308,6 @@ def main(args: argparse.Namespace) -> int:
     from analysis.compare import to_json
     from engines.emulated.profile import load_profile
     from replayer.ab_live import experiment_trace, load_runs, rate_label
-    from replayer.records import read_records, records_to_frame
 
     live = pathlib.Path(args.live)
     exp_path = live / "experiment.json"

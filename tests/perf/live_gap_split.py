@@ -15,7 +15,7 @@ import pandas as pd
 from engines.emulated.profile import load_profile
 from replayer.ab_live import experiment_trace, load_runs
 from replayer.live_path import delay_first_chunks, path_models
-from replayer.records import read_records, records_to_frame
+from replayer.records import answered_by_turn, read_records, records_to_frame
 from replayer.sim_vs_real import complete_seeds, simulate_run
 
 live = pathlib.Path(sys.argv[1]); prof = load_profile(sys.argv[2]); mode = sys.argv[3] if len(sys.argv) > 3 else "response"
@@ -23,10 +23,7 @@ exp = json.loads((live/"experiment.json").read_text()); spec, eng = exp["trace"]
 trace = experiment_trace(spec); ingress, lag, _ = path_models(prof, mode)
 
 
-def keyed(df):
-    df = df[df["error"].astype(str) == ""].copy()
-    df["key"] = df["session"].astype(str) + "#" + df["turn"].astype(str)
-    return df.set_index("key")
+keyed = answered_by_turn
 
 
 rows = []
