@@ -155,3 +155,12 @@ class _PriorityLauncher(_Boot):
 
 
 PRIORITY_LAUNCHER = _PriorityLauncher()
+
+
+def cli_json(capsys, argv: list[str]) -> dict:
+    """``gpuhit ARGV`` in this process: its exit status checked (0, else its stderr shown) and its
+    standard output read as JSON."""
+    from replayer.cli import main
+
+    assert main(argv) == 0, capsys.readouterr().err[-3000:]
+    return json.loads(capsys.readouterr().out)

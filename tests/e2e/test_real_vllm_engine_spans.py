@@ -19,9 +19,9 @@ import pathlib
 import pytest
 
 from replayer.ab_live import experiment_trace
-from replayer.cli import main
 from replayer.gap_split import PARTS
 from replayer.records import ENGINE_COLUMNS, TIMED_COLUMNS, read_records
+from tests.e2e.real_vllm import cli_json
 
 POLICIES = ["round_robin", "lpwl"]
 # a fitted profile of block 32, as the pair's engines (its accuracy is not what this test checks)
@@ -29,15 +29,10 @@ PROFILE = str(pathlib.Path(__file__).resolve().parents[2] / "analysis/results/ho
 EPS = 1e-3  # float round-off of clock values and the two processes' clock readings, not a timing bound
 
 
-def _json(capsys, argv: list[str]) -> dict:
-    assert main(argv) == 0, capsys.readouterr().err[-3000:]
-    return json.loads(capsys.readouterr().out)
-
-
 def test_engine_spans_joined_and_gap_split_on_real_engines(real_vllm_pair, tmp_path, capsys):
     engines = [a for u in real_vllm_pair.urls for a in ("--engine", u)]
     out = tmp_path / "ab"
-    ab = _json(capsys, ["experiment", "ab-live", *engines, "--max-sessions", "3", "--max-turns", "2",
+    ab = cli_json(capsys, ["experiment", "ab-live", *engines, "--max-sessions", "3", "--max-turns", "2",
                         "--max-prompt", "1500", "--session-rate", "2", "--max-think", "0.2", "--policies",
                         ",".join(POLICIES), "--seeds", "1", "--out", str(out), "--span-file",
                         str(real_vllm_pair.spans_path), "--json"])
@@ -67,7 +62,7 @@ def test_engine_spans_joined_and_gap_split_on_real_engines(real_vllm_pair, tmp_p
         inner = df["engine_queue"] + df["engine_prefill"] + df["engine_decode"]
         assert (inner <= df["engine_e2e"] + EPS).all()
 
-    svr = _json(capsys, ["experiment", "sim-vs-real", "--live", str(out), "--profile", PROFILE, "--no-plots",
+    svr = cli_json(capsys, ["experiment", "sim-vs-real", "--live", str(out), "--profile", PROFILE, "--no-plots",
                          "--json"])
     split = svr["rates"][label]["gap_split"]
     assert set(split) == {*POLICIES, "all policies"}

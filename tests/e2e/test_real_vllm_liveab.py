@@ -25,16 +25,11 @@ from replayer.ab_live import experiment_trace
 from replayer.calibrate_host import host_contention_from
 from replayer.calibrate_path import loaded_path_row
 from replayer.calibrate_stalls import PARTS, stall_tail
-from replayer.cli import main
 from replayer.sim_vs_real import METRICS, RANK_BY
+from tests.e2e.real_vllm import cli_json
 
 POLICIES = ["round_robin", "lpwl"]
 SEEDS = 2
-
-
-def _json(capsys, argv: list[str]) -> dict:
-    assert main(argv) == 0, capsys.readouterr().err[-3000:]
-    return json.loads(capsys.readouterr().out)
 
 
 def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp_path, capsys):
@@ -42,7 +37,7 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
 
     # 1. calibration
     prof_path = tmp_path / "fitted.json"
-    fit = _json(capsys, ["profile", "fit", *engines, "--out", str(prof_path), "--max-num-batched-tokens", "2048",
+    fit = cli_json(capsys, ["profile", "fit", *engines, "--out", str(prof_path), "--max-num-batched-tokens", "2048",
                          "--max-num-seqs", "128", "--points", "3", "--repeats", "1", "--batches", "1,2",
                          "--decode-tokens", "4", "--hold-out-every", "2", "--gateway-pairs", "4",
                          "--path-in-flight", "0,2", "--path-requests", "4", "--path-output-tokens", "4",
@@ -113,7 +108,7 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     out = tmp_path / "ab"
     argv = ["experiment", "ab-live", *engines, "--max-sessions", "1", "--max-turns", "2", "--session-rate", "1",
             "--max-think", "0.2", "--policies", ",".join(POLICIES), "--seeds", str(SEEDS), "--out", str(out), "--json"]
-    ab = _json(capsys, argv)
+    ab = cli_json(capsys, argv)
     exp = json.loads((out / "experiment.json").read_text())
     assert exp["policies"] == POLICIES and exp["engines"]["count"] == 2 and exp["scheduling_policy"] == "fcfs"
     n_requests = experiment_trace(exp["trace"]).num_requests
@@ -138,11 +133,11 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
         assert stats["n"] == SEEDS and math.isfinite(stats["mean"])
     assert cmp["diff"][POLICIES[1]]["latency_mean"]["n"] == SEEDS
     before = {p: p.stat().st_mtime_ns for p in (out / label / "runs").glob("*.json")}
-    _json(capsys, argv)  # resumed: every run is done, nothing is rerun
+    cli_json(capsys, argv)  # resumed: every run is done, nothing is rerun
     assert {p: p.stat().st_mtime_ns for p in (out / label / "runs").glob("*.json")} == before
 
     # 3. simulated vs real
-    svr = _json(capsys, ["experiment", "sim-vs-real", "--live", str(out), "--profile", str(prof_path), "--json"])
+    svr = cli_json(capsys, ["experiment", "sim-vs-real", "--live", str(out), "--profile", str(prof_path), "--json"])
     doc = svr["rates"][label]
     for pol in POLICIES:
         v = doc["policies"][pol]
