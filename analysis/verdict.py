@@ -117,7 +117,7 @@ def verdict(runs: Iterable[Mapping[str, Any]], reference: str, *, baselines: Seq
              "tests": {baseline: {"mean", "lo", "hi", "n", "p_value", "p_holm", "baseline_mean",
                                   "bound", "min_margin", "non_inferior", "favours_raw", "favours_holm"}},
              "worse_raw": [baseline], "worse_holm": [baseline], "non_inferior", "min_margin",
-             "min_margin_baseline", "better_than_best_raw", "better_than_best_holm"}},
+             "min_margin_baseline", "min_margin_best", "better_than_best_raw", "better_than_best_holm"}},
          "overall": {"worse_raw", "worse_holm", "non_inferior", "min_margin", "better_raw", "better_holm"}}
 
     ``favours_*``: ``"reference"``, ``"baseline"`` or None (no significant difference). A baseline
@@ -246,6 +246,7 @@ def _judge_column(col: dict[str, Any], margin: float, alpha: float) -> None:
     col["min_margin"] = (math.nan if any(math.isnan(t["min_margin"]) for t in tests.values())
                          else tests[worst]["min_margin"])
     col["min_margin_baseline"] = worst
+    col["min_margin_best"] = tests[best]["min_margin"]
     col["better_than_best_raw"] = tests[best]["favours_raw"] == "reference"
     col["better_than_best_holm"] = tests[best]["favours_holm"] == "reference"
 

@@ -29,6 +29,10 @@ def _pct(x: float) -> str:
     return "-" if x is None or math.isnan(x) else f"{x * 100:+.2f}%"
 
 
+def _count(bs: Sequence[str]) -> str:
+    return f"{len(bs)} baseline{'' if len(bs) == 1 else 's'}"
+
+
 def _names(bs: Sequence[str]) -> str:
     return ", ".join(bs) if bs else "none"
 
@@ -36,7 +40,8 @@ def _names(bs: Sequence[str]) -> str:
 def column_rows(doc: Mapping[str, Any]) -> list[dict[str, str]]:
     """One row of strings per column: best baseline, ``R - best`` with its interval and n, p raw /
     Holm, the baselines significantly better (raw | Holm), non-inferior at the margin, the smallest
-    passing margin (and the baseline that sets it), better than the best (raw / Holm)."""
+    passing margin (the baseline that sets it; then against the best baseline alone), better than
+    the best (raw / Holm)."""
     rows = []
     for c in doc["columns"]:
         col = doc["per_column"][c]
@@ -48,7 +53,7 @@ def column_rows(doc: Mapping[str, Any]) -> list[dict[str, str]]:
             "p": f"{_p(t['p_value'])} / {_p(t['p_holm'])}",
             "worse": f"{_names(col['worse_raw'])} | {_names(col['worse_holm'])}",
             "non_inferior": "yes" if col["non_inferior"] else "no",
-            "min_margin": f"{_pct(col['min_margin'])} ({col['min_margin_baseline']})",
+            "min_margin": f"{_pct(col['min_margin'])} ({col['min_margin_baseline']}); best {_pct(col['min_margin_best'])}",
             "better": f"{'yes' if col['better_than_best_raw'] else 'no'} / {'yes' if col['better_than_best_holm'] else 'no'}",
         })
     return rows
@@ -86,7 +91,7 @@ def summary_line(doc: Mapping[str, Any]) -> str:
 def format_verdict(doc: Mapping[str, Any]) -> str:
     """The verdict as aligned text: the rule, a row per column, the answer, the warnings."""
     n = sorted({len(s) for s in doc["pairs"].values()})
-    lines = [(f"verdict: {doc['reference']} against {len(doc['baselines'])} baselines "
+    lines = [(f"verdict: {doc['reference']} against {_count(doc['baselines'])} "
               f"({', '.join(doc['baselines'])}), paired by seed (n = {n[0] if len(n) == 1 else n} pairs); "
               f"R = {doc['reference']}")]
     header = _headers(doc)
@@ -98,7 +103,7 @@ def format_verdict(doc: Mapping[str, Any]) -> str:
     lines.append(summary_line(doc))
     lines.append(f"margin {doc['margin'] * 100:g}% of the baseline's mean: {doc['margin_rationale']}.")
     lines.append(f"method: {doc['method']}. Smallest passing margin: the bound on the baseline's side / |baseline "
-                 "mean|, worst baseline; R passes any margin above it.")
+                 "mean| of the worst baseline (R passes any margin above it), then of the best baseline alone.")
     lines += [f"warning: {w}" for w in doc["warnings"]]
     return "\n".join(lines)
 
@@ -106,7 +111,7 @@ def format_verdict(doc: Mapping[str, Any]) -> str:
 def verdict_html(doc: Mapping[str, Any]) -> str:
     """The verdict table and its answer as an HTML fragment (the reports embed it)."""
     head = "".join(f"<th>{html.escape(h)}</th>" for h in _headers(doc))
-    out = [f"<h3>Verdict: {html.escape(doc['reference'])} against {len(doc['baselines'])} baselines</h3>",
+    out = [f"<h3>Verdict: {html.escape(doc['reference'])} against {_count(doc['baselines'])}</h3>",
            f"<table><tr>{head}</tr>"]
     for r in column_rows(doc):
         cells = []

@@ -98,11 +98,11 @@ def test_compare_verdict_on_real_replays(folders, tmp_path, capsys):
     assert col["tests"]["round_robin"]["mean"] == pytest.approx(-d["mean"]) and col["tests"]["round_robin"]["n"] == 2
     assert col["non_inferior"] == (col["min_margin"] < 0.05)
     assert "non-inferior at 5%" in (out / "comparison.txt").read_text()
-    assert "Verdict: lpwl against 1 baselines" in (out / "report.html").read_text()
+    assert "Verdict: lpwl against 1 baseline" in (out / "report.html").read_text()
     assert json.loads((out / "comparison.json").read_text())["verdict"]["margin"] == 0.05
     assert main(["compare", *map(str, folders), "--reference", "lpwl", "--verdict"]) == 0
     text = capsys.readouterr().out
-    assert "verdict: lpwl against 1 baselines (round_robin)" in text and "non-inferior at 1%" in text
+    assert "verdict: lpwl against 1 baseline (round_robin)" in text and "non-inferior at 1%" in text
 
 
 def test_compare_verdict_bad_options(folders, capsys):
@@ -114,4 +114,4 @@ def test_compare_verdict_bad_options(folders, capsys):
     assert main([*base, "--verdict", "--baselines", "round_robin,sticky"]) == 2
     assert "baselines not among the runs: sticky" in capsys.readouterr().err
     assert main(["compare", *map(str, folders), "--reference", "round_robin", "--verdict"]) == 0
-    assert "verdict: round_robin against 1 baselines (lpwl)" in capsys.readouterr().out
+    assert "verdict: round_robin against 1 baseline (lpwl)" in capsys.readouterr().out

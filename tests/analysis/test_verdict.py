@@ -73,6 +73,7 @@ def test_every_baseline_must_pass_and_the_best_is_the_lowest_mean():
     assert col["best"] == "lmetric" and col["best_mean"] == pytest.approx(98.0)
     assert col["tests"]["lpwl"]["non_inferior"] and not col["tests"]["lmetric"]["non_inferior"]
     assert col["non_inferior"] is False and col["min_margin_baseline"] == "lmetric"
+    assert col["min_margin_best"] == col["min_margin"]  # the best baseline binds here
     assert col["tests"]["lpwl"]["favours_raw"] == "reference" and col["tests"]["lmetric"]["favours_raw"] == "baseline"
 
 

@@ -71,9 +71,9 @@ def test_experiment_ab_end_to_end_and_resume(tmp_path, capsys):
         assert c["verdict"]["reference"] == "round_robin" and c["verdict"]["baselines"] == ["lpwl"]
         text = (out / f"comparison-{label}.txt").read_text()
         assert text.count("paired difference to round_robin") == 1 and "first-turn TTFT p90" in text
-        assert "verdict: round_robin against 1 baselines (lpwl)" in text and "non-inferior at 1%" in text
+        assert "verdict: round_robin against 1 baseline (lpwl)" in text and "non-inferior at 1%" in text
     html = (out / "report.html").read_text()
-    assert "Verdict: round_robin against 1 baselines" in html
+    assert "Verdict: round_robin against 1 baseline" in html
     assert "Knee" in html and "<dt>amplif</dt>" in html and "Paired difference to round_robin" in html
     made = json.loads((out / "points" / f"knee-rate-{knee:.6g}" / "summary.json").read_text())["meta"]["command"]
     assert made.startswith("gpuhit replay --trace") and "--num-seeds 2" in made and "experiment ab" not in made
