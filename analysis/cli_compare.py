@@ -7,6 +7,8 @@ side by side. This command reads each folder's
 arrivals, think-time transform, KV index, block size: the fields that change what a run measures),
 refuses a (policy, seed) pair seen twice, and prints :func:`analysis.compare.compare` over all
 runs (each policy's mean with a t interval, and its paired difference to ``--reference``), with ``--out`` writing ``comparison.txt``/``.json``, ``summary.json`` and ``report.html``.
+With ``--verdict`` it adds whether the reference is no worse than the best baseline
+(:mod:`analysis.verdict`: the superiority view raw and Holm-adjusted, and non-inferiority at ``--margin``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--reference", default=None, metavar="POLICY",
                    help="policy the others are compared with, paired by seed (default: the first policy)")
     p.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals (default 0.95)")
+    p.add_argument("--verdict", action="store_true",
+                   help="is the reference no worse than the best baseline? superiority (raw, Holm) and non-inferiority")
+    p.add_argument("--margin", type=float, default=None, metavar="F",
+                   help="the verdict's non-inferiority margin, a fraction of the baseline's mean, fixed before "
+                        "looking (default 0.01 = 1%%)")
+    p.add_argument("--baselines", default=None, metavar="A,B,...",
+                   help="the verdict's baselines (default: the published baselines among the runs)")
     p.add_argument("--out", help="write comparison.txt/.json, summary.json and report.html here")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)
@@ -99,12 +108,22 @@ def main(args: argparse.Namespace) -> int:
 
     if not 0.5 <= args.level < 1.0:
         raise ConfigError(f"--level must be within [0.5, 1), got {args.level}")
+    if not args.verdict and (args.margin is not None or args.baselines is not None):
+        raise ConfigError("--margin and --baselines belong to --verdict")
     meta, runs = merge(args.folders)
     try:
         doc = compare(runs, reference=args.reference, level=args.level)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     table = format_table(doc)
+    verdict_doc = _verdict(args, runs, doc["reference"])
+    html_parts: list[str] = []
+    if verdict_doc is not None:
+        from analysis.verdict_format import format_verdict, verdict_html
+
+        table += "\n\n" + format_verdict(verdict_doc)
+        doc = dict(doc, verdict=verdict_doc)
+        html_parts.append(verdict_html(verdict_doc))
     seeds = {p: sorted(s for s in v if s is not None) for p, v in doc["seeds"].items()}
     if args.out:
         from analysis.report import write_report
@@ -115,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
         (out / "comparison.json").write_text(to_json(dict(doc, meta=meta), indent=1), encoding="utf-8")
         (out / "comparison.txt").write_text(table + "\n", encoding="utf-8")
         write_report(out / "report.html", title=f"gpuhit compare: {meta.get('trace')} on {meta.get('instances')} instances",
-                     comparison=doc, table_text=table, plots=[], meta=meta, runs=runs)
+                     comparison=doc, table_text=table, plots=[], meta=meta, runs=runs, fragments=html_parts)
     if args.json:
         print(to_json({"meta": meta, "comparison": doc, "runs": runs}))
         return 0
@@ -129,6 +148,19 @@ def main(args: argparse.Namespace) -> int:
     if args.out:
         print(f"results: {args.out}/ (report.html, comparison.txt/.json, summary.json)")
     return 0
+
+
+def _verdict(args: argparse.Namespace, runs: Sequence[Mapping[str, Any]], reference: str) -> dict[str, Any] | None:
+    """The verdict document when ``--verdict`` asks for it (the comparison's reference under test)."""
+    if not args.verdict:
+        return None
+    from analysis.verdict import DEFAULT_MARGIN, verdict
+
+    baselines = None
+    if args.baselines is not None:
+        baselines = [b.strip() for b in str(args.baselines).split(",") if b.strip()]
+    margin = DEFAULT_MARGIN if args.margin is None else args.margin
+    return verdict(runs, reference, baselines=baselines, margin=margin, level=args.level)
 
 
 def _rate(meta: Mapping[str, Any]) -> str:

@@ -149,13 +149,14 @@ def write_report(path: str | os.PathLike[str], *, title: str, comparison: Mappin
                  table_text: str, plots: Sequence[str | os.PathLike[str]] = (),
                  meta: Mapping[str, Any] | None = None, runs: Sequence[Mapping[str, Any]] = (),
                  sections: Sequence[tuple[str, str]] = (), headline: Sequence[str] = (),
-                 answer_plot: str | os.PathLike[str] | None = None) -> pathlib.Path:
+                 answer_plot: str | os.PathLike[str] | None = None, fragments: Sequence[str] = ()) -> pathlib.Path:
     """Write the HTML report to ``path``. It opens with the answer: the ``headline`` lines
     (:func:`analysis.headline.headline`) and the ``answer_plot`` (latency / TTFT p90 per policy with
     intervals, :func:`analysis.plots.plot_p90_intervals`); then the comparison tables, the plots and
     the run parameters (``meta``: command line, trace, timing), folded. ``runs``: per-run summaries
     (policy, seed, ...) for the per-run table; ``sections``: further ``(title, preformatted text)``
-    sections (e.g. the lost-hit analysis)."""
+    sections (e.g. the lost-hit analysis); ``fragments``: HTML placed after the comparison tables
+    (e.g. the verdict, :func:`analysis.verdict_format.verdict_html`)."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
     parts += [f"<p class='headline'>{html.escape(line)}</p>" for line in headline]
@@ -165,6 +166,7 @@ def write_report(path: str | os.PathLike[str], *, title: str, comparison: Mappin
     parts.append(f"<h2>Comparison (mean over seeds, [{pct}% t interval])</h2>")
     parts.append(comparison_html(comparison))
     parts.append(legend_html(comparison))
+    parts += list(fragments)
     parts.append(f"<pre>{html.escape(table_text)}</pre>")
     for p in plots:
         parts.append(f"<h3>{html.escape(pathlib.Path(p).stem.replace('_', ' '))}</h3>" + img_tag(p))

@@ -17,7 +17,10 @@
 3. **Compare** every policy (``--policies``, default all registered) at ``--low-factor`` (0.7) x the
    knee, at the knee and at ``--high-factor`` (1.3) x the knee (past it: overload; 0 leaves that
    point out), with ``--seeds`` paired seeds (default 5): paired differences against
-   ``--reference`` (default lpwl) with t intervals (:mod:`analysis.compare`).
+   ``--reference`` (default lpwl) with t intervals (:mod:`analysis.compare`), and the verdict of
+   ``--reference`` (if given, else ``lpwl_auto`` if it runs) against the published baselines that
+   ran: no worse than the best one, raw and Holm-adjusted, and non-inferior at ``--margin``
+   (:mod:`analysis.verdict`).
 4. **Write one report**: ``OUT/report.html`` (sweep, knee, each point's comparison with its legend,
    its first-turn and session-start-quintile view (:mod:`analysis.fairness`) and its plots),
    ``OUT/comparison-<point>.txt/.json``, ``OUT/knee.json``,
@@ -45,6 +48,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from analysis.verdict import DEFAULT_MARGIN
 from gpuhit.errors import ConfigError
 
 P90_FACTOR = 2.0  # p90 at least this multiple of the lowest rate's p90: exploded
@@ -165,8 +169,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--trace", action="append", metavar="PATH", default=None,
                    help="trace file or folder (repeatable; default: the bundled WEKA slice)")
     p.add_argument("--policies", default=None, metavar="A,B,C|FILE", help="policies to compare (default: all)")
-    p.add_argument("--reference", default="lpwl", metavar="POLICY",
-                   help="the policy differences are taken against (default lpwl)")
+    p.add_argument("--reference", default=None, metavar="POLICY",
+                   help="the policy differences are taken against (default lpwl) and the verdict's policy under "
+                        "test (default lpwl_auto, when it runs)")
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, metavar="F",
+                   help=f"the verdict's non-inferiority margin, a fraction of the baseline's mean fixed before looking "
+                        f"(default {DEFAULT_MARGIN:g})")
     p.add_argument("--sweep-policy", default="lpwl", metavar="POLICY", help="policy of the rate sweep (default lpwl)")
     p.add_argument("--rates", default=None, metavar="R1,R2,...",
                    help="session rates (per second) to sweep (default: replay's default rate x "
@@ -222,8 +230,11 @@ def _rates(args: argparse.Namespace) -> list[float]:
 def main(args: argparse.Namespace) -> int:
     from analysis.compare import compare, format_table, to_json
     from analysis.fairness import write_folder_section as write_fairness
+    from analysis.verdict import check_margin, point_verdict
+    from analysis.verdict_format import format_verdict
     from policies.registry import available
 
+    check_margin(args.margin)
     if args.seeds < 2:
         raise ConfigError("--seeds must be at least 2: a paired interval needs two seeds (5 or more advised)")
     if args.sweep_seeds < 1:
@@ -281,10 +292,14 @@ def main(args: argparse.Namespace) -> int:
             n_policies = len(plan_runs(_replay_parser().parse_args(["replay", *argv]))) // args.seeds
         doc = run_set(folder, argv, n_policies * args.seeds, log)
         try:
-            cmp = compare(doc["runs"], reference=args.reference)
+            cmp = compare(doc["runs"], reference=args.reference or "lpwl")
         except ValueError as exc:
             raise ConfigError(f"{label}: {exc}") from None
         table = format_table(cmp)
+        verdict = point_verdict(doc["runs"], args.reference, margin=args.margin)
+        if verdict is not None:
+            cmp = dict(cmp, verdict=verdict)
+            table += "\n\n" + format_verdict(verdict)
         # the fairness view the replay wrote beside its records (computed here only for a folder
         # an older replay wrote without it)
         written = folder / "fairness.md"
@@ -325,6 +340,7 @@ def write_ab_report(path: pathlib.Path, *, knee: Mapping[str, Any], comparisons:
     """One self-contained HTML report: the sweep and knee rule, then each comparison point with its
     tables, legend and plots (embedded)."""
     from analysis.report import _CSS, comparison_html, img_tag, legend_html
+    from analysis.verdict_format import verdict_html
 
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>gpuhit experiment ab</title>",
              f"<style>{_CSS}</style></head><body><h1>gpuhit experiment ab</h1>",
@@ -341,6 +357,8 @@ def write_ab_report(path: pathlib.Path, *, knee: Mapping[str, Any], comparisons:
     for label, c in comparisons.items():
         parts.append(f"<h2>{html.escape(label)}: {c['rate']:.4g} sessions/s</h2>")
         parts.append(comparison_html(c["comparison"]))
+        if c["comparison"].get("verdict"):
+            parts.append(verdict_html(c["comparison"]["verdict"]))
         parts.append(legend_html(c["comparison"]))
         if c.get("fairness"):
             parts.append(f"<pre>{html.escape(c['fairness'])}</pre>")

@@ -82,3 +82,36 @@ def test_compare_refuses_mixed_experiments_and_duplicates(folders, tmp_path, cap
     (bad / "summary.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         merge([bad])
+
+
+def test_compare_verdict_on_real_replays(folders, tmp_path, capsys):
+    """`--verdict`: lpwl under test against round_robin (a published baseline) over the two seeds."""
+    out = tmp_path / "verdict"
+    assert main(["compare", *map(str, folders), "--reference", "lpwl", "--verdict", "--margin", "0.05",
+                 "--out", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    v = doc["comparison"]["verdict"]
+    assert v["reference"] == "lpwl" and v["baselines"] == ["round_robin"] and v["margin"] == 0.05
+    assert v["family_size"] == 5 and v["pairs"] == {"round_robin": [0, 1]}
+    col = v["per_column"]["latency_p90"]
+    d = doc["comparison"]["diff"]["round_robin"]["latency_p90"]  # round_robin - lpwl; the verdict's is lpwl - round_robin
+    assert col["tests"]["round_robin"]["mean"] == pytest.approx(-d["mean"]) and col["tests"]["round_robin"]["n"] == 2
+    assert col["non_inferior"] == (col["min_margin"] < 0.05)
+    assert "non-inferior at 5%" in (out / "comparison.txt").read_text()
+    assert "Verdict: lpwl against 1 baseline" in (out / "report.html").read_text()
+    assert json.loads((out / "comparison.json").read_text())["verdict"]["margin"] == 0.05
+    assert main(["compare", *map(str, folders), "--reference", "lpwl", "--verdict"]) == 0
+    text = capsys.readouterr().out
+    assert "verdict: lpwl against 1 baseline (round_robin)" in text and "non-inferior at 1%" in text
+
+
+def test_compare_verdict_bad_options(folders, capsys):
+    base = ["compare", *map(str, folders), "--reference", "lpwl"]
+    assert main([*base, "--verdict", "--margin", "0"]) == 2
+    assert "margin" in capsys.readouterr().err
+    assert main([*base, "--margin", "0.02"]) == 2
+    assert "belong to --verdict" in capsys.readouterr().err
+    assert main([*base, "--verdict", "--baselines", "round_robin,sticky"]) == 2
+    assert "baselines not among the runs: sticky" in capsys.readouterr().err
+    assert main(["compare", *map(str, folders), "--reference", "round_robin", "--verdict"]) == 0
+    assert "verdict: round_robin against 1 baseline (lpwl)" in capsys.readouterr().out

@@ -67,9 +67,13 @@ def test_experiment_ab_end_to_end_and_resume(tmp_path, capsys):
         c = doc["comparisons"][label]
         assert c["reference"] == "round_robin" and c["seeds"] == {"lpwl": [0, 1], "round_robin": [0, 1]}
         assert c["diff"]["lpwl"]["latency_p90"]["n"] == 2
+        # the reference named, a published baseline beside it: its verdict at every point
+        assert c["verdict"]["reference"] == "round_robin" and c["verdict"]["baselines"] == ["lpwl"]
         text = (out / f"comparison-{label}.txt").read_text()
         assert text.count("paired difference to round_robin") == 1 and "first-turn TTFT p90" in text
+        assert "verdict: round_robin against 1 baseline (lpwl)" in text and "non-inferior at 1%" in text
     html = (out / "report.html").read_text()
+    assert "Verdict: round_robin against 1 baseline" in html
     assert "Knee" in html and "<dt>amplif</dt>" in html and "Paired difference to round_robin" in html
     made = json.loads((out / "points" / f"knee-rate-{knee:.6g}" / "summary.json").read_text())["meta"]["command"]
     assert made.startswith("gpuhit replay --trace") and "--num-seeds 2" in made and "experiment ab" not in made
@@ -108,3 +112,5 @@ def test_experiment_ab_bad_options(tmp_path, capsys):
     capsys.readouterr()
     assert main([*base, "--high-factor", "0.9"]) == 2
     assert "--high-factor" in capsys.readouterr().err
+    assert main([*base, "--margin", "1"]) == 2
+    assert "margin" in capsys.readouterr().err
