@@ -18,7 +18,9 @@ would retry or carry on; later turns of a session usually fail the same way and 
 With ``stop_session_on_error=True`` the session stops at its first failure instead, and every turn it
 did not send gets a row with error ``"not sent: ..."``. Either way the replay goes on, and no failed
 request is dropped. Turns not sent because a bound (``max_sessions``, ``max_requests``,
-``duration``) was reached are *not* failures and get no row.
+``duration``) was reached are *not* failures and get no row. Neither are turns not sent after
+the caller's ``stop`` event was set: a replay whose end is a condition (a harness that stops once
+what it waits for has happened) ends on that event, not on a wall-clock guess.
 
 Resume: turns listed in ``skip`` (from :class:`replayer.records.RecordWriter`) are not sent again and
 take no time; the next turn waits its think time after the previous turn sent in this run, or after
@@ -60,24 +62,6 @@ class TurnRequest:
     @property
     def session_id(self) -> str:
         return self.session.session_id
-
-
-def request_max_tokens(output_length: int, prompt_len: int, max_model_len: int | None) -> tuple[int, str]:
-    """(max_tokens vLLM runs a turn with, record note) for a trace turn; raises vLLM's 400.
-
-    vLLM refuses ``max_tokens`` 0 (``SamplingParams``: "max_tokens must be at least 1"), so a turn
-    whose trace output length is 0 is sent with ``max_tokens`` 1 and the note says so; vLLM clamps
-    ``max_tokens`` to the context left and refuses a prompt of >= ``max_model_len`` tokens
-    (:func:`engines.vllm.protocol.check_context_length`, a :class:`~gpuhit.errors.BadRequestError`).
-    """
-    from engines.vllm.protocol import check_context_length
-
-    want = max(output_length, 1)
-    notes = [] if output_length >= 1 else [f"max_tokens 1: trace output {output_length} (vLLM refuses 0)"]
-    got = check_context_length(prompt_len, want, max_model_len)
-    if got < want:
-        notes.append(f"max_tokens clamped {want} -> {got} (max_model_len {max_model_len})")
-    return got, "; ".join(notes)
 
 
 class Target(Protocol):
@@ -152,8 +136,9 @@ def _wake(fut: asyncio.Future[None]) -> None:
 class _Replay:
     def __init__(self, trace: Trace, target: Target, cfg: DriverConfig,
                  sink: Callable[[RequestRecord], None] | None, skip: Collection[tuple[str, int]],
-                 on_record: Callable[[RequestRecord], None] | None):
+                 on_record: Callable[[RequestRecord], None] | None, stop: asyncio.Event | None = None):
         self.trace = trace
+        self.stop = stop
         self.target = target
         self.cfg = cfg
         self.sink = sink
@@ -341,7 +326,19 @@ class _Replay:
             tasks.append(one(k, turn))
         await asyncio.gather(*tasks)
 
+    async def _halt_on(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._halt()
+
     async def run(self) -> ReplayOutcome:
+        watcher = self.loop.create_task(self._halt_on(self.stop)) if self.stop is not None else None
+        try:
+            return await self._run()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    async def _run(self) -> ReplayOutcome:
         rs = roots(self.trace)
         if self.cfg.max_sessions is not None:
             rs = rs[: self.cfg.max_sessions]
@@ -377,10 +374,13 @@ class _Replay:
 async def replay(trace: Trace, target: Target, cfg: DriverConfig | None = None, *,
                  sink: Callable[[RequestRecord], None] | None = None,
                  skip: Collection[tuple[str, int]] = frozenset(),
-                 on_record: Callable[[RequestRecord], None] | None = None) -> ReplayOutcome:
+                 on_record: Callable[[RequestRecord], None] | None = None,
+                 stop: asyncio.Event | None = None) -> ReplayOutcome:
     """Replay ``trace`` against ``target`` on the running loop; returns every record made.
 
     ``sink`` receives each record as it is made (e.g. ``RecordWriter.write``); ``skip`` lists
-    ``(session, turn)`` pairs already done (resume); ``on_record`` is a progress hook.
+    ``(session, turn)`` pairs already done (resume); ``on_record`` is a progress hook. Once
+    ``stop`` is set nothing new is sent (as when ``duration`` is over): the requests in flight
+    finish and get their rows, and the replay returns.
     """
-    return await _Replay(trace, target, cfg or DriverConfig(), sink, skip, on_record).run()
+    return await _Replay(trace, target, cfg or DriverConfig(), sink, skip, on_record, stop).run()

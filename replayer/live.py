@@ -32,10 +32,11 @@ import aiohttp
 
 from engines.vllm.client import iter_sse
 from engines.vllm.metrics_scrape import BUSY, DCGM_UTIL, UtilizationMeter
+from engines.vllm.protocol import request_max_tokens
 from gpuhit.aio import cancel_and_wait
 from gpuhit.errors import BadRequestError, ConfigError, UnavailableError
 from replayer import dialects
-from replayer.driver import TurnRequest, request_max_tokens
+from replayer.driver import TurnRequest
 from replayer.records import EngineTimedRecord, RequestRecord
 
 

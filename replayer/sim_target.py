@@ -20,8 +20,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from engines.vllm.protocol import request_max_tokens
 from gpuhit.errors import BadRequestError
-from replayer.driver import TurnRequest, request_max_tokens
+from replayer.driver import TurnRequest
 from replayer.records import EngineTimedRecord, RequestRecord
 
 

@@ -175,3 +175,19 @@ def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int | 
             "smaller than the number of text tokens (prompt + requested output tokens).")
     left = max_model_len - prompt_len
     return max_tokens if max_tokens < left else left  # noqa: FURB136 - min() without its call (engines.base.max_cached_tokens)
+
+
+def request_max_tokens(output_length: int, prompt_len: int, max_model_len: int | None) -> tuple[int, str]:
+    """(max_tokens vLLM runs a turn with, record note) for a trace turn; raises vLLM's 400.
+
+    vLLM refuses ``max_tokens`` 0 (``SamplingParams``: "max_tokens must be at least 1"), so a turn
+    whose trace output length is 0 is sent with ``max_tokens`` 1 and the note says so; vLLM clamps
+    ``max_tokens`` to the context left and refuses a prompt of >= ``max_model_len`` tokens
+    (:func:`check_context_length`, a :class:`~gpuhit.errors.BadRequestError`).
+    """
+    want = max(output_length, 1)
+    notes = [] if output_length >= 1 else [f"max_tokens 1: trace output {output_length} (vLLM refuses 0)"]
+    got = check_context_length(prompt_len, want, max_model_len)
+    if got < want:
+        notes.append(f"max_tokens clamped {want} -> {got} (max_model_len {max_model_len})")
+    return got, "; ".join(notes)

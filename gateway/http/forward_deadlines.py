@@ -11,6 +11,14 @@ stalled (a stuck generation loop, a SIGSTOPped process), whatever each request's
 and a long prefill; an engine where nothing at all moves has no such excuse. The first sign comes
 sooner: after a fifth of the window without progress ``on_suspect(i, True)`` (new requests go to
 other engines meanwhile), and ``on_suspect(i, False)`` once it moves again or has nothing in flight.
+
+Every limit is judged as of the previous sweep, not the current one. Between two sweeps the loop
+has polled its sockets and run the tasks they woke, so a byte that came before the previous sweep
+is in ``last`` by now; at the current sweep that is not so after the loop itself was held up (a
+starved process, a long synchronous step): the bytes that came meanwhile still wait in the socket
+(uvloop even runs due timers before it polls), and judging "now" would blame the engine for the
+gateway's own blindness, cutting healthy streams and ejecting a healthy engine. A limit therefore
+fires between one and two ticks after it passed, and never for silence the gateway did not watch.
 """
 
 from __future__ import annotations
@@ -82,11 +90,12 @@ class Watchdog:
         if self._listed:
             self._deadlines.discard(self._instance, self)
 
-    def check(self, now: float) -> None:
-        """Fire if the current deadline has passed (called by :class:`Deadlines`)."""
+    def check(self, seen: float) -> None:
+        """Fire if the current deadline had passed at ``seen`` (called by :class:`Deadlines` with
+        the previous sweep's time: see the module docstring)."""
         limit = self.limit
         last = self.last
-        if limit is None or last is None or now - last < limit or self.fired is not None:
+        if limit is None or last is None or seen - last < limit or self.fired is not None:
             return
         self.fired = TTFB if self.first else IDLE
         self.after = limit
@@ -109,9 +118,9 @@ class Watchdog:
 
 class Deadlines:
     """Every in-flight upstream exchange's :class:`Watchdog`, by engine, checked on one loop timer
-    every ``tick`` seconds while any is active (a deadline fires up to a tick late: the tick is a
-    twentieth of the shortest limit, within [10 ms, 1 s]). :meth:`abort` ends an engine's
-    exchanges at once."""
+    every ``tick`` seconds while any is active, as of the previous check (a deadline fires one to
+    two ticks late: the tick is a twentieth of the shortest limit, within [10 ms, 1 s]).
+    :meth:`abort` ends an engine's exchanges at once."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int, ttfb: float, idle: float, stall: float = 0.0,
                  on_stall: Callable[[int, str], None] | None = None,
@@ -132,6 +141,7 @@ class Deadlines:
         self.tick = min(max(min(limits) / 20, 0.01), 1.0) if limits else None
         self._active = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._seen = -math.inf  # loop time of the previous sweep (or of arming the timer): what is judged
 
     def enter(self, i: int, first: float, idle: float, streamed: bool = True) -> Watchdog:
         """A watchdog over the current task's exchange with engine ``i``, active from now until its
@@ -147,6 +157,7 @@ class Deadlines:
         self.in_flight[i].add(wd)  # a new watchdog: not in the set yet
         self._active += 1
         if self._timer is None and self.tick is not None:
+            self._seen = wd.last
             self._timer = self.loop.call_later(self.tick, self._sweep)
         return wd
 
@@ -164,16 +175,17 @@ class Deadlines:
 
     def _sweep(self) -> None:
         self._timer = None
-        now = self.loop.time()
+        seen, self._seen = self._seen, self.loop.time()
         for s in self.in_flight:
             for wd in list(s):
-                wd.check(now)
+                wd.check(seen)
         if self.stall:
-            self._check_stalls(now)
+            self._check_stalls(seen)
         if self._active or any(self.suspected) and self.tick is not None:
             self._timer = self.loop.call_later(self.tick, self._sweep)
 
     def _check_stalls(self, now: float) -> None:
+        """Stall and suspicion of every engine as of ``now`` (the previous sweep's time)."""
         counters_at = self._counters_at
         for i, s in enumerate(self.in_flight):
             # Only streams waiting on the engine: one writing to a slow client owes it nothing, and a

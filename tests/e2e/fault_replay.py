@@ -179,7 +179,7 @@ async def inject(schedule: Sequence[Fault], engines: Sequence[EngineProcess], dr
     return events
 
 
-def trace(n_sessions: int = 40, turns: int = 8, blocks_per_turn: int = 8, output: int = 24) -> Trace:
+def trace(n_sessions: int = 200, turns: int = 8, blocks_per_turn: int = 8, output: int = 24) -> Trace:
     """Sessions whose every turn extends the previous one's prompt (prefix hits to predict)."""
     sessions = []
     for s in range(n_sessions):
@@ -222,10 +222,19 @@ def report(records: Sequence[RequestRecord], events: Sequence[FaultEvent], names
     return out
 
 
+#: ok requests sent after the last fault was lifted before the replay stops (the test asks for 10)
+AFTER_LAST_FAULT = 12
+
+
 async def run(gateway: Callable[..., Any], gateway_kw: dict[str, Any], schedule: Sequence[Fault] = SCHEDULE,
-              duration: float = 24.0, concurrency: int = 6, engine_args: Sequence[str] = ()) -> dict[str, Any]:
+              after: int = AFTER_LAST_FAULT, concurrency: int = 6, engine_args: Sequence[str] = ()) -> dict[str, Any]:
     """Engines up, a gateway over them (``gateway(urls, **gateway_kw)``: an async context manager
-    giving ``(gateway, url)``), the replay and the schedule at once; the records, events, report."""
+    giving ``(gateway, url)``), the replay and the schedule at once; the records, events, report.
+
+    The replay ends on a condition, not after a fixed time: once the whole schedule has run and
+    ``after`` requests sent after its last fault was lifted have succeeded (or the trace is spent).
+    How long the schedule takes is not known in advance: a restarted engine is a new process,
+    whose start takes seconds on a loaded machine, and every later fault waits for it."""
     engines = [EngineProcess(f"e{i}", engine_args) for i in range(2)]
     try:
         await asyncio.gather(*(e.start() for e in engines))
@@ -237,13 +246,31 @@ async def run(gateway: Callable[..., Any], gateway_kw: dict[str, Any], schedule:
                     sub._conn.drop()
 
             target = HttpTarget(url, TokenSynthesizer(seed=7), http)
-            cfg = DriverConfig(arrival=ArrivalConfig(mode="concurrent", sessions_concurrent=concurrency, time_scale=0.0),
-                               duration=duration)
+            cfg = DriverConfig(arrival=ArrivalConfig(mode="concurrent", sessions_concurrent=concurrency, time_scale=0.0))
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            faults = asyncio.create_task(inject(schedule, engines, drop_kv, t0, lambda i: gw.breakers[i].opens))
-            out = await replay(trace(), target, cfg)
-            events = await faults
+            stop = asyncio.Event()
+            schedule_end = math.inf  # loop time the last fault was lifted
+            ok_after = 0
+
+            def on_record(r: RequestRecord) -> None:
+                nonlocal ok_after
+                if r.ok and r.arrival > schedule_end:
+                    ok_after += 1
+                    if ok_after >= after:
+                        stop.set()
+
+            async def faults() -> list[FaultEvent]:
+                nonlocal schedule_end
+                events = await inject(schedule, engines, drop_kv, t0, lambda i: gw.breakers[i].opens)
+                schedule_end = max(e.end for e in events)
+                return events
+
+            faults_task = asyncio.create_task(faults())
+            try:
+                out = await replay(trace(), target, cfg, on_record=on_record, stop=stop)
+            finally:
+                events = await faults_task
             names = list(gw.names) if hasattr(gw, "names") else [f"e{i}" for i in range(len(engines))]
             return {"records": out.records, "events": events, "report": report(out.records, events, names),
                     "wall_s": loop.time() - t0}

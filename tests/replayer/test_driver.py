@@ -207,3 +207,30 @@ def test_spent_budget_stops_waiting_sessions_at_once():
     # s0#0 runs 0..1 s, s0#1 is sent after its 500 s think time and ends at 502 s; without the stop
     # the replay would sleep until the last session's arrival at 19,000 s
     assert elapsed == 502.0
+
+
+def test_stop_event_ends_the_replay_on_a_condition():
+    # The caller stops the replay once a condition holds (here: the third record); the request in
+    # flight then finishes and gets its row, nothing new is sent, and sessions waiting for their
+    # arrival or a think time end at once instead of sleeping out the trace.
+    tr = trace(*(session(f"s{i}", [turn(), turn(think=50.0)], arrival=10.0 * i) for i in range(20)))
+    t = DelayTarget(ttft=1.0, tail=0.0)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        seen = []
+
+        def on_record(r):
+            seen.append(r)
+            if len(seen) == 2:
+                stop.set()
+
+        t0 = loop.time()
+        out = await replay(tr, t, DriverConfig(), on_record=on_record, stop=stop)
+        return out, loop.time() - t0
+
+    out, elapsed = vtime.run(go())
+    # s0#0 ends at 1 s, s1#0 at 11 s (stop set); s0#1 (sent at 51 s) was not sent: its think time ends early
+    assert [x[0] for x in t.sent] == ["s0#0", "s1#0"] and len(out.records) == 2
+    assert elapsed == 11.0

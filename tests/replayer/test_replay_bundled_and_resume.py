@@ -128,8 +128,8 @@ def test_busy_seconds_integrates_each_sample_over_its_own_interval():
 
 
 def test_zero_output_turns_are_sent_with_max_tokens_one_and_noted():
+    from engines.vllm.protocol import request_max_tokens
     from gpuhit.errors import BadRequestError
-    from replayer.driver import request_max_tokens
 
     assert request_max_tokens(0, 100, 1000) == (1, "max_tokens 1: trace output 0 (vLLM refuses 0)")
     assert request_max_tokens(50, 990, 1000) == (10, "max_tokens clamped 50 -> 10 (max_model_len 1000)")

@@ -69,7 +69,7 @@ def _real_streams(config: str) -> list[dict]:
 N_LOOP = 40
 
 
-# CPU cost ~3 min on 2 free cores; the limit leaves room for a loaded machine
+# CPU cost ~70 s alone; the limit leaves room for a loaded machine
 @pytest.mark.timeout(1200)
 def test_emulator_matches_vllm_scheduler_step_by_step():
     python = run.vllm_python()
@@ -96,22 +96,30 @@ def test_emulator_matches_vllm_scheduler_step_by_step():
 N_COVERAGE = 60
 
 
+# CPU cost ~20 s alone (one vLLM subprocess; importing vLLM and torch is ~5 s of it)
 @pytest.mark.timeout(600)
 def test_priority_streams_exercise_what_only_the_priority_scheduler_does():
     """The priority configurations would prove little if vLLM scheduled their streams as FCFS does:
     the same streams re-run through vLLM's scheduler under FCFS must come out different in most
-    of them, and most pressure streams must preempt (where the victim is chosen by priority)."""
+    of them, and most pressure streams must preempt (where the victim is chosen by priority).
+    Every configuration's streams, both ways, go through one vLLM subprocess: each start imports
+    vLLM (and torch) again, which cost more than the streams themselves."""
     import copy
 
     python = run.vllm_python()
     if python is None:
         pytest.skip("no vLLM venv (set GPUHIT_VLLM_PYTHON or build .venv-vllm): differential check skipped")
-    for config in (c for c, cfg in workload.CONFIGS.items() if cfg["policy"] == "priority"):
+    configs = [c for c, cfg in workload.CONFIGS.items() if cfg["policy"] == "priority"]
+    batch = []
+    for config in configs:
         prio = list(workload.generated_streams(config, N_COVERAGE))
         fcfs = copy.deepcopy(prio)
         for w in fcfs:
             w["config"]["policy"] = "fcfs"
-        theirs = run.run_vllm(prio + fcfs, python)
+        batch.extend(prio + fcfs)
+    records = run.run_vllm(batch, python)
+    for k, config in enumerate(configs):
+        theirs = records[2 * N_COVERAGE * k: 2 * N_COVERAGE * (k + 1)]
         differ = sum(compare.compare_stream(a, b)[1] is not None
                      for a, b in zip(theirs[:N_COVERAGE], theirs[N_COVERAGE:]))
         assert differ >= N_COVERAGE // 2, f"{config}: only {differ}/{N_COVERAGE} streams schedule differently from FCFS"
