@@ -53,7 +53,13 @@ import numpy as np
 
 from gpuhit.errors import ConfigError
 from replayer.gap_split import format_split, has_engine_columns, paired_parts, split_by_policy
-from replayer.live_path import LIVE_PATH_MODES, delay_first_chunks, in_flight_at_arrival, path_models
+from replayer.live_path import (
+    LIVE_PATH_MODES,
+    WHOLE_RESPONSE,
+    delay_first_chunks,
+    in_flight_at_arrival,
+    path_models,
+)
 from replayer.rank_agreement import kendall, ranking, separated_agreement
 from replayer.records import answered_by_turn, read_records, records_to_frame
 
@@ -277,8 +283,9 @@ def register(subparsers: Any) -> None:
                    help="the live path (the profile's fit.live_path): in-flight (default: the lone pairs' gateway "
                         "addition, and the path measured under load per count of requests in flight as a delay of "
                         "each first chunk; constant where the fit has only lone pairs), response (that path as a "
-                        "delay of the whole response: first chunk and finish), constant (the gateway's addition "
-                        "only), none")
+                        "delay of the whole response: first chunk and finish), split (that path before the engine "
+                        "and on the response, by the share the engine spans measured: fit.live_path.before_share), "
+                        "constant (the gateway's addition only), none")
     p.add_argument("--repeat", default=None, metavar="DIR", help="a `gpuhit experiment ab-live` folder that "
                    "replayed some of --live's seeds again (the host's run-to-run noise, replayer/noise_floor.py); "
                    "default: DIR/../repeat where it holds the same trace")
@@ -337,7 +344,7 @@ def main(args: argparse.Namespace) -> int:
             real_df = read_records(lr["records"])
             res = simulate_run(spec, engines, trace, profile, pol, seed, rate, live_path=ingress,
                                engine_timing=has_engine_columns(real_df))
-            applied = (delay_first_chunks(res.records, lag, whole=args.live_path == "response", stalls=profile.stalls,
+            applied = (delay_first_chunks(res.records, lag, whole=args.live_path in WHOLE_RESPONSE, stalls=profile.stalls,
                                           seed=seed) if lag is not None else ())
             sim_runs.append(res.summary())
             sim_df = records_to_frame(res.records)
