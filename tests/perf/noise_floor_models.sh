@@ -9,18 +9,24 @@ set -euo pipefail
 W=$1; FROM=$2; OUT=${3:-$W/models}
 mkdir -p "$OUT"
 run() { setsid bash -c 'echo 15 > /proc/self/autogroup; exec nice -n 15 "$@"' _ "$@"; }
-[ -f "$W/profile-stalls.json" ] || run python tests/perf/profile_variants.py "$W/profile.json" "$W/profile-after.json"
+AFTER=(); [ -f "$W/profile-after.json" ] && AFTER=("$W/profile-after.json")  # a window cut short has none
+[ -f "$W/profile-stalls.json" ] || run python tests/perf/profile_variants.py "$W/profile.json" "${AFTER[@]}"
 python - "$W" "$OUT" <<'PY'
 import json, sys
 W, OUT = sys.argv[1:]
+import os
 for src, dst in ((f"{W}/profile-stalls.json", f"{OUT}/profile-wide.json"),
                  (f"{W}/profile-after-stalls.json", f"{OUT}/profile-after-wide.json")):
+    if not os.path.exists(src):
+        continue
     d = json.load(open(src))
     for p in d["profiles"].values():
         p["stalls"]["host_wide"] = True
     json.dump(d, open(dst, "w"), indent=1)
 PY
-for v in stalls after-stalls; do gpuhit profile path-split "$W/profile-$v.json" --live "$FROM" --out "$OUT/profile-${v%stalls}split.json"; done
+for v in stalls after-stalls; do
+    if [ -f "$W/profile-$v.json" ]; then gpuhit profile path-split "$W/profile-$v.json" --live "$FROM" --out "$OUT/profile-${v%stalls}split.json"; fi
+done
 gpuhit profile path-split "$OUT/profile-wide.json" --live "$FROM" --out "$OUT/profile-wide-split.json"
 svr() { run gpuhit experiment sim-vs-real --live "$W/ab" --profile "$1" --live-path "$2" --no-plots --out "$OUT/$3" > "$OUT/$3.log" 2>&1; }
 svr "$W/profile-lsq.json" response lsq
@@ -28,7 +34,10 @@ svr "$W/profile-stalls.json" response stalls
 svr "$OUT/profile-split.json" split split
 svr "$OUT/profile-wide.json" response wide
 svr "$OUT/profile-wide-split.json" split wide-split
-svr "$W/profile-after-stalls.json" response after-stalls
-svr "$OUT/profile-after-split.json" split after-split
-python tests/perf/floor_report.py lsq="$OUT/lsq" stalls="$OUT/stalls" split="$OUT/split" wide="$OUT/wide" \
-    wide-split="$OUT/wide-split" after-stalls="$OUT/after-stalls" after-split="$OUT/after-split" | tee "$OUT/floor.md"
+MODELS=(lsq="$OUT/lsq" stalls="$OUT/stalls" split="$OUT/split" wide="$OUT/wide" wide-split="$OUT/wide-split")
+if [ ${#AFTER[@]} -gt 0 ]; then
+    svr "$W/profile-after-stalls.json" response after-stalls
+    svr "$OUT/profile-after-split.json" split after-split
+    MODELS+=(after-stalls="$OUT/after-stalls" after-split="$OUT/after-split")
+fi
+python tests/perf/floor_report.py "${MODELS[@]}" | tee "$OUT/floor.md"
