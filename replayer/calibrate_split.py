@@ -32,6 +32,7 @@ def register_split(sub: Any) -> None:
     p.add_argument("--live", required=True, metavar="DIR",
                    help="a `gpuhit experiment ab-live` folder whose runs joined their engine spans")
     p.add_argument("--out", default=None, metavar="PROFILE.json", help="file to write (default: the profile file)")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)
 
 
@@ -75,6 +76,9 @@ def main(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out or src)
     out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     load_profile(f"{out}#{name}")  # what was written reads back
+    if getattr(args, "json", False):
+        print(json.dumps({"profile": f"{out}#{name}", "live": str(live), **split}))
+        return 0
     print(f"{out}#{name}: the live path {split['path_before_s'] * 1e3:.1f} ms before the engine and "
           f"{split['path_after_s'] * 1e3:.1f} ms after it over {split['n']} requests of {live}: before_share "
           f"{split['before_share']:.3f}")
