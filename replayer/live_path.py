@@ -128,20 +128,15 @@ def delay_first_chunks(records: Sequence[Any], lag: LivePathModel, whole: bool =
 
     ``stalls``: a profile's :class:`~engines.emulated.stalls.Stalls` with path stalls: each request's
     lag is then the lag less their mean plus a draw (:meth:`~engines.emulated.stalls.StallSampler.path`),
-    drawn in records' order from ``seed`` (the run's); with ``host_wide`` stalls, the events of the
-    host timeline of that seed that fall after each request's arrival (the engines met the same)."""
+    drawn in records' order from ``seed`` (the run's)."""
     ok = [r for r in records if not r.error and math.isfinite(r.first_token)]
     k = in_flight_at_arrival([r.arrival for r in ok], [r.finish for r in ok])
     applied = np.empty(len(ok))
-    draw = None
-    if stalls is not None and stalls.path_p > 0:
-        from engines.emulated.host_stalls import samplers
-
-        draw = samplers(stalls, seed)("path").path
+    draw = stalls.sampler(f"path/{seed}").path if stalls is not None and stalls.path_p > 0 else None
     for i, (r, n) in enumerate(zip(ok, k)):
         d = lag(int(n))
         if draw is not None:
-            d = draw(d, r.arrival)
+            d = draw(d)
         new = r.first_token + d if whole else min(r.first_token + d, r.finish)
         applied[i] = new - r.first_token
         r.first_token = new

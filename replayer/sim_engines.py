@@ -68,13 +68,6 @@ def emulated_factory(profile: str, engine_kwargs: Mapping[str, Any] | None = Non
     if prof.host_cpu is not None:  # steps on accelerators (engine_cores 0): no host, decode jumps kept
         per_host = prof.host_cpu.engines if prof.host_cpu.engine_cores > 0 else 0
 
-    # the run's stall draws: each engine its own generator, or one host timeline for all (host_wide)
-    stall_samplers = None
-    if prof.stalls is not None:
-        from engines.emulated.host_stalls import samplers
-
-        stall_samplers = samplers(prof.stalls, seed)
-
     def make(name: str, index: int, registry: Any) -> EngineClient:
         kw = dict(kwargs)
         if registry is not None and "transfer_registry" in params:
@@ -85,8 +78,8 @@ def emulated_factory(profile: str, engine_kwargs: Mapping[str, Any] | None = Non
             if index // per_host not in hosts:
                 hosts[index // per_host] = SharedHost(prof.host_contention, prof.host_cpu)
             kw.setdefault("host", hosts[index // per_host])
-        if stall_samplers is not None and "stalls" in params:
-            kw.setdefault("stalls", stall_samplers(index))
+        if prof.stalls is not None and "stalls" in params:
+            kw.setdefault("stalls", prof.stalls.sampler(f"{seed}/{index}"))
         return Engine(name, prof, **kw)
 
     return make

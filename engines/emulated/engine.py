@@ -208,7 +208,7 @@ class EmulatedEngine(StepLoopMixin, DecodeJumpMixin):
             self.host.arrived(now)
         delay = self.profile.frontend_delay(request.prompt_len)
         if self.stalls is not None:  # the way in met a host stall (API server or engine core preempted)
-            delay += self.stalls.request(now)
+            delay += self.stalls.request()
         if self.remote_transfer is not None and self.external.producer_elsewhere(request.kv_transfer_params):
             # The pull runs alongside the frontend delay, as vLLM's bootstrap query runs alongside
             # scheduling; the request joins the queue once both are over.

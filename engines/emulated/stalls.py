@@ -32,9 +32,7 @@ The model (``stalls`` in a profile; measured by ``gpuhit profile fit --stall-req
   (:mod:`replayer.live_path`), a mean per count of requests in flight, gives up the stalls' mean
   (:meth:`StallSampler.path`).
 
-With ``host_wide`` the three parts draw from one process of host events instead, shared by every
-engine and the path (:mod:`engines.emulated.host_stalls`: the same means, stalls that land on
-everything in flight at once). Otherwise each engine draws from its own generator seeded from the run's seed and its index
+Each engine draws from its own generator seeded from the run's seed and its index
 (:meth:`Stalls.sampler`), so a run's records are reproducible and two runs with different seeds
 meet different stalls; the path's draws come from the run's seed in the simulator's post-pass. On a
 host whose steps run on accelerators (``--engine-cores 0``) the fit writes no step stalls: the device
@@ -64,8 +62,6 @@ class Stalls:
     request_lengths_s: tuple[float, ...] = ()
     path_p: float = 0.0
     path_lengths_s: tuple[float, ...] = ()
-    # one process across the host (engines.emulated.host_stalls) instead of independent draws
-    host_wide: bool = False
 
     def __post_init__(self) -> None:
         nums = (self.step_rate_per_s, self.request_p, self.path_p, *self.step_lengths_s, *self.request_lengths_s,
@@ -99,12 +95,9 @@ class Stalls:
         return StallSampler(self, random.Random(f"stalls/{seed}"))
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"step_rate_per_s": self.step_rate_per_s, "step_lengths_s": list(self.step_lengths_s),
-                               "request_p": self.request_p, "request_lengths_s": list(self.request_lengths_s),
-                               "path_p": self.path_p, "path_lengths_s": list(self.path_lengths_s)}
-        if self.host_wide:  # written only when set: profiles without it read and write as before
-            doc["host_wide"] = True
-        return doc
+        return {"step_rate_per_s": self.step_rate_per_s, "step_lengths_s": list(self.step_lengths_s),
+                "request_p": self.request_p, "request_lengths_s": list(self.request_lengths_s),
+                "path_p": self.path_p, "path_lengths_s": list(self.path_lengths_s)}
 
 
 class StallSampler:
@@ -115,7 +108,7 @@ class StallSampler:
     def __init__(self, model: Stalls, rng: random.Random):
         self.model, self.rng = model, rng
 
-    def step(self, step_s: float, host_factor: float | None = None, now: float = 0.0) -> float:
+    def step(self, step_s: float, host_factor: float | None = None) -> float:
         """The time of a step of ``step_s`` seconds (its host's factor applied, ``host_factor`` that
         factor; None: the engine has no host model) once the host's stalls are drawn.
 
@@ -124,8 +117,7 @@ class StallSampler:
         above 1: more runnable threads than cores, the condition for a preemption), and its typical
         part is the factor's time over ``1 + mean_step_excess`` so that the mean step time stays the
         host model's (the stalls redistribute it into a tail). Without a host model, the step's time
-        is a typical one (a robust fit) and the stalls add to it. ``now``: the step's start (unused:
-        these draws are independent of time; :mod:`engines.emulated.host_stalls` uses it)."""
+        is a typical one (a robust fit) and the stalls add to it."""
         m = self.model
         if m.step_rate_per_s <= 0:
             return step_s
@@ -137,17 +129,16 @@ class StallSampler:
             step_s += self.rng.choice(m.step_lengths_s)
         return step_s
 
-    def request(self, now: float = 0.0) -> float:
-        """Seconds a request's way in is stalled by (0.0 mostly); ``now`` unused, as in :meth:`step`."""
+    def request(self) -> float:
+        """Seconds a request's way in is stalled by (0.0 mostly)."""
         m = self.model
         if m.request_p <= 0 or self.rng.random() >= m.request_p:
             return 0.0
         return self.rng.choice(m.request_lengths_s)
 
-    def path(self, lag_s: float, now: float = 0.0) -> float:
+    def path(self, lag_s: float) -> float:
         """A request's delay on the client's path given the path model's mean lag ``lag_s`` for it:
-        that lag less the stalls' mean (the lag is measured as a mean, stalls included), plus a draw
-        (``now`` unused, as in :meth:`step`)."""
+        that lag less the stalls' mean (the lag is measured as a mean, stalls included), plus a draw."""
         m = self.model
         if m.path_p <= 0:
             return lag_s
@@ -165,10 +156,8 @@ def stalls_of(d: Any, where: str) -> Stalls:
     if set(d) - known:
         raise ConfigError(f"{where}: stalls takes only {sorted(known)}; got {sorted(d)}")
     try:
-        if not isinstance(d.get("host_wide", False), bool):
-            raise ConfigError(f"host_wide must be true or false, got {d['host_wide']!r}")
-        kw: dict[str, Any] = {k: (v if k == "host_wide" else tuple(float(x) for x in v) if isinstance(v, Sequence)
-                                  else float(v)) for k, v in d.items()}
+        kw: dict[str, Any] = {k: (tuple(float(x) for x in v) if isinstance(v, Sequence) else float(v))
+                              for k, v in d.items()}
         return Stalls(**kw)
     except (TypeError, ValueError, ConfigError) as exc:
         raise ConfigError(f"{where}: stalls: {exc}") from None

@@ -151,7 +151,7 @@ class StepLoopMixin:
                     factor = self.host.factor(self, now, gen, step)
                     step *= factor
                 if self.stalls is not None:  # the host preempts the worker mid-step (engines.emulated.stalls)
-                    step = self.stalls.step(step, factor, now)
+                    step = self.stalls.step(step, factor)
                 end = now + step
                 await self._sleep_until(end)
                 self._apply(out, now, end)

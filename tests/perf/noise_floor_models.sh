@@ -4,37 +4,21 @@
 # W: a live window folder (tests/perf/live_ab_window.py --out W: ab/, repeat/, profile.json, profile-after.json);
 # SPLIT_FROM: a live folder with engine spans whose measured path split (`gpuhit profile path-split`)
 # the split variants take (another window's for an out-of-sample split). Writes OUT/{lsq,stalls,split,
-# wide,wide-split,after-stalls,after-split} sim-vs-real folders and OUT/floor.md.
+# after-stalls,after-split} sim-vs-real folders and OUT/floor.md.
 set -euo pipefail
 W=$1; FROM=$2; OUT=${3:-$W/models}
 mkdir -p "$OUT"
 run() { setsid bash -c 'echo 15 > /proc/self/autogroup; exec nice -n 15 "$@"' _ "$@"; }
 AFTER=(); [ -f "$W/profile-after.json" ] && AFTER=("$W/profile-after.json")  # a window cut short has none
 [ -f "$W/profile-stalls.json" ] || run python tests/perf/profile_variants.py "$W/profile.json" "${AFTER[@]}"
-python - "$W" "$OUT" <<'PY'
-import json, sys
-W, OUT = sys.argv[1:]
-import os
-for src, dst in ((f"{W}/profile-stalls.json", f"{OUT}/profile-wide.json"),
-                 (f"{W}/profile-after-stalls.json", f"{OUT}/profile-after-wide.json")):
-    if not os.path.exists(src):
-        continue
-    d = json.load(open(src))
-    for p in d["profiles"].values():
-        p["stalls"]["host_wide"] = True
-    json.dump(d, open(dst, "w"), indent=1)
-PY
 for v in stalls after-stalls; do
     if [ -f "$W/profile-$v.json" ]; then gpuhit profile path-split "$W/profile-$v.json" --live "$FROM" --out "$OUT/profile-${v%stalls}split.json"; fi
 done
-gpuhit profile path-split "$OUT/profile-wide.json" --live "$FROM" --out "$OUT/profile-wide-split.json"
 svr() { run gpuhit experiment sim-vs-real --live "$W/ab" --profile "$1" --live-path "$2" --no-plots --out "$OUT/$3" > "$OUT/$3.log" 2>&1; }
 svr "$W/profile-lsq.json" response lsq
 svr "$W/profile-stalls.json" response stalls
 svr "$OUT/profile-split.json" split split
-svr "$OUT/profile-wide.json" response wide
-svr "$OUT/profile-wide-split.json" split wide-split
-MODELS=(lsq="$OUT/lsq" stalls="$OUT/stalls" split="$OUT/split" wide="$OUT/wide" wide-split="$OUT/wide-split")
+MODELS=(lsq="$OUT/lsq" stalls="$OUT/stalls" split="$OUT/split")
 if [ ${#AFTER[@]} -gt 0 ]; then
     svr "$W/profile-after-stalls.json" response after-stalls
     svr "$OUT/profile-after-split.json" split after-split
