@@ -225,6 +225,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)
+    from replayer.calibrate_split import register_split
+
+    register_split(sub)
 
 
 def main(args: argparse.Namespace) -> int:

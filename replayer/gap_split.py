@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuhit.errors import ConfigError
 from replayer.records import answered_by_turn
 
 PARTS = ("path_before", "engine_other", "queue", "prefill", "decode", "path_after")
@@ -74,6 +75,21 @@ def request_parts(df: Any) -> Any:
     import pandas as pd
 
     return pd.DataFrame(out)
+
+
+def before_share(frames: Sequence[Any]) -> dict[str, float]:
+    """Where the live path lies, from records with engine timing (live runs joined to their spans):
+    ``{"before_share": mean path_before / (mean path_before + mean path_after), "path_before_s",
+    "path_after_s", "n"}`` over every answered request of ``frames`` (what ``--live-path split``
+    places on the way in; :func:`replayer.live_path.path_models`)."""
+    import pandas as pd
+
+    parts = pd.concat([request_parts(f) for f in frames]) if frames else pd.DataFrame()
+    if not len(parts):
+        raise ConfigError("no answered request with engine timing to split the path by")
+    b, a = float(parts["path_before"].mean()), float(parts["path_after"].mean())
+    return {"before_share": b / (a + b) if a + b > 0 else math.nan, "path_before_s": b, "path_after_s": a,
+            "n": len(parts)}
 
 
 def paired_parts(real: Any, sim: Any, block_size: int) -> Any:

@@ -158,7 +158,8 @@ def in_flight_at_arrival(arrival: Sequence[float], finish: Sequence[float]) -> n
     return np.maximum(out, 0)
 
 
-LIVE_PATH_MODES = ("in-flight", "response", "constant", "none")
+LIVE_PATH_MODES = ("in-flight", "response", "split", "constant", "none")
+WHOLE_RESPONSE = ("response", "split")  # the modes whose lag shifts the whole response (first chunk and finish)
 
 
 def path_models(profile: Any, mode: str = "in-flight") -> tuple[Any, Any, dict[str, Any]]:
@@ -168,13 +169,29 @@ def path_models(profile: Any, mode: str = "in-flight") -> tuple[Any, Any, dict[s
     (``in-flight``: of the first chunk, ``response``: of the whole response, :func:`delay_first_chunks`;
     None otherwise or where the fit did not measure the path under load), and their summary:
     ``{"mode", "direct_s", "gateway_s", "points": [[in_flight, extra_s], ...]}`` (the two delays
-    together; ``direct_s`` nan where not measured)."""
+    together; ``direct_s`` nan where not measured).
+
+    ``split``: the path under load placed where the engine spans put it, the share ``before_share`` of
+    ``fit.live_path`` (the path's mean before the engine over its mean before and after,
+    :func:`replayer.gap_split.before_share`) on the way in, where the request crosses the gateway, the
+    rest on the whole response; ``response`` puts all of it on the response (the engine meets the
+    request as early as a lone one)."""
     if mode not in LIVE_PATH_MODES:
         raise ConfigError(f"--live-path must be one of {', '.join(LIVE_PATH_MODES)}, got {mode!r}")
     lp = (profile.fit or {}).get("live_path") or {}
     ingress = None if mode == "none" else from_fit(lp, by_in_flight=False)
-    lag = first_chunk_lag(lp) if mode in ("in-flight", "response") else None
+    lag = first_chunk_lag(lp) if mode in ("in-flight", *WHOLE_RESPONSE) else None
     gw = ingress(0) if ingress is not None else 0.0
     points = [[k, gw + s] for k, s in lag.points] if lag is not None else ([[0, gw]] if ingress is not None else [])
+    share = None
+    if mode == "split" and lag is not None:
+        share = lp.get("before_share")
+        if share is None or not 0.0 <= float(share) <= 1.0:
+            raise ConfigError("--live-path split needs the share of the path before the engine, fit.live_path."
+                              f"before_share in [0, 1], measured from engine spans; the profile has {share!r}")
+        share = float(share)
+        ingress = LivePathModel(tuple((k, gw + share * s) for k, s in lag.points))
+        lag = LivePathModel(tuple((k, (1.0 - share) * s) for k, s in lag.points))
     return ingress, lag, {"mode": mode if lag is not None else ("constant" if ingress is not None else "none"),
+                          **({"before_share": share} if share is not None else {}),
                           "direct_s": float(lp.get("direct_path_s", math.nan)), "gateway_s": gw, "points": points}

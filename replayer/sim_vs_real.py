@@ -53,7 +53,13 @@ import numpy as np
 
 from gpuhit.errors import ConfigError
 from replayer.gap_split import format_split, has_engine_columns, paired_parts, split_by_policy
-from replayer.live_path import LIVE_PATH_MODES, delay_first_chunks, in_flight_at_arrival, path_models
+from replayer.live_path import (
+    LIVE_PATH_MODES,
+    WHOLE_RESPONSE,
+    delay_first_chunks,
+    in_flight_at_arrival,
+    path_models,
+)
 from replayer.rank_agreement import kendall, ranking, separated_agreement
 from replayer.records import answered_by_turn, read_records, records_to_frame
 
@@ -267,26 +273,6 @@ def complete_seeds(runs: Sequence[Mapping[str, Any]], policies: Sequence[str]) -
     return [r for r in runs if int(r["seed"]) in full]
 
 
-def plot_cdfs(path: pathlib.Path, policy: str, real: np.ndarray, sim: np.ndarray, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for vals, label in ((real, "real vLLM"), (sim, "simulated")):
-        v = np.sort(vals)
-        if v.size:
-            ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=f"{label} (n={v.size})")
-    ax.set_xlabel("request latency (s)")
-    ax.set_ylabel("CDF")
-    ax.set_title(f"{policy}: {title}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("sim-vs-real", help="replay a live A/B experiment in simulation and compare side by side",
                               description=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -297,8 +283,12 @@ def register(subparsers: Any) -> None:
                    help="the live path (the profile's fit.live_path): in-flight (default: the lone pairs' gateway "
                         "addition, and the path measured under load per count of requests in flight as a delay of "
                         "each first chunk; constant where the fit has only lone pairs), response (that path as a "
-                        "delay of the whole response: first chunk and finish), constant (the gateway's addition "
-                        "only), none")
+                        "delay of the whole response: first chunk and finish), split (that path before the engine "
+                        "and on the response, by the share the engine spans measured: fit.live_path.before_share), "
+                        "constant (the gateway's addition only), none")
+    p.add_argument("--repeat", default=None, metavar="DIR", help="a `gpuhit experiment ab-live` folder that "
+                   "replayed some of --live's seeds again (the host's run-to-run noise, replayer/noise_floor.py); "
+                   "default: DIR/../repeat where it holds the same trace")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=main)
@@ -308,6 +298,7 @@ def main(args: argparse.Namespace) -> int:
     from analysis.compare import to_json
     from engines.emulated.profile import load_profile
     from replayer.ab_live import experiment_trace, load_runs, rate_label
+    from replayer.noise_floor import floor_of_rate, repeat_folder
 
     live = pathlib.Path(args.live)
     exp_path = live / "experiment.json"
@@ -320,12 +311,14 @@ def main(args: argparse.Namespace) -> int:
     if profile.block_size != int(spec["block_size"]):
         raise ConfigError(f"the profile's block size {profile.block_size} is not the engines' {spec['block_size']}")
     trace = experiment_trace(spec)
+    repeat = repeat_folder(live, spec, args.repeat)
     out = pathlib.Path(args.out) if args.out else live / "sim-vs-real"
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"live": str(live), "profile": args.profile, "live_path": path,
                               "host_contention": list(profile.host_contention),
                               "host_cpu": profile.host_cpu.to_json() if profile.host_cpu else None,
-                              "stalls": profile.stalls.to_json() if profile.stalls else None, "rates": {}}
+                              "stalls": profile.stalls.to_json() if profile.stalls else None,
+                              "repeat": str(repeat) if repeat else None, "rates": {}}
     md = [f"# Simulated vs real: {live}", "", (f"profile `{args.profile}`; engines {engines['count']} x "
           f"{engines['num_gpu_blocks']} blocks of {engines['block_size']}, max_model_len {engines['max_model_len']}; "
           f"emulated live path: direct client {path['direct_s'] * 1e3:.1f} ms (the frontend delay) + at the gateway "
@@ -351,7 +344,7 @@ def main(args: argparse.Namespace) -> int:
             real_df = read_records(lr["records"])
             res = simulate_run(spec, engines, trace, profile, pol, seed, rate, live_path=ingress,
                                engine_timing=has_engine_columns(real_df))
-            applied = (delay_first_chunks(res.records, lag, whole=args.live_path == "response", stalls=profile.stalls,
+            applied = (delay_first_chunks(res.records, lag, whole=args.live_path in WHOLE_RESPONSE, stalls=profile.stalls,
                                           seed=seed) if lag is not None else ())
             sim_runs.append(res.summary())
             sim_df = records_to_frame(res.records)
@@ -367,14 +360,19 @@ def main(args: argparse.Namespace) -> int:
         doc = compare_rate(live_runs, sim_runs, policies, atts)
         report["rates"][rate_label(rate)] = doc
         md += [f"## {rate:g} sessions/s", "", format_rate(doc), ""]
+        doc["noise_floor"], text = floor_of_rate(live_runs, repeat, rate_label(rate), sim_runs, policies, doc)
+        md += ["### The real side's own noise (replayer/noise_floor.py)", "", text, ""]
         if pairs:
             doc["gap_split"] = split_by_policy(pairs)
             md += ["### Where each request's gap was spent (engine spans)", "", format_split(doc["gap_split"]), ""]
         if not args.no_plots:
+            from analysis.plots import plot_latency_cdfs
+
             for pol, sides in cdf.items():
                 png = out / f"cdf-{rate_label(rate)}-{pol}.png"
-                plot_cdfs(png, pol, np.asarray(sides.get("real", [])), np.asarray(sides.get("sim", [])),
-                          f"{rate:g} sessions/s, all seeds")
+                plot_latency_cdfs({f"{label} (n={len(sides.get(side, []))})": sides.get(side, [])
+                                   for side, label in (("real", "real vLLM"), ("sim", "simulated"))}, png,
+                                  title=f"{pol}: {rate:g} sessions/s, all seeds")
                 md.append(f"![{pol}]({png.name})")
             md.append("")
     if not report["rates"]:

@@ -81,3 +81,17 @@ def test_engine_spans_joined_and_gap_split_on_real_engines(real_vllm_pair, tmp_p
         assert all(allg["parts"][p]["real_mean_s"] >= -EPS for p in ("queue", "prefill", "decode"))
     md = (out / "sim-vs-real" / "sim-vs-real.md").read_text()
     assert "Where each request's gap was spent" in md and "| round_robin: same hit" in md
+
+    # the live path's split measured from these spans (gpuhit profile path-split) and simulated where it lies
+    prof = tmp_path / "split.json"
+    doc = cli_json(capsys, ["profile", "path-split", PROFILE, "--live", str(out), "--out", str(prof), "--json"])
+    assert doc["n"] == 2 * n_requests and doc["profile"].startswith(str(prof))
+    lp = json.loads(prof.read_text())["profiles"]
+    (entry,) = lp.values()
+    real = split["all policies"]["all"]["parts"]
+    before, after = real["path_before"]["real_mean_s"], real["path_after"]["real_mean_s"]
+    assert entry["fit"]["live_path"]["before_share"] == pytest.approx(before / (before + after))
+    svr = cli_json(capsys, ["experiment", "sim-vs-real", "--live", str(out), "--profile", str(prof), "--live-path",
+                            "split", "--no-plots", "--out", str(tmp_path / "svr-split"), "--json"])
+    assert svr["live_path"]["mode"] == "split" and svr["live_path"]["before_share"] == pytest.approx(
+        entry["fit"]["live_path"]["before_share"])

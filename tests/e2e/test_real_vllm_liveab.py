@@ -136,9 +136,24 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     cli_json(capsys, argv)  # resumed: every run is done, nothing is rerun
     assert {p: p.stat().st_mtime_ns for p in (out / label / "runs").glob("*.json")} == before
 
+    # the host's run-to-run noise: seed 0 replayed again, beside the runs (the window script's layout)
+    rep = argv[: argv.index("--seeds")] + ["--seeds", "1", "--out", str(tmp_path / "repeat"), "--json"]
+    cli_json(capsys, rep)
+
     # 3. simulated vs real
     svr = cli_json(capsys, ["experiment", "sim-vs-real", "--live", str(out), "--profile", str(prof_path), "--json"])
     doc = svr["rates"][label]
+    floor = doc["noise_floor"]
+    assert svr["repeat"] == str(tmp_path / "repeat") and floor["repeat"] == str(tmp_path / "repeat" / label)
+    for m, host in floor["host"].items():  # one pair per policy: seed 0 run and repeated
+        assert host["df"] == len(POLICIES) and sorted(p for p, _, _ in host["pairs"]) == sorted(POLICIES), m
+    for pol in POLICIES:
+        row = floor["policies"][pol]["latency_mean"]
+        assert row["real"] == pytest.approx(doc["policies"][pol]["real"]["latency_mean"])
+        assert row["sim"] == pytest.approx(doc["policies"][pol]["sim"]["latency_mean"])
+        assert row["floor"] > 0 and row["within"] == (abs(row["error"]) <= row["floor"]) and len(row["repeat"]) == 1
+    for key, t in floor["tau"].items():
+        assert t["n"] == SEEDS and -1 <= t["bootstrap_seeds"]["median"] <= 1, key
     for pol in POLICIES:
         v = doc["policies"][pol]
         assert v["n_seeds"] == SEEDS and set(v["real"]) == set(v["sim"]) == set(METRICS)
@@ -161,4 +176,5 @@ def test_profile_fit_ab_live_and_sim_vs_real_on_real_engines(real_vllm_pair, tmp
     for key in RANK_BY:
         r = doc["rankings"][key]
         assert sorted(r["real"]) == sorted(r["sim"]) == sorted(POLICIES) and -1 <= r["kendall_tau"] <= 1
-    assert (out / "sim-vs-real" / "sim-vs-real.md").read_text().count("| round_robin |") == 1
+    # one row in the comparison table, one in the noise floor's
+    assert (out / "sim-vs-real" / "sim-vs-real.md").read_text().count("| round_robin |") == 2

@@ -100,3 +100,15 @@ def test_a_plain_records_frame_has_no_engine_columns():
 
     assert not has_engine_columns(records_to_frame([RequestRecord()]))
     assert has_engine_columns(records_to_frame([rec("s", 0, SIM)]))
+
+
+def test_before_share_is_the_paths_mean_before_the_engine_over_before_and_after():
+    from gpuhit.errors import ConfigError
+    from replayer.gap_split import before_share
+
+    real, _ = frames([(0.010, 0.002, 0.0, 0.1, 0.05, 0.030), (0.020, 0.002, 0.0, 0.1, 0.05, 0.020)])
+    doc = before_share([real, real])
+    assert doc["n"] == 4 and doc["before_share"] == pytest.approx(0.015 / 0.04)
+    assert doc["path_before_s"] == pytest.approx(0.015) and doc["path_after_s"] == pytest.approx(0.025)
+    with pytest.raises(ConfigError):
+        before_share([])

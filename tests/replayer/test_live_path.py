@@ -117,3 +117,22 @@ def test_the_simulator_delays_each_request_by_the_path_at_the_count_it_meets():
     assert ttft["b"] - ttft0["b"] == pytest.approx(0.5)
     assert ttft["c"] - ttft0["c"] == pytest.approx(0.005)
     assert [r.arrival for r in got.records] == [r.arrival for r in base.records]  # the client's send time
+
+
+def test_split_places_the_measured_share_of_the_path_before_the_engine_and_the_rest_on_the_response():
+    from types import SimpleNamespace
+
+    from replayer.live_path import path_models
+
+    lp = {"direct_path_s": 0.003, "gateway_ttft_s": 0.002,
+          "by_in_flight": [{"in_flight": 0.0, "path_s": 0.005}, {"in_flight": 2.0, "path_s": 0.045}]}
+    ingress, lag, doc = path_models(SimpleNamespace(fit={"live_path": lp}), "response")
+    ingress_s, lag_s, doc_s = path_models(SimpleNamespace(fit={"live_path": {**lp, "before_share": 0.25}}), "split")
+    assert doc_s["mode"] == "split" and doc_s["before_share"] == 0.25 and doc_s["points"] == doc["points"]
+    for k in (0, 1, 2, 5):  # the same path in all, a quarter of the load's lag moved to the way in
+        assert ingress_s(k) + lag_s(k) == pytest.approx(ingress(k) + lag(k))
+        assert ingress_s(k) - ingress(k) == pytest.approx(0.25 * lag(k))
+    with pytest.raises(ConfigError, match="before_share"):
+        path_models(SimpleNamespace(fit={"live_path": lp}), "split")
+    with pytest.raises(ConfigError, match="before_share"):
+        path_models(SimpleNamespace(fit={"live_path": {**lp, "before_share": 1.5}}), "split")
