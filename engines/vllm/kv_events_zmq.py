@@ -201,7 +201,9 @@ class KVEventSubscriber:
                     return out
                 out.append((int.from_bytes(seq_raw, "big"), payload))
         except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
-            log.warning("KV event replay from %s failed: %s", self.replay_endpoint, exc or type(exc).__name__)
+            # a TimeoutError's text is empty: say what it means
+            why = f"no reply within {self.replay_timeout:g} s" if isinstance(exc, TimeoutError) else str(exc)
+            log.warning("KV event replay from %s failed: %s", self.replay_endpoint, why or type(exc).__name__)
             return None
         finally:
             dealer.close(0)

@@ -103,7 +103,7 @@ def test_reconnected_socket_is_a_restart_even_when_the_new_sequence_is_ahead():
     asyncio.run(main())
 
 
-def test_unreachable_replay_is_retried_then_counted_failed_once():
+def test_unreachable_replay_is_retried_then_counted_failed_once(caplog):
     async def main() -> None:
         async with closed_at_end() as keep:
             dead_replay = f"tcp://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
@@ -124,7 +124,11 @@ def test_unreachable_replay_is_retried_then_counted_failed_once():
             await asyncio.wait_for(sub.synced.wait(), 10)
             assert calls == [0, 0, 0] and sub.stats.replays_failed == 1 and sub.stats.replays_ok == 0
 
-    asyncio.run(main())
+    with caplog.at_level("WARNING", logger="engines.vllm.kv_events_zmq"):
+        asyncio.run(main())
+    # each failed round trip says why: a timeout's own text is empty
+    why = [r.getMessage() for r in caplog.records if "KV event replay from" in r.getMessage()]
+    assert len(why) == 3 and all(m.endswith("failed: no reply within 0.1 s") for m in why), why
 
 
 def test_a_replay_that_fails_once_succeeds_on_retry():
