@@ -364,6 +364,14 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_experiment(folder: pathlib.Path) -> dict[str, Any]:
+    """A live folder's ``experiment.json`` (a ConfigError where the folder is not one)."""
+    path = pathlib.Path(folder) / "experiment.json"
+    if not path.exists():
+        raise ConfigError(f"{folder} is not a `gpuhit experiment ab-live` folder (no experiment.json)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 def load_runs(folder: pathlib.Path, policies: Sequence[str], seeds: int | None = None) -> list[dict[str, Any]]:
     """The saved run summaries of one rate's folder (seeds below ``seeds``, if given), in ``policies``
     order (the table's), then seed."""

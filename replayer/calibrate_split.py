@@ -39,14 +39,11 @@ def register_split(sub: Any) -> None:
 def span_frames(live: pathlib.Path) -> list[Any]:
     """The records of every finished run of a live folder, each with its engine timing (a ConfigError
     where the folder is not one, or a run has no engine columns: it ran without engine spans)."""
-    from replayer.ab_live import load_runs, rate_label
+    from replayer.ab_live import load_runs, rate_label, read_experiment
     from replayer.gap_split import has_engine_columns
     from replayer.records import read_records
 
-    exp_path = live / "experiment.json"
-    if not exp_path.exists():
-        raise ConfigError(f"{live} is not a `gpuhit experiment ab-live` folder (no experiment.json)")
-    exp = json.loads(exp_path.read_text(encoding="utf-8"))
+    exp = read_experiment(live)
     frames = []
     for rate in exp["rates"]:
         folder = live / rate_label(rate)

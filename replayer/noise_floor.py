@@ -230,18 +230,15 @@ def repeat_folder(live: Any, spec: Mapping[str, Any], given: str | None) -> Any:
     """The folder of repeated runs for a live folder: ``given`` (a ``gpuhit experiment ab-live``
     folder with the same trace, else a ConfigError), or, when none is given, the live folder's
     sibling ``repeat`` (the window script's layout) where it holds the same trace; None otherwise."""
-    import json
     import pathlib
 
     from gpuhit.errors import ConfigError
+    from replayer.ab_live import read_experiment
 
     path = pathlib.Path(given) if given else pathlib.Path(live).resolve().parent / "repeat"
-    exp = path / "experiment.json"
-    if not exp.exists():
-        if given:
-            raise ConfigError(f"--repeat {given} is not a `gpuhit experiment ab-live` folder (no experiment.json)")
+    if not given and not (path / "experiment.json").exists():
         return None
-    if json.loads(exp.read_text(encoding="utf-8"))["trace"] != dict(spec):
+    if read_experiment(path)["trace"] != dict(spec):  # a --repeat that is no live folder: its clear error
         if given:
             raise ConfigError(f"--repeat {given} replayed another trace than the live folder")
         return None

@@ -42,7 +42,6 @@ The component furthest from agreement is named as the main one.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import pathlib
 import sys
@@ -297,14 +296,11 @@ def register(subparsers: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     from analysis.compare import to_json
     from engines.emulated.profile import load_profile
-    from replayer.ab_live import experiment_trace, load_runs, rate_label
+    from replayer.ab_live import experiment_trace, load_runs, rate_label, read_experiment
     from replayer.noise_floor import floor_of_rate, repeat_folder
 
     live = pathlib.Path(args.live)
-    exp_path = live / "experiment.json"
-    if not exp_path.exists():
-        raise ConfigError(f"{live} is not a `gpuhit experiment ab-live` folder (no experiment.json)")
-    exp = json.loads(exp_path.read_text(encoding="utf-8"))
+    exp = read_experiment(live)
     profile = load_profile(args.profile)
     ingress, lag, path = path_models(profile, args.live_path)
     spec, engines, policies = exp["trace"], exp["engines"], exp["policies"]

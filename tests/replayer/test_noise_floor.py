@@ -94,3 +94,24 @@ def test_attainable_tau_is_one_for_well_separated_policies_and_drops_with_noise(
     close = {p: 1.0 + 0.01 * i for i, p in enumerate("abcdefgh")}
     noisy = attainable_tau(runs(close, 0.3, rng=rng), tuple(close), "latency_mean", 0.3)
     assert noisy["host_noise"]["median"] < 0.8 and noisy["bootstrap_seeds"]["lo"] < 0.8
+
+
+def test_repeat_folder_found_beside_the_live_folder_or_refused_clearly(tmp_path):
+    import json
+
+    from gpuhit.errors import ConfigError
+    from replayer.noise_floor import repeat_folder
+
+    spec = {"source": "weka", "sessions": 3}
+    live = tmp_path / "ab"
+    live.mkdir()
+    assert repeat_folder(live, spec, None) is None  # no sibling repeat/: no floor, no error
+    rep = tmp_path / "repeat"
+    rep.mkdir()
+    (rep / "experiment.json").write_text(json.dumps({"trace": spec}), encoding="utf-8")
+    assert repeat_folder(live, spec, None) == rep
+    assert repeat_folder(live, {**spec, "sessions": 4}, None) is None  # another trace: not this one's repeat
+    with pytest.raises(ConfigError, match="no experiment.json"):
+        repeat_folder(live, spec, str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="another trace"):
+        repeat_folder(live, {**spec, "sessions": 4}, str(rep))
