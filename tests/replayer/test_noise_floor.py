@@ -115,3 +115,17 @@ def test_repeat_folder_found_beside_the_live_folder_or_refused_clearly(tmp_path)
         repeat_folder(live, spec, str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="another trace"):
         repeat_folder(live, {**spec, "sessions": 4}, str(rep))
+
+
+def test_vectorized_tau_is_scipys_tau_b_row_by_row():
+    # the floor's resampled taus use a vectorized tau-b; scipy's kendalltau is the reference, ties included
+    from scipy.stats import kendalltau
+
+    from replayer.noise_floor import _taus
+
+    rng = np.random.default_rng(3)
+    ref = rng.normal(size=8)
+    draws = np.vstack([rng.normal(size=(50, 8)), np.round(rng.normal(size=(50, 8)))])  # rounded rows have ties
+    got = _taus(ref, draws)
+    want = [kendalltau(ref, row).statistic for row in draws]
+    assert np.allclose(got, want, equal_nan=True)
